@@ -1,0 +1,29 @@
+# `make test` works on a fresh CPU machine: it creates .venv, installs the pinned CPU environment, runs pytest.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv test test-all test-slow clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python requirements/cpu.txt setup.py
+	$(BIN)/pip install --quiet -r requirements/cpu.txt
+	$(BIN)/pip install --quiet --no-deps -e .
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: venv
+	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info
