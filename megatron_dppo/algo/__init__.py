@@ -1,0 +1,6 @@
+"""The pure algorithm core (plain torch, no Megatron import).
+
+advantages: group-relative advantage estimators (grpo, dr_grpo, rloo) with a registry.
+pruning:    DPPO (unbiased, reweighted) and CPPO (baseline) pruners, prompt history, zero-variance filter.
+losses:     PPO-clip / GSPO policy losses, KL estimators, aggregations with a fixed full-batch denominator.
+"""

@@ -1,0 +1,393 @@
+"""Policy losses of the GRPO family with per-sample weights and a FIXED full-batch denominator.
+
+Notation (ALGORITHMS.md section 1): per-token ratio rho = exp(logp - old_logp), advantage A of the token's
+sequence, KL estimate KL_t between the policy and the reference, coefficient beta = ``kl_coef``.
+Per-token objective (to MAXIMIZE):  s_t = pg_t - beta * KL_t, with
+
+    ppo_clip: pg_t = min(rho_t * A, clip(rho_t, 1 - eps_low, 1 + eps_high) * A)   (DAPO clip-higher: eps_high)
+    gspo:     pg_t = min(S * A, clip(S, 1 - eps_low, 1 + eps_high) * A) with the SEQUENCE ratio
+              S = exp(mean_{t in seq} (logp_t - old_logp_t)), the mean over the completion tokens of the token's
+              sequence (grouped by ``seq_index``), broadcast to every token of that sequence with full autograd.
+              Under ``seq_mean_token_mean`` the sequence's tokens carry weight w/|o| each, so the sum over its
+              |o| tokens is exactly ONE term w * min(S A, clip(S) A) per sequence, with the exact gradient of that
+              term (the GSPO paper's objective). Under ``token_mean`` / ``seq_mean_token_sum_norm`` the sequence
+              term is counted |o| times (length-weighted, like those aggregations weight every token).
+
+KL estimators (registry ``KL_ESTIMATORS``), x = ref_logp - logp = log(pi_ref / pi_theta), tokens sampled from
+the policy; no clamping is applied:
+    k1: -x = logp - ref_logp                     (unbiased, high variance)
+    k2: x^2 / 2                                  (biased, low variance)
+    k3: exp(x) - x - 1                           ("low_var_kl": unbiased, >= 0)
+
+Aggregation (a per-token weight, ``sequence_token_weights``, times s_t, summed, divided by a constant D):
+    seq_mean_token_mean:      token weight w/|o|,  D = B*G
+    token_mean:               token weight w,      D = T (total completion tokens of the full batch)
+    seq_mean_token_sum_norm:  token weight w,      D = B*G*L_max
+w is the sequence's pruning weight (1 without pruning). The loss of a step is
+    sum over micro-batches and DP ranks of loss_numerator(...)  /  loss_denominator(...)
+and ``loss_numerator`` returns -sum_t token_weight_t * mask_t * s_t (a quantity to MINIMIZE).
+
+Registries: a new policy loss is one function ``fn(logp, old_logp, advantages, loss_mask, seq_index, cfg) ->
+(pg[T], metrics)`` registered with ``@register_policy_loss(name)``; a new KL estimator is
+``fn(logp, ref_logp) -> kl[T]`` registered with ``@register_kl_estimator(name)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ._checks import check_choice
+from .advantages import ADVANTAGE_ESTIMATORS
+from .registry import Registry
+
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+KLFn = Callable[[Tensor, Tensor], Tensor]
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
+
+
+def register_policy_loss(name: str, overwrite: bool = False):
+    """Decorator: ``fn(logp, old_logp, advantages, loss_mask, seq_index, cfg) -> (pg[T], metrics)``.
+
+    pg is the per-token policy-gradient objective to maximize (before masking and weighting); metrics are
+    detached SUMS over the masked tokens (so they add up across micro-batches).
+    """
+    return POLICY_LOSSES.register(name, overwrite=overwrite)
+
+
+def register_kl_estimator(name: str, overwrite: bool = False):
+    """Decorator: ``fn(logp[T], ref_logp[T]) -> kl[T]``."""
+    return KL_ESTIMATORS.register(name, overwrite=overwrite)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LossConfig:
+    policy_loss: str = "ppo_clip"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: str = "k1"
+    aggregation: str = "seq_mean_token_mean"
+
+    def __post_init__(self) -> None:
+        POLICY_LOSSES.check(self.policy_loss)
+        KL_ESTIMATORS.check(self.kl_estimator)
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        for name in ("eps_low", "eps_high", "kl_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"LossConfig.{name} must be a finite number >= 0, got {value!r}")
+        if self.eps_low >= 1:
+            raise ValueError(f"LossConfig.eps_low must be < 1 (lower clip bound 1 - eps_low), got {self.eps_low}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# KL estimators
+# --------------------------------------------------------------------------------------------------------------
+@register_kl_estimator("k1")
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    return logp - ref_logp
+
+
+@register_kl_estimator("k2")
+def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+@register_kl_estimator("k3")
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    x = ref_logp - logp
+    return torch.exp(x) - x - 1.0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Policy losses
+# --------------------------------------------------------------------------------------------------------------
+def _clipped_min(ratio: Tensor, advantages: Tensor, mask: Tensor, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    pg = torch.minimum(ratio * advantages, torch.clamp(ratio, lo, hi) * advantages)
+    with torch.no_grad():
+        clip_high = mask & (advantages > 0) & (ratio > hi)  # the clipped branch is the active minimum
+        clip_low = mask & (advantages < 0) & (ratio < lo)
+        metrics = {
+            "clip_high_tokens": clip_high.sum().to(ratio.dtype),
+            "clip_low_tokens": clip_low.sum().to(ratio.dtype),
+            "clipped_tokens": (clip_high | clip_low).sum().to(ratio.dtype),
+            "ratio_sum": torch.where(mask, ratio, torch.zeros_like(ratio)).sum(),
+        }
+    return pg, metrics
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip(logp, old_logp, advantages, loss_mask, seq_index, cfg):
+    """pg_t = min(rho_t A, clip(rho_t, 1-eps_low, 1+eps_high) A), rho_t = exp(logp_t - old_logp_t)."""
+    mask = loss_mask > 0
+    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+    return _clipped_min(torch.exp(log_ratio), advantages, mask, cfg)
+
+
+def sequence_mean(values: Tensor, loss_mask: Tensor, seq_index: Tensor) -> Tensor:
+    """Per token, the mean of ``values`` over the masked tokens of its sequence (autograd flows to every token).
+
+    Tokens of one sequence share ``seq_index`` (>= 0); padding has -1. Tokens off the mask get the value of their
+    sequence too (or 0 on padding); sequences without masked tokens get 0.
+    """
+    mask = loss_mask > 0
+    if bool((mask & (seq_index < 0)).any()):
+        raise ValueError("seq_index must be >= 0 on every masked (completion) token; -1 marks padding only")
+    if seq_index.numel() == 0:
+        return values
+    idx = seq_index.clamp(min=0)
+    n_seq = int(idx.max()) + 1
+    contrib = torch.where(mask, values, torch.zeros_like(values))
+    sums = torch.zeros(n_seq, dtype=values.dtype, device=values.device).index_add(0, idx, contrib)
+    counts = torch.zeros(n_seq, dtype=values.dtype, device=values.device).index_add(0, idx, mask.to(values.dtype))
+    means = sums / counts.clamp(min=1)
+    return torch.where(seq_index >= 0, means[idx], torch.zeros_like(values))
+
+
+@register_policy_loss("gspo")
+def gspo(logp, old_logp, advantages, loss_mask, seq_index, cfg):
+    """pg_t = min(S A, clip(S, 1-eps_low, 1+eps_high) A), S = exp(mean over the sequence of logp - old_logp)."""
+    if seq_index is None:
+        raise ValueError("policy loss 'gspo' needs seq_index to group tokens into sequences, got None")
+    mask = loss_mask > 0
+    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+    seq_ratio = torch.exp(sequence_mean(log_ratio, loss_mask, seq_index))
+    return _clipped_min(seq_ratio, advantages, mask, cfg)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------------------------
+#: name -> (LossConfig, advantage estimator). grpo follows DeepSeekMath (eps 0.2, beta 0.04 with the k3
+#: estimator, per-sequence mean); dapo: clip-higher 0.28, no KL, token_mean; gspo: the GSPO paper's clip range
+#: (3e-4, 4e-4) on the sequence ratio; dr_grpo: no std scaling, constant B*G*L_max normaliser, no KL.
+LOSS_PRESETS: dict[str, tuple[LossConfig, str]] = {
+    "grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.04, "k3", "seq_mean_token_mean"), "grpo"),
+    "dapo": (LossConfig("ppo_clip", 0.2, 0.28, 0.0, "k3", "token_mean"), "grpo"),
+    "gspo": (LossConfig("gspo", 3e-4, 4e-4, 0.0, "k3", "seq_mean_token_mean"), "grpo"),
+    "dr_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k3", "seq_mean_token_sum_norm"), "dr_grpo"),
+}
+assert all(est in ADVANTAGE_ESTIMATORS for _, est in LOSS_PRESETS.values())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Numerator / denominator / token weights
+# --------------------------------------------------------------------------------------------------------------
+def _check_same_shape(**tensors: Tensor | None) -> None:
+    shapes = {k: tuple(v.shape) for k, v in tensors.items() if v is not None}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"token tensors must share one flat shape [T], got {shapes}")
+
+
+def per_token_objective(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    seq_index: Tensor | None,
+    cfg: LossConfig,
+    ref_logp: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """s_t = pg_t - beta * KL_t on masked tokens, exactly 0 elsewhere. Off-mask inputs are replaced by 0 with
+    torch.where before any arithmetic, so NaN/inf in padding reach neither the loss nor the gradient.
+
+    Computed in at least float32 (bf16/fp16 inputs are upcast). Returns (s[T], metrics of detached sums:
+    tokens, clipped_tokens, clip_high_tokens, clip_low_tokens, ratio_sum, pg_sum, kl_sum).
+    """
+    _check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask,
+                      seq_index=seq_index, ref_logp=ref_logp)
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    mask = loss_mask > 0
+
+    def clean(t: Tensor) -> Tensor:  # off-mask values (padding, prompt) replaced by 0 before any arithmetic
+        t = t.to(dtype)
+        return torch.where(mask, t, torch.zeros_like(t))
+
+    logp, old_logp, advantages = clean(logp), clean(old_logp), clean(advantages)
+    pg, metrics = POLICY_LOSSES.get(cfg.policy_loss)(logp, old_logp, advantages, loss_mask, seq_index, cfg)
+    zero = torch.zeros_like(pg)
+    s = torch.where(mask, pg, zero)
+    metrics = dict(metrics)
+    metrics["tokens"] = mask.sum().to(dtype)
+    metrics["pg_sum"] = s.detach().sum()
+    if cfg.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError(f"kl_coef = {cfg.kl_coef} > 0 needs ref_logp, got None")
+        kl = KL_ESTIMATORS.get(cfg.kl_estimator)(logp, clean(ref_logp))
+        kl = torch.where(mask, kl, zero)
+        metrics["kl_sum"] = kl.detach().sum()
+        s = s - cfg.kl_coef * kl
+    return s, metrics
+
+
+def loss_numerator(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    token_weight: Tensor,
+    loss_mask: Tensor,
+    seq_index: Tensor | None,
+    cfg: LossConfig,
+    ref_logp: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """numerator = -sum_t token_weight_t * s_t over masked tokens (to MINIMIZE), plus metrics (sums).
+
+    Flat token layout [T]: a padded [N, L] batch flattened (seq_index = row) or a packed THD micro-batch. The
+    step's loss is the sum of numerators over micro-batches and DP ranks divided ONCE by ``loss_denominator``.
+    """
+    _check_same_shape(logp=logp, token_weight=token_weight)
+    s, metrics = per_token_objective(logp, old_logp, advantages, loss_mask, seq_index, cfg, ref_logp)
+    numerator = -(token_weight.to(s.dtype) * s).sum()
+    return numerator, metrics
+
+
+def sequence_token_weights(aggregation: str, seq_weight: Tensor, completion_lengths: Tensor) -> Tensor:
+    """Per-token factor of each sequence [N]: w (token_mean, seq_mean_token_sum_norm) or w/|o|
+    (seq_mean_token_mean). Zero-length completions get 0 (they have no tokens)."""
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    if seq_weight.shape != completion_lengths.shape:
+        raise ValueError(
+            f"seq_weight {tuple(seq_weight.shape)} and completion_lengths {tuple(completion_lengths.shape)} differ"
+        )
+    if bool((completion_lengths < 0).any()):
+        raise ValueError(f"completion lengths must be >= 0, got {completion_lengths.min().item()}")
+    w = seq_weight if seq_weight.is_floating_point() else seq_weight.to(torch.float32)
+    if aggregation != "seq_mean_token_mean":
+        return w.clone()
+    lengths = completion_lengths.to(w.dtype)
+    return torch.where(lengths > 0, w / lengths.clamp(min=1), torch.zeros_like(w))
+
+
+def loss_denominator(
+    aggregation: str,
+    num_prompts: int,
+    group_size: int,
+    completion_lengths: Tensor | None = None,
+    prompt_keep_prob: Tensor | None = None,
+    max_completion_len: int | None = None,
+) -> float:
+    """D of the step, a constant of the FULL (un-pruned) batch (ALGORITHMS.md section 3).
+
+    seq_mean_token_mean:     D = B*G, B = num_prompts DRAWN (before prompt pruning).
+    seq_mean_token_sum_norm: D = B*G*L_max (exactly unbiased under any pruning).
+    token_mean:              D = T_full = sum of ``completion_lengths`` [B, G] when every prompt was rolled out
+                             (``prompt_keep_prob`` None; completion pruning does not change T_full). With prompt
+                             pruning the pruned prompts' lengths are unknown, so ``completion_lengths`` holds one
+                             row per KEPT prompt, ``prompt_keep_prob`` their pi_q, and D is the Horvitz-Thompson
+                             estimate T_hat = sum_{kept q} (1/pi_q) sum_i |o_qi| (float64). E[T_hat] = T_full, but
+                             T_hat depends on the draw, so the ratio numerator/T_hat is consistent, not exactly
+                             unbiased; use seq_mean_token_sum_norm where exactness matters. pi_q = 1 for every row
+                             gives T_full bit for bit.
+    """
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    for name, value in (("num_prompts", num_prompts), ("group_size", group_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if aggregation == "seq_mean_token_mean":
+        return float(num_prompts * group_size)
+    if aggregation == "seq_mean_token_sum_norm":
+        if isinstance(max_completion_len, bool) or not isinstance(max_completion_len, int) or max_completion_len < 1:
+            raise ValueError(f"seq_mean_token_sum_norm needs max_completion_len >= 1, got {max_completion_len!r}")
+        return float(num_prompts * group_size * max_completion_len)
+    if completion_lengths is None:
+        raise ValueError("token_mean needs completion_lengths [B, G], got None")
+    lengths = torch.as_tensor(completion_lengths).double()
+    if lengths.dim() != 2 or lengths.shape[1] != group_size:
+        raise ValueError(f"completion_lengths must have shape [rows, G={group_size}], got {tuple(lengths.shape)}")
+    if not bool(torch.isfinite(lengths).all()) or bool((lengths < 0).any()):
+        raise ValueError("completion_lengths must be finite and >= 0")
+    rows = lengths.shape[0]
+    if prompt_keep_prob is None:
+        if rows != num_prompts:
+            raise ValueError(
+                f"completion_lengths has {rows} rows but num_prompts = {num_prompts}; with prompt pruning pass "
+                f"prompt_keep_prob for the kept rows (Horvitz-Thompson estimate)"
+            )
+        total = float(lengths.sum())
+    else:
+        pi = torch.as_tensor(prompt_keep_prob).double().flatten()
+        if pi.shape[0] != rows or rows > num_prompts:
+            raise ValueError(
+                f"prompt_keep_prob has {pi.shape[0]} entries for {rows} rows of completion_lengths "
+                f"(at most num_prompts = {num_prompts})"
+            )
+        if not bool(((pi > 0) & (pi <= 1)).all()):
+            raise ValueError(f"prompt_keep_prob must be in (0, 1], got {pi[~((pi > 0) & (pi <= 1))][0].item()}")
+        total = float((lengths.sum(dim=1) / pi).sum())
+    if total <= 0:
+        raise ValueError(f"token_mean denominator is {total}: the batch has no completion tokens")
+    return total
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reference implementation (padded, straight from the formulas; for tests and engine equality checks)
+# --------------------------------------------------------------------------------------------------------------
+def reference_objective(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    ref_logp: Tensor | None = None,
+    weight: Tensor | None = None,
+    denominator: float | None = None,
+) -> Tensor:
+    """J (to MAXIMIZE; the loss is -J) on padded tensors, written directly from ALGORITHMS.md section 1.
+
+    logp, old_logp, ref_logp, mask: [B, G, L] (mask 1 on completion tokens); advantages, weight: [B, G].
+    Per sequence, with |o| = sum_t mask and beta = kl_coef:
+        ppo_clip: P = sum_t min(rho_t A, clip(rho_t) A);   gspo: P = |o| * min(S A, clip(S) A), S = exp(mean_t log rho)
+        K = sum_t KL_t
+        seq_mean_token_mean:     J = 1/D sum_{q,i} w (P - beta K) / |o|     D = B*G
+        token_mean:              J = 1/D sum_{q,i} w (P - beta K)           D = sum |o|
+        seq_mean_token_sum_norm: J = 1/D sum_{q,i} w (P - beta K)           D = B*G*L
+    ``denominator`` overrides D (e.g. the Horvitz-Thompson T_hat). Only the built-in losses/estimators.
+    """
+    if cfg.policy_loss not in ("ppo_clip", "gspo") or cfg.kl_estimator not in ("k1", "k2", "k3"):
+        raise ValueError(
+            f"reference_objective knows ppo_clip/gspo and k1/k2/k3, got {cfg.policy_loss!r}/{cfg.kl_estimator!r}"
+        )
+    b, g, max_len = logp.shape
+    m = mask.to(logp.dtype)
+    length = m.sum(-1)  # [B, G]
+    a = advantages.to(logp.dtype)
+    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    if cfg.policy_loss == "ppo_clip":
+        rho = torch.exp((logp - old_logp) * m)
+        a_t = a[..., None]
+        pg = torch.minimum(rho * a_t, torch.clamp(rho, lo, hi) * a_t)
+        p_seq = (pg * m).sum(-1)
+    else:
+        seq_ratio = torch.exp(((logp - old_logp) * m).sum(-1) / length.clamp(min=1))
+        p_seq = length * torch.minimum(seq_ratio * a, torch.clamp(seq_ratio, lo, hi) * a)
+    k_seq = torch.zeros_like(p_seq)
+    if cfg.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError(f"kl_coef = {cfg.kl_coef} > 0 needs ref_logp, got None")
+        x = (ref_logp - logp) * m
+        kl = {"k1": -x, "k2": 0.5 * x * x, "k3": torch.exp(x) - x - 1.0}[cfg.kl_estimator]
+        k_seq = (kl * m).sum(-1)
+    per_seq = p_seq - cfg.kl_coef * k_seq
+    if cfg.aggregation == "seq_mean_token_mean":
+        per_seq = torch.where(length > 0, per_seq / length.clamp(min=1), torch.zeros_like(per_seq))
+        default_d = float(b * g)
+    elif cfg.aggregation == "token_mean":
+        default_d = float(length.sum())
+    else:
+        default_d = float(b * g * max_len)
+    w = torch.ones_like(per_seq) if weight is None else weight.to(per_seq.dtype)
+    d = default_d if denominator is None else float(denominator)
+    return (w * per_seq).sum() / d
