@@ -1,0 +1,42 @@
+"""Dense Prompt Packing (ALGORITHMS.md section 4): token-capped micro-batches dealt evenly to DP ranks, and the
+THD layout they run in. Plain torch/python; no Megatron import."""
+
+from megatron_dppo.packing.packer import (
+    PackingStats,
+    attention_cost_alpha,
+    karmarkar_karp,
+    min_bins,
+    pack_ffd,
+    pack_padded,
+    pack_sequences,
+    pack_verl_kk,
+    packing_stats,
+)
+from megatron_dppo.packing.thd import (
+    PaddedBatch,
+    ThdBatch,
+    build_padded_batch,
+    build_plan_micro_batches,
+    build_rank_micro_batches,
+    build_thd_batch,
+    thd_pad_multiple,
+)
+
+__all__ = [
+    "PackingStats",
+    "PaddedBatch",
+    "ThdBatch",
+    "attention_cost_alpha",
+    "build_padded_batch",
+    "build_plan_micro_batches",
+    "build_rank_micro_batches",
+    "build_thd_batch",
+    "karmarkar_karp",
+    "min_bins",
+    "pack_ffd",
+    "pack_padded",
+    "pack_sequences",
+    "pack_verl_kk",
+    "packing_stats",
+    "thd_pad_multiple",
+]
