@@ -1,0 +1,219 @@
+"""Per-token log-probabilities and entropy from vocab-sharded logits, and GPTModel forwards on THD batches.
+
+Under tensor parallelism the output layer leaves each rank with a slice ``z[..., v0:v1]`` of the logits
+(``v1 - v0 = V / tp``). The full vocabulary is never gathered (FIELD.md lesson 3). With ``m`` the global max
+(all-reduce MAX), every quantity is a sum over the vocabulary, so it is a local sum followed by an all-reduce
+SUM over the TP group:
+
+    Z        = sum_v exp(z_v - m)                          (all-reduce SUM)
+    log p(y) = z_y - m - log Z                             (Megatron's ``vocab_parallel_cross_entropy``;
+                                                            z_y lives on one rank, all-reduced SUM)
+    H        = log Z - sum_v p_v (z_v - m)                 (entropy; sum_v exp(z_v - m)(z_v - m), SUM)
+
+Gradients: ``d(-log p(y))/dz_v = p_v - 1[v = y]`` (Megatron's backward, per shard), and for the entropy
+``dH/dz_v = -p_v (z_v - E_p[z])`` (autograd through local ops; the all-reduce has an identity backward since
+every TP rank computes the same replicated value, Megatron's convention).
+
+Memory: the log-prob path holds one fp32 copy of the local logit shard (Megatron works in place on it; we never
+mutate the caller's logits). The entropy is a metric by default (no autograd graph, no extra saved tensors).
+
+THD: ``packed_seq_params(batch)`` turns a ``packing.ThdBatch`` into Megatron's ``PackedSeqParams``;
+``forward_thd(model, batch)`` runs the ``GPTModel`` on it (input ``[1, T]``); ``compute_logprobs`` runs the
+forward-only pipeline schedule over micro-batches for any TP/PP/VPP layout.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from . import compat
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Vocab-parallel math
+# ----------------------------------------------------------------------------------------------------------
+def _tp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def vocab_parallel_entropy(logits_shard: Tensor, *, grad: bool = False) -> Tensor:
+    """Entropy ``H = -sum_v p_v log p_v`` of ``softmax(z)`` over the FULL vocabulary from this rank's shard
+    ``logits_shard[..., V/tp]``; fp32, shape ``logits_shard.shape[:-1]``. With ``grad=False`` (default) the
+    result carries no autograd graph."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        z = logits_shard.float()
+        m = z.detach().max(dim=-1).values
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=_tp_group())
+        shifted = z - m.unsqueeze(-1)
+        exp = shifted.exp()
+        sums = torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])  # one all-reduce for both
+        sums = reduce_from_tensor_model_parallel_region(sums)
+        sum_exp, sum_exp_z = sums[0], sums[1]
+        return sum_exp.log() - sum_exp_z / sum_exp
+
+
+def vocab_parallel_logprobs(logits_shard: Tensor, labels: Tensor, *, with_entropy: bool = True,
+                            entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``(log p(labels), entropy)`` from vocab-sharded logits, never gathering the vocabulary.
+
+    ``logits_shard``: ``[..., V/tp]`` (this TP rank's slice, any float dtype); ``labels``: ``[...]`` global
+    token ids in ``[0, V)``. Returns fp32 tensors of shape ``labels.shape``; the log-probs are differentiable
+    w.r.t. the logits (Megatron's vocab-parallel cross entropy), the entropy only with ``entropy_grad``.
+    ``entropy`` is None when ``with_entropy`` is False. Every TP rank gets the same values.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if logits_shard.shape[:-1] != labels.shape:
+        raise ValueError(f"logits_shard has shape {tuple(logits_shard.shape)}, labels {tuple(labels.shape)}: "
+                         "labels must match every logits dimension but the vocabulary")
+    entropy = vocab_parallel_entropy(logits_shard, grad=entropy_grad) if with_entropy else None
+    # Megatron's cross entropy subtracts the max and exponentiates IN PLACE on an fp32 input: hand it a copy.
+    logits_fp32 = logits_shard.float() if logits_shard.dtype != torch.float32 else logits_shard.clone()
+    logp = -vocab_parallel_cross_entropy(logits_fp32, labels.long())
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------------------------------------
+# THD batches through the GPTModel
+# ----------------------------------------------------------------------------------------------------------
+def packed_seq_params(batch, device: torch.device | str | None = None) -> "PackedSeqParams":  # noqa: F821
+    """Megatron ``PackedSeqParams`` (``qkv_format='thd'``) of a ``ThdBatch``: true lengths in
+    ``cu_seqlens_q/kv``, tensor offsets in ``cu_seqlens_q/kv_padded``, ``max_seqlen`` = longest padded one.
+    Tensors go to ``device`` (default: the batch's)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    device = batch.tokens.device if device is None else device
+    cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
+    cu_padded = batch.cu_seqlens_padded.to(device=device, dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                           cu_seqlens_kv_padded=cu_padded, max_seqlen_q=int(batch.max_seqlen),
+                           max_seqlen_kv=int(batch.max_seqlen))
+
+
+def forward_thd(model, batch) -> Tensor:
+    """Run a ``GPTModel`` (chunk) on one packed micro-batch (moved to the engine's device).
+
+    Returns the vocab-sharded logits ``[T, V/tp]`` on the last pipeline stage, else the hidden states Megatron
+    hands to the next stage (``[T / tp if sequence parallel else T, 1, hidden]``). Under a pipeline schedule
+    non-first stages read their input from ``set_input_tensor``; tokens are ignored there.
+    """
+    unwrapped = _unwrap(model)
+    config = unwrapped.config
+    total = int(batch.tokens.numel())
+    if config.sequence_parallel and total % config.tensor_model_parallel_size:
+        raise ValueError(f"packed batch of {total} positions is not divisible by tp="
+                         f"{config.tensor_model_parallel_size} (sequence parallel splits it over the TP ranks); "
+                         "build it with pad_multiple=packing.thd_pad_multiple(tp, cp, sequence_parallel=True)")
+    device = _engine_device()
+    tokens = batch.tokens.to(device).unsqueeze(0)  # [1, T]
+    position_ids = batch.position_ids.to(device).unsqueeze(0)
+    out = model(tokens, position_ids, None, packed_seq_params=packed_seq_params(batch, device))
+    if getattr(unwrapped, "post_process", True):
+        return out.squeeze(0)  # [1, T, V/tp] -> [T, V/tp]
+    return out
+
+
+def thd_logprobs(model, batch, *, with_entropy: bool = True, entropy_grad: bool = False
+                 ) -> tuple[Tensor, Tensor | None]:
+    """``(logp[T], entropy[T])`` of a packed batch on a single pipeline stage model (pp = 1).
+    ``logp[t] = log p(labels[t] | tokens[<= t] of the same sequence)``; meaningful where ``loss_mask`` is 1."""
+    logits = forward_thd(model, batch)
+    return vocab_parallel_logprobs(logits, batch.labels.to(logits.device), with_entropy=with_entropy,
+                                   entropy_grad=entropy_grad)
+
+
+def _engine_device() -> torch.device:
+    """Where the engine's tensors live: the current CUDA device, or the CPU without CUDA."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _unwrap(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+@torch.no_grad()
+def compute_logprobs(model_chunks: Sequence, micro_batches: Sequence, *, with_entropy: bool = False,
+                     broadcast: bool = True) -> list[tuple[Tensor, Tensor | None]]:
+    """Forward-only log-probs (and entropy) of every micro-batch with Megatron's pipeline schedule.
+
+    ``model_chunks``: this rank's model chunks (one per virtual stage); ``micro_batches``: the same list of
+    ``ThdBatch`` on every rank of the TP/PP group (each stage needs the THD layout). Returns
+    ``[(logp[T_i], entropy[T_i] | None)]`` on the last pipeline stage and, with ``broadcast``, on every stage
+    (broadcast over the pipeline group); otherwise an empty list on other stages. With virtual pipeline stages
+    Megatron's interleaved schedule needs ``len(micro_batches) >= pp`` (a multiple of ``pp`` always works).
+    """
+    from megatron.core import parallel_state
+
+    model_chunks = list(model_chunks)
+    micro_batches = list(micro_batches)
+    if not micro_batches:
+        return []
+    was_training = [chunk.training for chunk in model_chunks]
+    for chunk in model_chunks:
+        chunk.eval()
+    try:
+        results = _forward_only(model_chunks, micro_batches, with_entropy)
+    finally:
+        for chunk, mode in zip(model_chunks, was_training):
+            chunk.train(mode)
+    if broadcast and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        results = _broadcast_from_last_stage(results, micro_batches, with_entropy)
+    return results
+
+
+def _forward_only(model_chunks: list, micro_batches: list, with_entropy: bool) -> list:
+    from megatron.core import parallel_state
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = forward_thd(model, batch)
+
+        def loss_func(output_tensor, non_loss_data=True):
+            return vocab_parallel_logprobs(output_tensor, batch.labels.to(output_tensor.device),
+                                           with_entropy=with_entropy)
+
+        return output, loss_func
+
+    iterators = [iter(micro_batches) for _ in model_chunks]
+    seq_length = max(int(b.tokens.numel()) for b in micro_batches)
+    results = compat.get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
+        model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=1,
+        forward_only=True,
+        collect_non_loss_data=True,
+    )
+    return list(results) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else []
+
+
+def _broadcast_from_last_stage(results: list, micro_batches: Iterable, with_entropy: bool) -> list:
+    from megatron.core import parallel_state
+
+    src = parallel_state.get_pipeline_model_parallel_last_rank()
+    group = parallel_state.get_pipeline_model_parallel_group()
+    is_src = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    out = []
+    for i, batch in enumerate(micro_batches):
+        n = int(batch.tokens.numel())
+        device = _engine_device()
+        rows = 2 if with_entropy else 1
+        if is_src:
+            logp, entropy = results[i]
+            buf = torch.stack([logp, entropy]) if with_entropy else logp.unsqueeze(0)
+            buf = buf.float().to(device).contiguous()
+        else:
+            buf = torch.empty(rows, n, dtype=torch.float32, device=device)
+        torch.distributed.broadcast(buf, src=src, group=group)
+        out.append((buf[0], buf[1] if with_entropy else None))
+    return out

@@ -1,0 +1,339 @@
+"""Megatron-Core ``GPTModel`` from a Hugging Face config: Llama (incl. SmolLM2), Qwen2, Qwen3.
+
+All three families are the same decoder: pre-norm RMSNorm, rotary position embedding (theta from the config),
+grouped-query attention, SwiGLU MLP ``W2 (silu(W_gate x) * W_up x)``, final RMSNorm, tied or untied output
+embedding. They differ only in two switches:
+
+=========  ====================  =============================================
+family     ``qkv_bias``          ``qk_norm`` (RMSNorm over head_dim on q and k)
+=========  ====================  =============================================
+llama      False                 False
+qwen2      True                  False
+qwen3      False                 True (and an explicit ``head_dim``)
+=========  ====================  =============================================
+
+``ModelArch.from_hf_config`` reads those numbers (rejecting what the model cannot represent, e.g. an unknown
+``rope_scaling`` type), ``build_transformer_config`` makes the Megatron ``TransformerConfig``, and
+``build_gpt_model`` builds the (TP/PP-local) ``GPTModel``:
+
+* GPU with Transformer Engine importable: Megatron's TE layer spec (fused norm+linear, THD fused attention).
+* otherwise: Megatron's local spec with ``attention.SDPACoreAttention`` at
+  ``submodules.self_attention.submodules.core_attention`` (packed THD batches work on any device).
+
+Precision: bf16 parameters on GPU, fp32 on CPU (``default_dtype``). On a CUDA-less machine the CPU backend
+(``megatron_dppo.megatron.cpu``) is applied automatically.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from . import compat
+from .cpu import allow_sequence_parallel_torch_norm, ensure_device_backend
+from .parallel import ParallelConfig, validate_parallel
+
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # HF model_type -> family
+# RoPE variants Megatron's RotaryEmbedding can represent; llama3 with Megatron's fixed constants only.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The numbers that define a Llama/Qwen2/Qwen3 decoder (HF names in brackets)."""
+
+    family: str  # llama | qwen2 | qwen3
+    vocab_size: int  # [vocab_size] rows of the embedding (already padded by the model authors)
+    hidden_size: int  # [hidden_size]
+    ffn_hidden_size: int  # [intermediate_size]
+    num_layers: int  # [num_hidden_layers]
+    num_attention_heads: int  # [num_attention_heads]
+    num_kv_heads: int  # [num_key_value_heads] (GQA); == num_attention_heads for MHA
+    head_dim: int  # [head_dim] or hidden_size // num_attention_heads
+    rope_theta: float  # [rope_theta] / rope_parameters["rope_theta"]
+    norm_eps: float  # [rms_norm_eps]
+    tie_embeddings: bool  # [tie_word_embeddings]
+    qkv_bias: bool  # qwen2: True
+    qk_norm: bool  # qwen3: True
+    max_position_embeddings: int  # [max_position_embeddings]
+    rope_scaling_type: str = "default"  # default | linear | llama3
+    rope_scaling_factor: float = 1.0
+    init_std: float = 0.02  # [initializer_range]
+
+    def __post_init__(self):
+        if self.family not in FAMILIES.values():
+            raise ValueError(f"family={self.family!r}; supported: {sorted(set(FAMILIES.values()))}")
+        for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads} (grouped-query attention needs it)")
+        if self.rope_scaling_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_scaling_type={self.rope_scaling_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+    # ------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any] | Any) -> "ModelArch":
+        """From a ``config.json`` dict or a ``transformers.PretrainedConfig`` (transformers 4.x or 5.x).
+
+        A dict is first turned into its transformers config class so that family defaults apply exactly as
+        when Hugging Face loads the model (e.g. Qwen3's default ``head_dim=128``).
+        """
+        hf = _as_transformers_config(cfg)
+        model_type = getattr(hf, "model_type", None)
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+        family = FAMILIES[model_type]
+
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r}: only 'silu' (SwiGLU MLP) is supported")
+        if getattr(hf, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported (the Megatron model has bias-free MLP layers)")
+        attention_bias = bool(getattr(hf, "attention_bias", False) or False)
+        if family == "llama" and attention_bias:
+            raise ValueError("attention_bias=True (Llama: bias on q, k, v and o) is not supported; only the "
+                             "Qwen2 layout (bias on q, k, v) is")
+        if getattr(hf, "use_sliding_window", False):
+            raise ValueError(f"use_sliding_window=True (sliding_window={getattr(hf, 'sliding_window', None)}) "
+                             "is not supported")
+        layer_types = getattr(hf, "layer_types", None)
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"layer_types={sorted(set(layer_types))}: only full_attention layers are supported")
+
+        heads = int(hf.num_attention_heads)
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf, "head_dim", None)
+        if head_dim is None:
+            if hf.hidden_size % heads:
+                raise ValueError(f"hidden_size={hf.hidden_size} is not divisible by num_attention_heads={heads} "
+                                 "and the config has no head_dim")
+            head_dim = hf.hidden_size // heads
+
+        theta, rope_type, factor = _rope_from_config(hf)
+        tie = getattr(hf, "tie_word_embeddings", False)
+        return cls(
+            family=family,
+            vocab_size=int(hf.vocab_size),
+            hidden_size=int(hf.hidden_size),
+            ffn_hidden_size=int(hf.intermediate_size),
+            num_layers=int(hf.num_hidden_layers),
+            num_attention_heads=heads,
+            num_kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            rope_theta=float(theta),
+            norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(tie),
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
+            max_position_embeddings=int(getattr(hf, "max_position_embeddings", 4096) or 4096),
+            rope_scaling_type=rope_type,
+            rope_scaling_factor=float(factor),
+            init_std=float(getattr(hf, "initializer_range", 0.02) or 0.02),
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, f, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
+        layer = attn + 3 * h * f + 2 * h
+        emb = self.vocab_size * h
+        return self.num_layers * layer + h + emb * (1 if self.tie_embeddings else 2)
+
+
+def _as_transformers_config(cfg):
+    if isinstance(cfg, Mapping):
+        cfg = dict(cfg)
+        model_type = cfg.get("model_type")
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(**cfg)
+    return cfg
+
+
+def _rope_from_config(hf) -> tuple[float, str, float]:
+    """(theta, scaling type, factor) from transformers 5 ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
+    params: dict = {}
+    if isinstance(getattr(hf, "rope_parameters", None), Mapping):
+        params.update(hf.rope_parameters)
+    if isinstance(getattr(hf, "rope_scaling", None), Mapping):
+        params.update(hf.rope_scaling)
+    theta = params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    factor = float(params.get("factor", 1.0) or 1.0)
+    if rope_type == "llama3":
+        for key, expected in _MEGATRON_LLAMA3_ROPE.items():
+            value = params.get(key, expected)
+            if not math.isclose(float(value), expected):
+                raise ValueError(f"llama3 rope scaling with {key}={value} is not supported; Megatron-Core's "
+                                 f"RotaryEmbedding fixes {key}={expected}")
+    if rope_type == "linear" and factor <= 0:
+        raise ValueError(f"linear rope scaling factor={factor} must be positive")
+    return theta, rope_type, factor
+
+
+# ----------------------------------------------------------------------------------------------------------
+def default_dtype() -> torch.dtype:
+    """bf16 on GPU, fp32 on CPU."""
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+def use_transformer_engine() -> bool:
+    """True when the TE layer spec is used: CUDA present and Transformer Engine importable."""
+    return torch.cuda.is_available() and compat.have_transformer_engine()
+
+
+# TransformerConfig fields that define the model (an installed Megatron-Core lacking one is unsupported);
+# every other field we set is a performance or bookkeeping flag that may be dropped on other releases.
+_ARCH_CONFIG_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                       "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
+                       "add_bias_linear", "add_qkv_bias", "qk_layernorm", "tensor_model_parallel_size",
+                       "pipeline_model_parallel_size", "sequence_parallel", "params_dtype", "bf16", "fp16")
+
+
+def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtype | None = None,
+                             **overrides) -> "TransformerConfig":  # noqa: F821
+    """Megatron ``TransformerConfig`` for ``arch`` under ``parallel``. ``overrides`` replace any field
+    (e.g. ``recompute_granularity="full"``); fields unknown to the installed Megatron-Core are dropped."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    device = ensure_device_backend()
+    dtype = dtype or default_dtype()
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype={dtype}; supported: torch.float32, torch.bfloat16, torch.float16")
+    te = device == "cuda" and compat.have_transformer_engine()
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.init_std,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        sequence_parallel=parallel.sp,
+        context_parallel_size=parallel.cp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        attention_softmax_in_fp32=True,
+        # packed micro-batches differ in length: pipeline stages exchange shapes first
+        variable_seq_lengths=parallel.pp > 1,
+        # no experts here, but 0.16 rejects variable_seq_lengths with the default "allgather" MoE dispatcher
+        moe_token_dispatcher_type="alltoall",
+        # fusions: TE kernels on GPU only; gradient-accumulation fusion needs DDP main_grad buffers and
+        # TE/Apex, it is a training-loop choice (override it there)
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=te,
+        bias_activation_fusion=te,
+        masked_softmax_fusion=te,
+        persist_layer_norm=False,
+        use_cpu_initialization=device == "cpu",
+        cross_entropy_loss_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**compat.supported_kwargs(TransformerConfig, kwargs, required=_ARCH_CONFIG_FIELDS))
+
+
+def build_layer_spec(arch: ModelArch, te: bool | None = None):
+    """The transformer-layer ``ModuleSpec``: TE spec, or the local spec with ``SDPACoreAttention``."""
+    te = use_transformer_engine() if te is None else te
+    if te:
+        return compat.gpt_te_layer_spec(qk_layernorm=arch.qk_norm)
+    from .attention import SDPACoreAttention
+
+    allow_sequence_parallel_torch_norm()
+    spec = copy.deepcopy(compat.gpt_local_layer_spec(qk_layernorm=arch.qk_norm))
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtype | None = None,
+                    pre_process: bool | None = None, post_process: bool | None = None,
+                    vp_stage: int | None = None, *, te: bool | None = None, config=None, **config_overrides):
+    """The local ``GPTModel`` chunk of this rank (model-parallel state must be initialized).
+
+    ``pre_process``/``post_process`` default to "this is the first/last pipeline stage" (for ``vp_stage``).
+    The output layer is vocab-parallel (``parallel_output=True``): logits come back as the local vocab shard
+    ``[b, s, vocab/tp]``; see ``logprobs.vocab_parallel_logprobs``. ``config`` (a ``TransformerConfig``)
+    replaces the one built from ``arch``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    ensure_device_backend()
+    compat.log_gpu_extras_once()
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("model-parallel state is not initialized; call parallel.initialize_parallel first")
+    world = torch.distributed.get_world_size()
+    validate_parallel(arch, parallel, world)
+    if parallel_state.get_tensor_model_parallel_world_size() != parallel.tp or (
+            parallel_state.get_pipeline_model_parallel_world_size() != parallel.pp):
+        raise ValueError(
+            f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}) does not match the initialized state "
+            f"(tp={parallel_state.get_tensor_model_parallel_world_size()}, "
+            f"pp={parallel_state.get_pipeline_model_parallel_world_size()})")
+    if parallel.vpp is not None and vp_stage is None:
+        raise ValueError(f"vpp={parallel.vpp}: pass vp_stage (0..{parallel.vpp - 1}) for each model chunk")
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    config = config or build_transformer_config(arch, parallel, dtype, **config_overrides)
+    spec = build_layer_spec(arch, te)
+    kwargs = dict(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rope_theta,
+        rope_scaling=arch.rope_scaling_type == "llama3",
+        rope_scaling_factor=arch.rope_scaling_factor if arch.rope_scaling_type == "llama3" else 8.0,
+        seq_len_interpolation_factor=arch.rope_scaling_factor if arch.rope_scaling_type == "linear" else None,
+        vp_stage=vp_stage,
+    )
+    required = ("vocab_size", "share_embeddings_and_output_weights", "position_embedding_type", "rotary_base",
+                "pre_process", "post_process", "parallel_output")
+    if arch.rope_scaling_type != "default":
+        required += ("rope_scaling", "rope_scaling_factor", "seq_len_interpolation_factor")
+    if vp_stage is not None:
+        required += ("vp_stage",)
+    return GPTModel(**compat.supported_kwargs(GPTModel.__init__, kwargs, required=required))
+
+
+def build_model_chunks(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtype | None = None,
+                       **kwargs) -> list:
+    """All model chunks of this rank: one per virtual pipeline stage (one without vpp)."""
+    if parallel.vpp is None:
+        return [build_gpt_model(arch, parallel, dtype, **kwargs)]
+    return [build_gpt_model(arch, parallel, dtype, vp_stage=i, **kwargs) for i in range(parallel.vpp)]

@@ -1,0 +1,165 @@
+"""Process groups: torch.distributed + Megatron model-parallel state from the launcher's environment.
+
+Layout (Megatron's default order ``tp-cp-ep-dp-pp``): ``world = tp * cp * dp * pp``; the data-parallel size
+``dp`` is what is left. ``validate_parallel`` checks every divisibility Megatron needs *before* any process
+group exists, so a bad configuration fails identically on every rank with a ``ValueError`` naming the numbers
+instead of hanging in a collective.
+
+``initialize_parallel`` reads rank/world/rendezvous from ``megatron_dppo.launch.discover_launch`` (torchrun,
+Slurm ``srun``, ``mpirun``, or a single process), creates the default process group (NCCL on GPU, gloo on CPU,
+with the CPU backend applied), Megatron's model-parallel groups, and seeds every generator:
+``seed_rank = seed + 100 * pp_rank`` (as Megatron-LM) for Python/NumPy/torch, and Megatron's tracked RNG states via
+``model_parallel_cuda_manual_seed(seed_rank)`` (tensor-parallel state: ``seed_rank + 2718 + tp_rank``).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .cpu import ensure_device_backend
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_dppo.launch import LaunchInfo
+
+    from .model import ModelArch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """tp: tensor parallel, pp: pipeline parallel, vpp: virtual pipeline stages per rank (interleaved
+    schedule) or None, sp: sequence parallel (needs tp > 1 to matter), cp: context parallel (GPU, TE only)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    sp: bool = False
+    cp: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "cp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or self.vpp < 1:
+                raise ValueError(f"vpp={self.vpp!r} must be None or an integer >= 1")
+            if self.pp < 2:
+                raise ValueError(f"vpp={self.vpp} (interleaved pipeline) needs pp >= 2, got pp={self.pp}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel size for ``world_size`` processes."""
+        if world_size % self.model_parallel_size:
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*"
+                             f"{self.cp} = {self.model_parallel_size}")
+        return world_size // self.model_parallel_size
+
+
+def validate_parallel(arch: "ModelArch", cfg: ParallelConfig, world_size: int) -> int:
+    """Raise ``ValueError`` (naming the numbers) when Megatron cannot shard ``arch`` under ``cfg`` on
+    ``world_size`` processes. Returns the data-parallel size. Touches no process group."""
+    dp = cfg.dp(world_size)
+    problems = []
+    if arch.num_attention_heads % cfg.tp:
+        problems.append(f"num_attention_heads={arch.num_attention_heads} is not divisible by tp={cfg.tp}")
+    if arch.num_kv_heads % cfg.tp:
+        problems.append(f"num_kv_heads={arch.num_kv_heads} (query groups) is not divisible by tp={cfg.tp}")
+    if arch.ffn_hidden_size % cfg.tp:
+        problems.append(f"ffn_hidden_size={arch.ffn_hidden_size} is not divisible by tp={cfg.tp}")
+    if arch.vocab_size % cfg.tp:
+        problems.append(f"vocab_size={arch.vocab_size} is not divisible by tp={cfg.tp} (the output layer and "
+                        "embedding are split over the vocabulary)")
+    stages = cfg.pp * (cfg.vpp or 1)
+    if arch.num_layers % stages:
+        what = f"pp={cfg.pp}" if cfg.vpp is None else f"pp*vpp={cfg.pp}*{cfg.vpp}={stages}"
+        problems.append(f"num_layers={arch.num_layers} is not divisible by {what}")
+    if cfg.cp > 1:
+        from .model import use_transformer_engine
+
+        if not use_transformer_engine():
+            problems.append(f"cp={cfg.cp}: context parallelism needs Transformer Engine on GPU (not found)")
+    if problems:
+        raise ValueError("cannot shard the model: " + "; ".join(problems))
+    return dp
+
+
+def initialize_parallel(cfg: ParallelConfig, seed: int, arch: "ModelArch | None" = None, *,
+                        timeout_minutes: float = 30.0) -> "LaunchInfo":
+    """Create the default process group and Megatron's model-parallel groups, then seed all generators.
+
+    ``arch``, when given, is validated first (before any group exists). An existing default process group is
+    reused (e.g. one created by a test harness); existing model-parallel state is destroyed and rebuilt.
+    Returns the launch information of this process.
+    """
+    from megatron_dppo.launch import discover_launch
+
+    info = discover_launch()
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else info.world_size
+    if arch is not None:
+        validate_parallel(arch, cfg, world_size)
+    else:
+        cfg.dp(world_size)
+
+    from megatron.core import parallel_state
+
+    from . import compat
+
+    device = ensure_device_backend()
+    compat.log_gpu_extras_once()
+
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if device == "cuda" else "gloo"
+        if device == "cuda":
+            torch.cuda.set_device(info.local_rank)
+        torch.distributed.init_process_group(
+            backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes))
+        logger.info("process group: %s, rank %d of %d (launcher %s)", backend, info.rank, info.world_size,
+                    info.launcher)
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    compat.call_with_supported_kwargs(
+        parallel_state.initialize_model_parallel,
+        tensor_model_parallel_size=cfg.tp,
+        pipeline_model_parallel_size=cfg.pp,
+        virtual_pipeline_model_parallel_size=cfg.vpp,
+        context_parallel_size=cfg.cp,
+        distributed_timeout_minutes=int(max(1, timeout_minutes)),
+    )
+    seed_everything(seed)
+    return info
+
+
+def seed_everything(seed: int) -> int:
+    """Seed Python, torch and Megatron's tracked RNG states for this rank; returns the rank's seed
+    ``seed + 100 * pp_rank`` (different pipeline stages initialize different layers)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    rank_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(rank_seed)
+    np.random.seed(rank_seed)
+    torch.manual_seed(rank_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(rank_seed)
+    return rank_seed
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's model-parallel state and the default process group (no-op when absent)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
