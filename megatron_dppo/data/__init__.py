@@ -1,0 +1,36 @@
+"""Prompt data: datasets from JSONL/parquet, chat templates, a resumable sampler, the arithmetic quickstart task
+and its tiny SentencePiece tokenizer.
+
+    ds = load_prompt_dataset("../shared/data/math/gsm8k_train.jsonl")      # preset picked from the file name
+    fmt = PromptFormatter(tokenizer, template="chat", instruction=MATH_INSTRUCTION)
+    ids = encode_prompts(fmt, records, max_new_tokens=256, context_length=1024)  # raises on a too-long prompt
+    sampler = PromptSampler(len(ds), seed=1); batch = [ds[i] for i in sampler.take(8)]
+"""
+from megatron_dppo.data.arithmetic import ArithmeticTask, evaluate
+from megatron_dppo.data.datasets import (
+    DATASET_PRESETS,
+    DatasetError,
+    DatasetFileNotFoundError,
+    FieldSpec,
+    PromptDataset,
+    PromptRecord,
+    load_prompt_dataset,
+    read_prompt_records,
+    resolve_fields,
+)
+from megatron_dppo.data.sampler import PromptSampler
+from megatron_dppo.data.templates import (
+    MATH_INSTRUCTION,
+    PLAIN_TEMPLATE,
+    PromptFormatter,
+    check_prompt_fits,
+    encode_prompts,
+)
+from megatron_dppo.data.tokenizer import DEFAULT_CHAT_TEMPLATE, load_tokenizer, train_sentencepiece_tokenizer
+
+__all__ = [
+    "ArithmeticTask", "DATASET_PRESETS", "DEFAULT_CHAT_TEMPLATE", "DatasetError", "DatasetFileNotFoundError",
+    "FieldSpec", "MATH_INSTRUCTION", "PLAIN_TEMPLATE", "PromptDataset", "PromptFormatter", "PromptRecord",
+    "PromptSampler", "check_prompt_fits", "encode_prompts", "evaluate", "load_prompt_dataset", "load_tokenizer",
+    "read_prompt_records", "resolve_fields", "train_sentencepiece_tokenizer",
+]

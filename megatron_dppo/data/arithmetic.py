@@ -1,0 +1,111 @@
+"""A procedurally generated arithmetic task for the CPU quickstart: "12+7*3=" -> "33".
+
+Problem ``index`` of a split is a pure function of (seed, split, index): the number of terms is uniform in
+[min_terms, max_terms], each operand uniform in [0, max_operand], each operator uniform over ``operators``, and the
+answer follows the usual precedence (* before + and -). Train and test are disjoint by construction: an expression
+belongs to the test split iff crc32(expression) mod 10000 < 10000 * test_fraction, and each split redraws until
+it gets one of its own expressions. The gold answer is the exact integer; the matching reward is "arithmetic"
+(exact match of the stripped completion).
+
+``corpus(n)`` gives "prompt + answer" lines ("12+7*3=33") for training the tiny tokenizer and the supervised warm
+start. Difficulty levels (``ArithmeticTask.from_difficulty``):
+    1: a+b, operands 0-9        2: a+b or a-b, operands 0-20
+    3: 2-3 terms of + - *, operands 0-20         4: 3-4 terms of + - *, operands 0-99
+"""
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import zlib
+from dataclasses import dataclass
+
+from megatron_dppo.data.datasets import PromptDataset, PromptRecord
+
+SPLITS = ("train", "test")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def evaluate(expression: str) -> int:
+    """The integer value of an expression of non-negative integers and + - * (precedence as in Python).
+
+    Raises ValueError for anything else (no eval of arbitrary code)."""
+
+    def _eval(node: ast.AST) -> int:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        raise ValueError(f"not an integer + - * expression: {expression!r}")
+
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError as err:
+        raise ValueError(f"not an integer + - * expression: {expression!r}") from err
+    return _eval(tree.body)
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """Seeded arithmetic problems of controllable difficulty; see the module docstring."""
+
+    min_terms: int = 2
+    max_terms: int = 3
+    max_operand: int = 20
+    operators: str = "+-*"
+    seed: int = 0
+    test_fraction: float = 0.1
+
+    LEVELS = {1: (2, 2, 9, "+"), 2: (2, 2, 20, "+-"), 3: (2, 3, 20, "+-*"), 4: (3, 4, 99, "+-*")}
+
+    def __post_init__(self):
+        if not 2 <= self.min_terms <= self.max_terms:
+            raise ValueError(f"need 2 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}")
+        if self.max_operand < 1:
+            raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
+        if not self.operators or set(self.operators) - set("+-*"):
+            raise ValueError(f"operators {self.operators!r} must be a non-empty subset of '+-*'")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ValueError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
+
+    @classmethod
+    def from_difficulty(cls, level: int, seed: int = 0) -> ArithmeticTask:
+        if level not in cls.LEVELS:
+            raise ValueError(f"difficulty level {level} is not one of {sorted(cls.LEVELS)}")
+        min_terms, max_terms, max_operand, ops = cls.LEVELS[level]
+        return cls(min_terms, max_terms, max_operand, ops, seed)
+
+    def _in_test(self, expression: str) -> bool:
+        return zlib.crc32(expression.encode()) % 10_000 < self.test_fraction * 10_000
+
+    def expression(self, index: int, split: str = "train") -> str:
+        """The expression (without "=") of problem ``index`` of ``split``."""
+        if split not in SPLITS:
+            raise ValueError(f"split {split!r} is not one of {SPLITS}")
+        if index < 0:
+            raise ValueError(f"problem index must be >= 0, got {index}")
+        for attempt in range(10_000):
+            rng = random.Random(f"{self.seed}:{split}:{index}:{attempt}")
+            terms = rng.randint(self.min_terms, self.max_terms)
+            parts = [str(rng.randint(0, self.max_operand))]
+            for _ in range(terms - 1):
+                parts += [rng.choice(self.operators), str(rng.randint(0, self.max_operand))]
+            expression = "".join(parts)
+            if self._in_test(expression) == (split == "test"):
+                return expression
+        raise ValueError(f"the {split} split of {self} has (almost) no expressions; widen the task")
+
+    def record(self, index: int, split: str = "train") -> PromptRecord:
+        expression = self.expression(index, split)
+        return PromptRecord(id=f"arith-{split}-{index}", prompt=expression + "=", gold=str(evaluate(expression)),
+                            raw={"expression": expression, "split": split, "index": index})
+
+    def records(self, n: int, split: str = "train", start: int = 0) -> list[PromptRecord]:
+        return [self.record(i, split) for i in range(start, start + n)]
+
+    def dataset(self, n: int, split: str = "train") -> PromptDataset:
+        return PromptDataset(self.records(n, split), name=f"arithmetic-{split}")
+
+    def corpus(self, n: int, split: str = "train") -> list[str]:
+        """``n`` solved problems "12+7*3=33": text for the tokenizer and the supervised warm start."""
+        return [r.prompt + r.gold for r in self.records(n, split)]

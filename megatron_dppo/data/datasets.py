@@ -1,0 +1,282 @@
+"""Prompt datasets from JSONL or parquet files with configurable field names.
+
+Every row becomes a ``PromptRecord(id, prompt, gold, raw)``. Which fields hold the prompt and the gold answer is a
+``FieldSpec``; presets cover the files in ``../shared/data/math`` (their field names differ):
+
+    gsm8k          question            answer after "#### "     (gsm8k_train/test, qwen25math/gsm8k)
+    math500        problem             answer                   (math500_test)
+    aime24, amc23  problem             answer                   (numbers like 27.0 become "27")
+    minerva_math   problem             last \\boxed{} of solution
+    olympiadbench  question            final_answer (a list, joined with ", ")
+    svamp          "{Body} {Question}"  Answer
+    asdiv          "{body} {question}"  answer without its "(unit)" suffix
+
+``load_prompt_dataset(path)`` picks the preset from the file name when ``fields`` is not given and falls back to
+``FieldSpec()`` (question / answer). A prompt spec containing "{" is a template over the row's fields.
+
+Bad input fails early with the file, the line (row number for parquet) and the field: invalid JSON, a row that is
+not an object, a missing / null / non-text field, an empty prompt, a GSM8K answer without "#### ". A missing file
+and a file without rows fail too. All of these raise ``DatasetError`` (a ValueError).
+"""
+from __future__ import annotations
+
+import json
+import re
+import string
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_dppo.rewards.math import extract_gsm8k_gold, format_number, last_boxed, parse_number
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be used; the message names the file, line and field."""
+
+
+class DatasetFileNotFoundError(DatasetError, FileNotFoundError):
+    """The dataset file does not exist."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt. ``id`` is stable across runs (prompt history and resume key on it); ``gold`` is the reference
+    answer as text (None for prompt-only data); ``raw`` is the source row."""
+
+    id: str
+    prompt: str
+    gold: str | None
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "list", "strip_units")
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """Where a row keeps its prompt, gold answer and id.
+
+    prompt: a field name, or a template such as "{Body} {Question}" (any text with "{field}" placeholders).
+    answer: the gold-answer field, or None for prompt-only data.
+    answer_format: how to read the gold from that field:
+        plain       the value as text (integral floats such as 27.0 become "27")
+        gsm8k       the number after "#### "
+        boxed       the content of the last \\boxed{} (e.g. a worked solution)
+        list        a list of answers joined with ", "
+        strip_units drop a trailing "(unit)": "9 (apples)" -> "9"
+    id: a field with a unique id; None uses "<file stem>:<line>".
+    """
+
+    prompt: str = "question"
+    answer: str | None = "answer"
+    answer_format: str = "plain"
+    id: str | None = None
+
+    def __post_init__(self):
+        if self.answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"answer_format {self.answer_format!r} is not one of {ANSWER_FORMATS}")
+        if not self.prompt:
+            raise ValueError("FieldSpec.prompt must name a field or be a template")
+
+
+DATASET_PRESETS: dict[str, FieldSpec] = {
+    "gsm8k": FieldSpec("question", "answer", "gsm8k"),
+    "math500": FieldSpec("problem", "answer", "plain", id="unique_id"),
+    "math": FieldSpec("problem", "answer", "plain"),
+    "aime24": FieldSpec("problem", "answer", "plain", id="id"),
+    "amc23": FieldSpec("problem", "answer", "plain", id="id"),
+    "minerva_math": FieldSpec("problem", "solution", "boxed", id="idx"),
+    "olympiadbench": FieldSpec("question", "final_answer", "list", id="id"),
+    "svamp": FieldSpec("{Body} {Question}", "Answer", "plain", id="ID"),
+    "asdiv": FieldSpec("{body} {question}", "answer", "strip_units", id="idx"),
+}
+
+
+def resolve_fields(fields: FieldSpec | str | None, path: str | Path) -> FieldSpec:
+    """A FieldSpec from a spec, a preset name, or (None) the preset whose name starts the file name."""
+    if isinstance(fields, FieldSpec):
+        return fields
+    if isinstance(fields, str):
+        if fields not in DATASET_PRESETS:
+            raise DatasetError(f"unknown dataset preset {fields!r}; presets: {', '.join(sorted(DATASET_PRESETS))}")
+        return DATASET_PRESETS[fields]
+    if fields is not None:
+        raise DatasetError(f"fields must be a FieldSpec, a preset name or None, got {type(fields).__name__}")
+    stem = Path(path).name.split(".")[0].lower()
+    for name in sorted(DATASET_PRESETS, key=len, reverse=True):  # "math500" before "math"
+        if stem == name or stem.startswith(name + "_") or stem.startswith(name + "-"):
+            return DATASET_PRESETS[name]
+    return FieldSpec()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading rows
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    with path.open("r", encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__}")
+            yield line_no, row
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[int, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(f"{path}: reading parquet files needs pyarrow, which is not installed "
+                           "(pip install pyarrow), or convert the file to JSONL") from None
+    table = pq.read_table(path)
+    for row_no, row in enumerate(table.to_pylist(), start=1):
+        yield row_no, row
+
+
+def _text(value: Any, where: str, name: str) -> str:
+    if value is None:
+        raise DatasetError(f"{where}: field {name!r} is null")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DatasetError(f"{where}: field {name!r} must be text or a number, got {type(value).__name__}")
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _get(row: dict, name: str, where: str) -> Any:
+    if name not in row:
+        keys = ", ".join(sorted(map(str, row))) or "none"
+        raise DatasetError(f"{where}: missing field {name!r} (the row has: {keys}); set the dataset's field names")
+    return row[name]
+
+
+def _prompt(row: dict, spec: FieldSpec, where: str) -> str:
+    if "{" in spec.prompt:
+        names = [name for _, name, _, _ in string.Formatter().parse(spec.prompt) if name]
+        values = {name: _text(_get(row, name, where), where, name) for name in names}
+        text = spec.prompt.format(**values)
+    else:
+        value = _get(row, spec.prompt, where)
+        if not isinstance(value, str):
+            raise DatasetError(f"{where}: field {spec.prompt!r} must be a string, got {type(value).__name__}")
+        text = value
+    if not text.strip():
+        raise DatasetError(f"{where}: field {spec.prompt!r} is an empty prompt")
+    return text
+
+
+_UNITS_RE = re.compile(r"^(.*?)\s*\([^()]*\)\s*$", re.S)
+
+
+def _gold(row: dict, spec: FieldSpec, where: str) -> str | None:
+    if spec.answer is None:
+        return None
+    value = _get(row, spec.answer, where)
+    fmt = spec.answer_format
+    if fmt == "list":
+        if not isinstance(value, list) or not value:
+            raise DatasetError(f"{where}: field {spec.answer!r} must be a non-empty list for answer_format 'list', "
+                               f"got {value!r:.60}")
+        return ", ".join(_text(v, where, spec.answer) for v in value)
+    text = _text(value, where, spec.answer)
+    if fmt == "gsm8k":
+        if "####" not in text:
+            raise DatasetError(f"{where}: field {spec.answer!r} has no '#### <answer>' line (answer_format 'gsm8k')")
+        try:
+            return extract_gsm8k_gold(text)
+        except ValueError as err:
+            raise DatasetError(f"{where}: field {spec.answer!r}: {err}") from None
+    if fmt == "boxed":
+        boxed = last_boxed(text)
+        if boxed is None:
+            raise DatasetError(f"{where}: field {spec.answer!r} has no \\boxed{{}} answer (answer_format 'boxed')")
+        return boxed.strip()
+    if fmt == "strip_units":
+        match = _UNITS_RE.match(text)
+        text = match.group(1) if match and match.group(1) else text
+        number = parse_number(text) if re.fullmatch(r"\s*-?[\d,.]+\s*", text) else None
+        return format_number(number) if number is not None else text.strip()
+    if not text.strip():
+        raise DatasetError(f"{where}: field {spec.answer!r} is empty")
+    return text.strip()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class PromptDataset(Sequence):
+    """An in-memory list of PromptRecords with unique ids."""
+
+    def __init__(self, records: Sequence[PromptRecord], name: str = "prompts"):
+        if not records:
+            raise DatasetError(f"dataset {name!r} has no records")
+        seen: dict[str, int] = {}
+        for i, record in enumerate(records):
+            if record.id in seen:
+                raise DatasetError(f"dataset {name!r}: duplicate id {record.id!r} (records {seen[record.id]} and {i})")
+            seen[record.id] = i
+        self.records = list(records)
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index):
+        return self.records[index]
+
+    @property
+    def ids(self) -> list[str]:
+        return [r.id for r in self.records]
+
+    def __repr__(self) -> str:
+        return f"PromptDataset({self.name!r}, {len(self)} records)"
+
+
+def read_prompt_records(path: str | Path, fields: FieldSpec | str | None = None,
+                        limit: int | None = None) -> list[PromptRecord]:
+    """PromptRecords of one JSONL (``.jsonl``/``.json`` lines) or parquet file; see the module docstring."""
+    path = Path(path)
+    if not path.exists():
+        raise DatasetFileNotFoundError(f"dataset file not found: {path}")
+    if not path.is_file():
+        raise DatasetError(f"dataset path is not a file: {path}")
+    spec = resolve_fields(fields, path)
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        rows, unit = _iter_parquet(path), "row"
+    elif suffix in (".jsonl", ".json", ".ndjson"):
+        rows, unit = _iter_jsonl(path), "line"
+    else:
+        raise DatasetError(f"{path}: unsupported dataset format {suffix!r}; use .jsonl or .parquet")
+    records = []
+    for line_no, row in rows:
+        where = f"{path}:{line_no}" if unit == "line" else f"{path}: row {line_no}"
+        record_id = (f"{path.stem}:{line_no}" if spec.id is None
+                     else f"{path.stem}:{_text(_get(row, spec.id, where), where, spec.id)}")
+        records.append(PromptRecord(record_id, _prompt(row, spec, where), _gold(row, spec, where), row))
+        if limit is not None and len(records) >= limit:
+            break
+    if not records:
+        raise DatasetError(f"{path}: the dataset is empty (no rows)")
+    return records
+
+
+def load_prompt_dataset(paths: str | Path | Sequence[str | Path], fields: FieldSpec | str | None = None,
+                        limit: int | None = None) -> PromptDataset:
+    """A PromptDataset from one or more files (concatenated in order); ``limit`` caps the records per file."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise DatasetError("no dataset files given")
+    records = [r for p in paths for r in read_prompt_records(p, fields, limit)]
+    name = "+".join(Path(p).stem for p in paths)
+    return PromptDataset(records, name)

@@ -1,0 +1,246 @@
+"""The CPU rollout engine: a transformers causal LM (fp32) sampled with ``generate``.
+
+Sampling. Each prompt is repeated n times (its samples are consecutive), rows are left-padded into batches of at
+most ``max_batch_size`` and sampled with HF ``generate``: ancestral sampling from softmax(warp(logits)), where
+warp applies, in order, temperature (logits / T), top-k and top-p (HF's TemperatureLogitsWarper, TopKLogitsWarper,
+TopPLogitsWarper). No other logits processor runs: the model's own generation defaults (e.g. a repetition penalty
+in a Hub ``generation_config.json``) are replaced by a neutral config, so the samples follow exactly the
+distribution the log-probs describe.
+
+Log-probs (see ``rollout/base.py``). A recorder placed after the warpers stores log_softmax(warped logits) for the
+token sampled at each step (``logprobs``: the sampling distribution); a recorder placed before them stores
+log_softmax(raw logits) (``policy_logprobs``: the temperature-1 policy). Only one [batch, vocab] step is kept at a
+time, never the whole [steps, batch, vocab] score history. When the sampling is untruncated at temperature 1, both
+are the same numbers and only one recorder runs.
+
+Reproducibility: with ``SamplingParams.seed`` set, a generate() call draws from a private RNG stream seeded with
+it (the global torch RNG is saved and restored), so the same call on the same engine state gives the same samples.
+
+Weights: ``load_weights`` copies HF-named tensors into the model (cast to its dtype), strictly: an unknown name or
+a wrong shape raises ValueError, and by default every parameter must be covered by the stream.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megatron_dppo.rollout.base import (
+    Completion,
+    CompletionGroup,
+    SamplingParams,
+    WeightStream,
+    validate_prompts,
+)
+
+logger = logging.getLogger("megatron_dppo.rollout")
+
+
+class _StepLogprobRecorder:
+    """A logits processor that records log p(y_t) of each sampled token under the scores it sees.
+
+    Called at step t with the sequence so far (whose last token is y_{t-1}) and the step-t scores; it looks up the
+    previous step's distribution at y_{t-1}, then keeps the step-t distribution for the next call."""
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+        self.last: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.last = logp
+        return scores
+
+    def finish(self, generated: torch.LongTensor) -> torch.Tensor:
+        """[rows, gen_len] log-probs of the generated tokens."""
+        gen_len = generated.shape[1]
+        steps = list(self.steps[:gen_len])
+        if len(steps) < gen_len:  # the final token was sampled after the last call
+            steps.append(self.last.gather(1, generated[:, gen_len - 1 : gen_len]).squeeze(1))
+        return torch.stack(steps, dim=1)
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class HFRolloutEngine:
+    """A RolloutEngine over a transformers causal LM; see the module docstring.
+
+    Args:
+        model: a ``PreTrainedModel`` with a causal-LM head (it is put in eval mode).
+        eos_token_ids: token ids that end a completion; default: the model config's / generation config's EOS.
+        pad_token_id: id used for left padding (masked, never attended); default: config pad id, else first EOS.
+        max_batch_size: rows (prompt x sample) per ``generate`` call.
+    """
+
+    def __init__(self, model, *, eos_token_ids: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+                 max_batch_size: int = 64):
+        from transformers import GenerationConfig
+
+        self.model = model.eval()
+        config = model.config
+        if eos_token_ids is None:
+            eos_token_ids = _as_id_list(getattr(config, "eos_token_id", None)) or _as_id_list(
+                getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+        self.eos_token_ids = _as_id_list(eos_token_ids)
+        if not self.eos_token_ids:
+            logger.warning("HFRolloutEngine: the model has no EOS token; completions stop only at stop_token_ids "
+                           "or max_new_tokens")
+        if pad_token_id is None:
+            pad_token_id = getattr(config, "pad_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
+        self.pad_token_id = int(pad_token_id)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.max_batch_size = int(max_batch_size)
+        # Neutral generation defaults: nothing from a Hub generation_config.json may reshape the distribution.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.eos_token_ids or None,
+                                                        pad_token_id=self.pad_token_id)
+        self._device = next(model.parameters()).device
+        self._asleep = False
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, load_weights: bool = False, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", **kwargs) -> HFRolloutEngine:
+        """An engine for the HF model directory ``path`` (config.json; weights optional).
+
+        ``load_weights=False`` builds the architecture with random weights (the trainer pushes its own weights with
+        ``load_weights`` before the first rollout); True also reads the checkpoint in ``path``."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+        if load_weights:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        else:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return cls(model.to(device), **kwargs)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[CompletionGroup]:
+        """n completions per prompt with token ids, sampling log-probs, policy log-probs and finish reasons."""
+        validate_prompts(prompt_token_ids, n)
+        if self._asleep:
+            raise RuntimeError("HFRolloutEngine.generate() called while asleep; call wake_up() first")
+        rows = [(p, list(ids)) for p, ids in enumerate(prompt_token_ids) for _ in range(n)]
+        groups = [CompletionGroup(list(ids)) for ids in prompt_token_ids]
+        rng_guard = (torch.random.fork_rng(devices=[self._device] if self._device.type == "cuda" else [])
+                     if sampling.seed is not None else contextlib.nullcontext())
+        with rng_guard:
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            for start in range(0, len(rows), self.max_batch_size):
+                chunk = rows[start : start + self.max_batch_size]
+                for (p, _), completion in zip(chunk, self._generate_rows([ids for _, ids in chunk], sampling)):
+                    groups[p].completions.append(completion)
+        return groups
+
+    @torch.no_grad()
+    def _generate_rows(self, rows: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        from transformers import GenerationConfig, LogitsProcessorList
+        from transformers.generation.logits_process import (
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, ids in enumerate(rows):
+            input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, width - len(ids) :] = 1
+
+        stops = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
+        sample_recorder = _StepLogprobRecorder()
+        policy_recorder = None if sampling.is_untruncated_t1 else _StepLogprobRecorder()
+        processors = [policy_recorder] if policy_recorder is not None else []
+        if sampling.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k > 0:
+            processors.append(TopKLogitsWarper(top_k=sampling.top_k))
+        if sampling.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=sampling.top_p))
+        processors.append(sample_recorder)
+        config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
+            max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, num_return_sequences=1,
+            eos_token_id=stops or None, pad_token_id=self.pad_token_id, return_dict_in_generate=True,
+            output_scores=False, output_logits=False, use_cache=True,
+        )
+        out = self.model.generate(input_ids=input_ids.to(self._device), attention_mask=attention_mask.to(self._device),
+                                  generation_config=config, logits_processor=LogitsProcessorList(processors))
+        generated = out.sequences[:, width:]
+        sample_logprobs = sample_recorder.finish(generated).cpu()
+        policy_logprobs = policy_recorder.finish(generated).cpu() if policy_recorder is not None else sample_logprobs
+        generated = generated.cpu()
+
+        stop_set = set(stops)
+        completions = []
+        for i in range(len(rows)):
+            tokens = generated[i].tolist()
+            end = next((t + 1 for t, tok in enumerate(tokens) if tok in stop_set), None)
+            finish = "stop" if end is not None else "length"
+            end = end if end is not None else len(tokens)
+            completions.append(Completion(
+                token_ids=tokens[:end],
+                logprobs=sample_logprobs[i, :end].tolist(),
+                finish_reason=finish,
+                policy_logprobs=policy_logprobs[i, :end].tolist(),
+            ))
+        return completions
+
+    # ------------------------------------------------------------------------------------------------------------
+    def load_weights(self, weights: WeightStream, *, require_all: bool = True) -> int:
+        """Copy (hf_name, tensor) pairs into the model; returns how many tensors were copied.
+
+        Raises ValueError on an unknown name or a shape mismatch, and (``require_all``) when some parameter got no
+        tensor. A tied output layer is covered by its embedding. On error the model may be partly updated."""
+        targets = self.model.state_dict(keep_vars=True)
+        covered: set[int] = set()
+        count = 0
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = targets.get(name)
+                if target is None:
+                    sample = ", ".join(list(targets)[:3])
+                    raise ValueError(f"unknown weight {name!r} for {type(self.model).__name__} "
+                                     f"(its names look like: {sample}, ...)")
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} but the model expects "
+                                     f"{tuple(target.shape)}")
+                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+                covered.add(id(target))
+                count += 1
+        if require_all:
+            missing = [n for n, p in self.model.named_parameters() if id(p) not in covered]
+            if missing:
+                raise ValueError(f"the weight stream did not cover {len(missing)} parameters, e.g. {missing[:3]}")
+        return count
+
+    def sleep(self) -> None:
+        """On CUDA: move the model to CPU and free the cache. On CPU: nothing to free (the state is still tracked
+        so that misuse, e.g. generating while asleep, fails the same way on both devices)."""
+        if self._device.type == "cuda" and not self._asleep:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo sleep(); ``tags`` exists for protocol parity with vLLM (weights and KV cache wake together here)."""
+        if self._device.type == "cuda" and self._asleep:
+            self.model.to(self._device)
+        self._asleep = False

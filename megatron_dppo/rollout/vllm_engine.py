@@ -1,0 +1,230 @@
+"""The GPU rollout engine: a vLLM ``LLM`` colocated with training in the same processes.
+
+Colocation. Under torchrun / srun every training rank builds its own ``LLM(...,
+distributed_executor_backend="external_launcher")``; vLLM then runs in-process (no engine-core subprocess) and
+uses the launcher's ranks for its tensor-parallel group. In that mode every rank of a vLLM TP group must call
+generate() with the same prompts and sampling parameters (same seeds) and gets the same outputs. A single process
+without a launcher gets the same in-process setup (the rank environment is filled in for world size 1).
+
+Weights. ``load_weights`` streams the trainer's HF-named tensors (``convert.export_hf_weights``) into every
+worker with ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``: vLLM's
+``Worker.reload_weights`` runs the model's own ``load_weights`` (fusing q/k/v and gate/up, sharding for TP) inside
+its layer-wise reload, then resets the prefix cache. Calling ``model_runner.model.load_weights`` directly skips
+that bookkeeping and breaks on vLLM's CPU build. Each tensor is first checked against the names and shapes of the
+HF architecture (built on the meta device), so a bad name or shape raises ValueError before vLLM sees it.
+
+Log-probs. The engine is created with ``logprobs_mode="processed_logprobs"`` and asks for ``logprobs=0``, so
+``Completion.logprobs`` is the log-prob of each sampled token under the sampling distribution (after temperature,
+top-k, top-p), the same quantity as the HF engine. vLLM gives one kind per engine: ``policy_logprobs`` is filled
+only when the sampling is untruncated at temperature 1 (then the two are equal), else None.
+
+Stop tokens. The engine runs without a tokenizer (``skip_tokenizer_init``; prompts are token ids and text is
+never needed), so the EOS ids are read from the model's config.json / generation_config.json and passed as
+``stop_token_ids`` together with the caller's. Token ids include the stop token.
+
+Sleep mode (GPU only): ``sleep()`` offloads (level 1) or discards (level 2) weights and drops the KV cache;
+``wake_up(["weights"])`` before a weight push and ``wake_up(["kv_cache"])`` after it keep peak memory low
+(``wake_up()`` restores both). On CPU, sleep/wake are no-ops.
+
+vLLM is optional: it is imported when an engine is created, with a clear error when missing.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_dppo.rollout.base import (
+    Completion,
+    CompletionGroup,
+    SamplingParams,
+    WeightStream,
+    validate_prompts,
+)
+
+logger = logging.getLogger("megatron_dppo.rollout")
+
+
+def import_vllm():
+    """The vllm module, or ImportError explaining how to get it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError("the 'vllm' rollout engine needs vLLM, which is not installed: on GPU machines "
+                          "`pip install megatron-dppo[gpu]` (or `pip install vllm`); on CPU use the 'hf' engine "
+                          f"(import error: {err})") from err
+    return vllm
+
+
+def read_eos_token_ids(model_path: str | Path) -> list[int]:
+    """EOS ids declared by an HF model directory (config.json and generation_config.json, int or list)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_path) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            for v in ([value] if isinstance(value, int) else value or []):
+                if int(v) not in ids:
+                    ids.append(int(v))
+    return ids
+
+
+def expected_hf_weights(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """{hf_name: shape} of the transformers model described by ``model_path``/config.json (built on meta)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ensure_single_process_env() -> None:
+    """external_launcher reads the torch.distributed env; fill it in for a lone process (world size 1)."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+class VLLMRolloutEngine:
+    """A RolloutEngine over an in-process vLLM ``LLM``; see the module docstring.
+
+    Args:
+        model_path: HF model directory (config.json; weights too unless ``load_format="dummy"``).
+        tensor_parallel_size: vLLM TP size (ranks of the launcher form the groups).
+        dtype: "bfloat16" on GPU; "float32" for exact comparisons on CPU.
+        load_format: "dummy" builds random weights (the trainer pushes real ones before the first rollout).
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache), colocated with training.
+        enable_sleep_mode: None = on when CUDA is available (sleep mode is GPU only).
+        sleep_level: 1 keeps a CPU copy of the weights while asleep; 2 discards them (use when every wake-up is
+            followed by a full weight push).
+        seed: engine seed; per-request seeds come from ``SamplingParams.seed``.
+        **llm_kwargs: passed to ``vllm.LLM`` (e.g. max_model_len, enforce_eager, max_num_seqs).
+    """
+
+    def __init__(self, model_path: str | Path, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
+                 load_format: str = "dummy", gpu_memory_utilization: float = 0.5,
+                 enable_sleep_mode: bool | None = None, sleep_level: int = 1, seed: int = 0, **llm_kwargs: Any):
+        vllm = import_vllm()
+        self.model_path = str(model_path)
+        if not (Path(model_path) / "config.json").is_file():
+            raise ValueError(f"{model_path} is not a Hugging Face model directory (no config.json)")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        on_gpu = torch.cuda.is_available()
+        self.sleep_enabled = on_gpu if enable_sleep_mode is None else bool(enable_sleep_mode and on_gpu)
+        self.sleep_level = sleep_level
+        self.eos_token_ids = read_eos_token_ids(model_path)
+        self._expected = expected_hf_weights(model_path)
+        _ensure_single_process_env()
+        kwargs = dict(
+            model=self.model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, load_format=load_format,
+            distributed_executor_backend="external_launcher", skip_tokenizer_init=True, seed=seed,
+            logprobs_mode="processed_logprobs", generation_config="vllm", enable_sleep_mode=self.sleep_enabled,
+        )
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs.update(llm_kwargs)
+        self.llm = vllm.LLM(**kwargs)
+        self._asleep: set[str] = set()  # parts put to sleep and not yet woken
+        self._weights_incomplete = False  # a weight push failed midway
+
+    # ------------------------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[CompletionGroup]:
+        """n completions per prompt; request i uses seed ``sampling.seed + i`` when a seed is given."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        validate_prompts(prompt_token_ids, n)
+        if self._asleep:
+            raise RuntimeError("VLLMRolloutEngine.generate() called while asleep; call wake_up() first")
+        if self._weights_incomplete:
+            raise RuntimeError("the last load_weights() failed midway, so vLLM holds a mix of old and new weights; "
+                               "push a complete set of weights before generating")
+        stops = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
+        params = [
+            VllmSamplingParams(
+                n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                max_tokens=sampling.max_new_tokens, stop_token_ids=stops, logprobs=0, detokenize=False,
+                seed=None if sampling.seed is None else sampling.seed + i,
+            )
+            for i in range(len(prompt_token_ids))
+        ]
+        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        groups = []
+        for ids, output in zip(prompt_token_ids, outputs):
+            group = CompletionGroup(list(ids))
+            for sample in sorted(output.outputs, key=lambda o: o.index):
+                tokens = list(sample.token_ids)
+                logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, sample.logprobs)]
+                finish = "stop" if sample.finish_reason == "stop" else "length"
+                group.completions.append(Completion(
+                    token_ids=tokens, logprobs=logprobs, finish_reason=finish,
+                    policy_logprobs=list(logprobs) if sampling.is_untruncated_t1 else None))
+            groups.append(group)
+        return groups
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _checked(self, weights: WeightStream, counter: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            shape = self._expected.get(name)
+            if shape is None:
+                raise ValueError(f"unknown weight {name!r} for the model in {self.model_path}")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} but the model expects {shape}")
+            counter[0] += 1
+            yield name, tensor
+
+    def load_weights(self, weights: WeightStream) -> int:
+        """Stream HF-named tensors into all vLLM workers (see the module docstring); returns the tensor count.
+
+        A bad first tensor raises ValueError before vLLM is touched. An error later in the stream (a bad name or
+        shape, or the exporter failing) leaves vLLM's weights half reloaded: the engine then refuses to generate
+        until a complete load_weights() succeeds."""
+        if "weights" in self._asleep:
+            raise RuntimeError("VLLMRolloutEngine.load_weights() called while the weights sleep; wake_up(['weights'])")
+        counter = [0]
+        checked = self._checked(weights, counter)
+        first = next(checked, None)  # validated before vLLM starts its layer-wise reload
+        if first is None:
+            raise ValueError("load_weights() got an empty weight stream")
+        stream: Any = itertools.chain([first], checked)
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":  # an engine-core process: must pickle
+            stream = list(stream)
+        self._weights_incomplete = True
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+        self._weights_incomplete = False
+        self.llm.reset_prefix_cache()
+        return counter[0]
+
+    def sleep(self) -> None:
+        """Free accelerator memory (GPU sleep mode); generate() and load_weights() need a wake_up() first."""
+        if self.sleep_enabled and not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore ``tags`` ("weights", "kv_cache"; None = both). Generation needs both awake."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; valid: 'weights', 'kv_cache'")
+        if self.sleep_enabled and self._asleep & set(tags):
+            self.llm.wake_up(sorted(self._asleep & set(tags)))
+        self._asleep = self._asleep - set(tags)
