@@ -1,0 +1,502 @@
+"""Checkpoints of a ``PolicyEngine``: Megatron distributed checkpointing (``torch_dist``), atomic, reshardable.
+
+Layout of a checkpoint root::
+
+    <root>/latest                 one line: the name of the newest complete checkpoint ("step_00000010")
+    <root>/step_00000010/         a dist_checkpointing directory (metadata.json, common.pt, *.distcp)
+    <root>/.tmp-step_00000010/    only while it is being written (or after a crash: never read, removed by
+                                  the next save)
+
+Atomicity: every rank writes into ``.tmp-<name>``; after all ranks succeeded (an all-reduced success flag),
+rank 0 renames it to ``<name>`` (an existing ``<name>`` is first moved aside and deleted after the rename) and
+then replaces ``latest`` (write ``.latest.tmp``, fsync, ``os.replace``). A crash or an exception at any point
+leaves either the previous complete checkpoint or the new one behind, never a partial one under a final name;
+``latest`` always names a complete checkpoint. (An exception raised on ONE rank inside Megatron's collective
+save leaves the other ranks waiting in that collective until the process-group timeout; the temporary
+directory is still never renamed.)
+
+What is saved:
+
+==================  =====================================================================================
+``model``           the policy chunks' ``sharded_state_dict`` (global, layout-independent keys: a checkpoint
+                    written at one TP/PP/VPP/DP layout loads at any other)
+``reference``       the frozen reference chunks (keys prefixed ``reference.``), when the engine has one
+``optimizer``       Adam state + fp32 main params. Regular optimizer: per-parameter sharded tensors (fully
+                    reshardable). DistributedOptimizer: ``OptimConfig.dist_ckpt_optim_format``;
+                    ``dp_reshardable`` (default; reshards over DP only) or ``fully_reshardable`` (any
+                    TP/PP/DP; gathers on DP rank 0 when saving). Both resume bit-exactly. Not written
+                    before the first update (no state yet).
+``rng``             per global rank: python ``random``, numpy, torch CPU (and CUDA) generators and
+                    Megatron's tracked RNG states; restored only at the identical layout
+``common``          step, the engine's configuration, and the trainer's opaque ``extra`` dict (data cursor,
+                    prompt history, ...; rank 0's copy is saved and every rank gets it back)
+==================  =====================================================================================
+
+Resume (same layout) is bit-exact: weights, Adam moments, Adam's step counters, the LR-schedule position
+(``engine.step``) and every RNG stream are restored, so the continued run equals the uninterrupted one
+(``test_checkpoint.py``). Known Megatron-Core 0.16 pitfalls handled here: the DistributedOptimizer state is
+initialized before building the sharded state dict for loading, the load runs under ``no_grad``, and Adam's
+per-parameter ``step`` tensors are rebuilt: the DistributedOptimizer restores ONE tensor shared by all
+parameters (torch's AdamW would increment it once per parameter) and its ``dp_reshardable`` parameter state
+writes the pre-load step back into it; the step saved in the optimizer's param groups is put into a separate
+tensor per parameter.
+
+Checkpoints are written by the local (CPU) and the Transformer Engine (GPU) layer specs under different
+parameter names (TE fuses the layer norms into the linear layers), so they load within one spec.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+LATEST_FILE = "latest"
+_NAME_RE = re.compile(r"^step_(\d{8,})$")
+_TMP_PREFIX = ".tmp-"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{int(step):08d}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Process-group helpers (single process without torch.distributed works too)
+# ----------------------------------------------------------------------------------------------------------
+def _dist() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _dist() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if _dist() else 1
+
+
+def _barrier() -> None:
+    if _dist():
+        torch.distributed.barrier()
+
+
+def _all_ok(ok: bool) -> bool:
+    if not _dist():
+        return ok
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    if torch.distributed.get_backend() == "nccl":
+        flag = flag.cuda()
+    torch.distributed.all_reduce(flag)
+    return int(flag.item()) == 0
+
+
+def _broadcast_str(text: str | None) -> str | None:
+    if not _dist():
+        return text
+    box = [text]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Paths
+# ----------------------------------------------------------------------------------------------------------
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root`` (read from ``latest``), or None."""
+    root = Path(root)
+    pointer = root / LATEST_FILE
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    path = root / name
+    if not _NAME_RE.match(name) or not (path / "metadata.json").is_file():
+        raise ValueError(f"{pointer} names {name!r}, which is not a complete checkpoint under {root}")
+    return path
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (temporary directories excluded)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _NAME_RE.match(p.name) and (p / "metadata.json").is_file()]
+    return sorted(found, key=lambda p: int(_NAME_RE.match(p.name).group(1)))
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` itself when it is a checkpoint directory, else the ``latest`` one under it."""
+    path = Path(path)
+    if (path / "metadata.json").is_file():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise ValueError(f"{path} is neither a checkpoint directory (no metadata.json) nor a checkpoint root "
+                         f"with a '{LATEST_FILE}' file")
+    return found
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST_FILE}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST_FILE)
+    _fsync_dir(root)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# State pieces
+# ----------------------------------------------------------------------------------------------------------
+def _layout(engine) -> dict:
+    from megatron.core import parallel_state
+
+    return {
+        "world_size": _world(),
+        "tp": engine.parallel.tp,
+        "pp": engine.parallel.pp,
+        "vpp": engine.parallel.vpp,
+        "cp": engine.parallel.cp,
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "sp": engine.parallel.sp,
+    }
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _optimizer_metadata(engine) -> dict:
+    return {"distrib_optim_sharding_type": engine.optim_cfg.dist_ckpt_optim_format}
+
+
+def _optimizer_has_state(engine) -> bool:
+    inner = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+    return any(len(getattr(o, "optimizer", o).state) > 0 for o in inner)
+
+
+def _inner_torch_optimizers(engine) -> list:
+    return [getattr(o, "optimizer", o) for o in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])]
+
+
+def _init_optimizer_state(engine) -> None:
+    """Allocate Adam state (zeros, step 0) so a sharded state dict for loading can be built."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        inner = getattr(opt, "optimizer", opt)
+        if len(inner.state) > 0:
+            continue
+        if isinstance(opt, DistributedOptimizer):
+            opt._init_optimizer_states_with_dummy_values()
+        else:
+            opt.init_state_fn(inner, opt.config) if getattr(opt, "init_state_fn", None) else None
+
+
+def _saved_distopt_step(opt_state) -> float | None:
+    """Adam's step as the DistributedOptimizer saved it (``optimizer.param_groups[*].step``), or None."""
+    if not isinstance(opt_state, dict):
+        return None
+    inner = opt_state.get("optimizer")
+    if isinstance(inner, dict) and isinstance(inner.get("param_groups"), list):
+        steps = {float(g["step"]) for g in inner["param_groups"] if g.get("step") is not None}
+        if len(steps) == 1:
+            return steps.pop()
+        if len(steps) > 1:
+            raise ValueError(f"checkpoint has different Adam steps per parameter group: {sorted(steps)}")
+    return None
+
+
+def _fix_adam_steps(engine, step: float | None) -> None:
+    """Give every parameter its own, correct ``step`` tensor.
+
+    Megatron-Core 0.16's DistributedOptimizer restores ONE step tensor shared by all parameters (torch's AdamW
+    then increments it once per parameter and update), and its ``dp_reshardable`` parameter state copies the
+    PRE-LOAD step back into it (the per-parameter step is not restored from the file). ``step`` is the value
+    saved in the optimizer's param groups; None keeps the loaded values (regular optimizer: already correct).
+    """
+    for inner in _inner_torch_optimizers(engine):
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                value = state["step"].detach().clone()
+                if step is not None:
+                    value.fill_(step)
+                state["step"] = value
+
+
+@contextlib.contextmanager
+def _distopt_state_without_step(engine):
+    """During a DistributedOptimizer load, copy parameter states while Adam's ``step`` is set aside.
+
+    With torch's AdamW (no Transformer Engine / Apex fused Adam) every parameter state holds a ``step``;
+    Megatron-Core 0.16's ``_set_main_param_and_optimizer_states`` copies EVERY state key from the checkpoint,
+    and the ``fully_reshardable`` format has no per-parameter ``step`` (KeyError 'step'). The step is restored
+    separately (``_fix_adam_steps``), so it is hidden from that copy.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = []
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def without_step(model_param, tensors, _opt=opt, _original=original):
+            if "step" in tensors or _opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                return _original(model_param, tensors)
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = _opt.optimizer.state[main_param]
+            step = state.pop("step", None)
+            try:
+                return _original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = without_step
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class method
+
+
+def _model_sharded_state_dict(engine) -> dict:
+    sd = {"model": {str(i): m.sharded_state_dict() for i, m in enumerate(engine.modules)}}
+    if engine.reference_chunks is not None:
+        sd["reference"] = {str(i): m.sharded_state_dict(prefix="reference.")
+                           for i, m in enumerate(engine.reference_chunks)}
+    return sd
+
+
+def _flat_model_sd(sd: dict) -> dict:
+    flat = {}
+    for chunk_sd in sd["model"].values():
+        flat.update(chunk_sd)
+    return flat
+
+
+def _engine_meta(engine) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": int(engine.step),
+        "arch": asdict(engine.arch),
+        "layout": _layout(engine),
+        "optim": asdict(engine.optim_cfg),
+        "loss": asdict(engine.loss_cfg),
+        "dtype": str(engine.dtype),
+        "distributed_optimizer": bool(engine.optim_cfg.use_distributed_optimizer),
+        "has_optimizer_state": _optimizer_has_state(engine),
+        "has_reference": engine.reference_chunks is not None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Save
+# ----------------------------------------------------------------------------------------------------------
+def save_checkpoint(engine, root: str | os.PathLike, extra: dict[str, Any] | None = None, *,
+                    keep_last: int | None = None) -> Path:
+    """Write the engine's full training state to ``root/step_<engine.step>`` atomically; every rank calls it.
+
+    ``extra``: the trainer's picklable state (data cursor, prompt history, ...), returned by
+    ``load_checkpoint``. ``keep_last``: delete all but the newest ``keep_last`` complete checkpoints
+    afterwards. Returns the checkpoint directory.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last={keep_last!r} must be None or an integer >= 1")
+    root = Path(root)
+    name = checkpoint_name(engine.step)
+    final, tmp = root / name, root / f"{_TMP_PREFIX}{name}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"{_TMP_PREFIX}*"):  # leftovers of crashed saves
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+
+    ok = False
+    try:
+        sd = _model_sharded_state_dict(engine)
+        meta = _engine_meta(engine)
+        if meta["has_optimizer_state"]:
+            sd["optimizer"] = engine.optimizer.sharded_state_dict(_flat_model_sd(sd), is_loading=False,
+                                                                  metadata=_optimizer_metadata(engine))
+        sd["rng"] = ShardedObject("megatron_dppo.rng_state", _rng_state(), (_world(),), (_rank(),), replica_id=0)
+        sd["meta"] = meta
+        sd["extra"] = extra if extra is not None else {}
+        dist_checkpointing.save(sd, str(tmp))
+        ok = True
+    finally:
+        all_ok = _all_ok(ok)  # also runs when this rank raised, so the others do not hang here
+        if not all_ok and _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not all_ok:
+        raise RuntimeError(f"saving checkpoint {final} failed on another rank; nothing was written")
+
+    if _rank() == 0:
+        (tmp / "megatron_dppo.json").write_text(json.dumps(
+            {k: v for k, v in meta.items() if k != "optim" and k != "loss"}, indent=1, default=str))
+        aside = root / f"{_TMP_PREFIX}old-{name}"
+        if final.exists():
+            final.rename(aside)
+        tmp.rename(final)
+        _fsync_dir(root)
+        _write_latest(root, name)
+        if aside.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        if keep_last is not None:
+            for old in list_checkpoints(root)[:-keep_last]:
+                if old.name != name:
+                    shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Load
+# ----------------------------------------------------------------------------------------------------------
+def read_checkpoint_meta(path: str | os.PathLike) -> dict:
+    """The engine metadata of a checkpoint (rank-independent; reads only common.pt)."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(resolve_checkpoint(path)))
+    return common["meta"]
+
+
+def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | None = None,
+                    load_rng: bool | None = None) -> dict[str, Any]:
+    """Restore ``engine`` from a checkpoint directory, or from the ``latest`` one under a checkpoint root.
+
+    The model loads at any TP/PP/VPP/DP layout. ``load_optimizer`` / ``load_rng`` default to "when
+    possible": the optimizer state when the checkpoint has one of the same kind (regular: any layout;
+    DistributedOptimizer ``dp_reshardable``: same TP/PP/VPP), the RNG states at the identical layout.
+    Passing True where it is impossible raises ``ValueError``. Returns the ``extra`` dict saved with it.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    path = resolve_checkpoint(path)
+    # every rank must load the same directory even if `latest` moves meanwhile
+    path = Path(_broadcast_str(str(path)))
+    meta = read_checkpoint_meta(path)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format_version={meta.get('format_version')}, this code reads "
+                         f"{FORMAT_VERSION}")
+    if meta["arch"] != asdict(engine.arch):
+        diff = {k: (meta["arch"].get(k), v) for k, v in asdict(engine.arch).items() if meta["arch"].get(k) != v}
+        raise ValueError(f"{path}: model architecture differs from the engine's (checkpoint, engine): {diff}")
+    saved, here = meta["layout"], _layout(engine)
+
+    # -- what can be restored
+    opt_possible, opt_reason = meta["has_optimizer_state"], "the checkpoint has no optimizer state"
+    if opt_possible and meta["distributed_optimizer"] != engine.optim_cfg.use_distributed_optimizer:
+        opt_possible, opt_reason = False, (f"use_distributed_optimizer differs (checkpoint "
+                                           f"{meta['distributed_optimizer']}, engine "
+                                           f"{engine.optim_cfg.use_distributed_optimizer})")
+    if opt_possible and meta["distributed_optimizer"]:
+        fmt = meta["optim"]["dist_ckpt_optim_format"]
+        if fmt != engine.optim_cfg.dist_ckpt_optim_format:
+            opt_possible, opt_reason = False, (f"DistributedOptimizer format differs (checkpoint {fmt}, engine "
+                                               f"{engine.optim_cfg.dist_ckpt_optim_format})")
+        elif fmt == "dp_reshardable" and any(saved[k] != here[k] for k in ("tp", "pp", "vpp", "cp")):
+            opt_possible, opt_reason = False, (
+                f"the dp_reshardable DistributedOptimizer state reshards over DP only; saved tp/pp/vpp/cp="
+                f"{[saved[k] for k in ('tp', 'pp', 'vpp', 'cp')]}, now {[here[k] for k in ('tp', 'pp', 'vpp', 'cp')]}")
+    if load_optimizer and not opt_possible:
+        raise ValueError(f"{path}: cannot load the optimizer state: {opt_reason}; pass load_optimizer=False "
+                         "to load the weights only")
+    do_opt = opt_possible if load_optimizer is None else bool(load_optimizer)
+    same_layout = saved == here
+    if load_rng and not same_layout:
+        raise ValueError(f"{path}: RNG states were saved at layout {saved}, the engine runs at {here}; pass "
+                         "load_rng=False")
+    do_rng = same_layout if load_rng is None else bool(load_rng)
+
+    # -- build the sharded state dict to load into
+    sd = _model_sharded_state_dict(engine)
+    load_reference = "reference" in sd and meta["has_reference"]
+    if "reference" in sd and not load_reference:
+        del sd["reference"]
+    if do_opt:
+        _init_optimizer_state(engine)
+        sd["optimizer"] = engine.optimizer.sharded_state_dict(_flat_model_sd(sd), is_loading=True,
+                                                              metadata=_optimizer_metadata(engine))
+    if do_rng:
+        sd["rng"] = ShardedObject("megatron_dppo.rng_state", None, (_world(),), (_rank(),), replica_id=0)
+
+    with torch.no_grad():
+        state = dist_checkpointing.load(sd, str(path))
+        for i, module in enumerate(engine.modules):
+            module.load_state_dict(state["model"][str(i)], strict=True)
+        if load_reference:
+            for i, ref in enumerate(engine.reference_chunks):
+                ref_sd = {k[len("reference."):] if k.startswith("reference.") else k: v
+                          for k, v in state["reference"][str(i)].items()}
+                ref.load_state_dict(ref_sd, strict=True)
+        elif engine.reference_chunks is not None:
+            engine.sync_reference_from_policy()
+        if do_opt:
+            saved_step = _saved_distopt_step(state["optimizer"])
+            with _distopt_state_without_step(engine):
+                engine.optimizer.load_state_dict(state["optimizer"])
+            _fix_adam_steps(engine, saved_step)
+        else:
+            engine.optimizer.reload_model_params()  # main (fp32) params from the loaded weights
+    if do_rng:
+        _set_rng_state(state["rng"])
+    engine.step = int(meta["step"])
+    _barrier()
+    logger.info("loaded checkpoint %s (step %d, optimizer %s, rng %s)", path, engine.step, do_opt, do_rng)
+    return state.get("extra", {})

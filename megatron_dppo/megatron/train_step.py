@@ -1,0 +1,514 @@
+"""The policy engine: Megatron-Core model chunks + DDP + optimizer, forward-only log-probs, and one GRPO step.
+
+``PolicyEngine`` owns this rank's model chunks (one per virtual pipeline stage), wrapped in Megatron's
+``DistributedDataParallel``, a Megatron optimizer (optionally the ``DistributedOptimizer``), the learning-rate
+schedule and, when the loss has a KL term, a frozen reference model. Everything runs on packed THD
+micro-batches (``packing.ThdBatch``) through Megatron's pipeline schedules (``get_forward_backward_func``), so
+the same code runs TP / SP / PP / VPP / DP on CPU (gloo) and on GPU (NCCL).
+
+The fixed denominator (ALGORITHMS.md section 3)
+-----------------------------------------------
+The step must produce ``grad L`` with ``L = (1/D) * sum_{DP ranks r} sum_{micro-batches m} N_{r,m}``, where
+``N_{r,m} = loss_numerator(...)`` of micro-batch ``m`` on rank ``r`` and ``D`` is the constant the trainer
+computes from the full batch (``algo.losses.loss_denominator``). Megatron would normally (a) divide every
+micro-batch loss by ``num_microbatches`` and (b) average gradients over the data-parallel group. Both are
+switched off, precisely:
+
+1. ``TransformerConfig.calculate_per_token_loss = True`` and the loss function returns the 3-tuple
+   ``(N_{r,m} / D, num_tokens, reduced)``: the schedule (``forward_step_calc_loss``) then leaves the loss as is
+   (no ``/ num_microbatches``, no ``* cp_size``), and backward accumulates ``grad N_{r,m} / D`` over micro-batches.
+2. The same flag makes ``DistributedDataParallel`` use ``gradient_scaling_factor = 1``: the data-parallel
+   reduction is a plain SUM over ranks (``average_in_collective`` stays False).
+3. With that flag Megatron's ``finalize_model_grads`` would divide by the all-reduced token count; our
+   ``finalize_model_grads_func`` calls it with ``num_tokens=None`` instead, so nothing else rescales.
+
+Hence ``main_grad = sum_r sum_m grad N_{r,m} / D`` exactly, for any number of micro-batches and DP ranks
+(``test_train_step.py`` checks TP1 == TP2+SP == PP2 == DP2 == TP2xPP2 and == the padded reference loss).
+
+Micro-batch counts: every DP rank must run the same number of micro-batches (collectives inside the schedule
+and the DP gradient reduction). The packer guarantees it; the engine still all-reduces the count (MAX) and
+appends zero-weight dummy micro-batches (``ThdBatch`` with ``loss_mask = 0``) to any rank that has fewer, and,
+with virtual pipeline stages, up to a multiple of ``pp`` (the interleaved schedule needs it). A dummy adds
+exactly 0 to the loss and to the gradient. A micro-batch with zero positions is replaced by a dummy. With
+virtual stages every micro-batch is also padded to the longest one (``pad_micro_batch``), and the interleaved
+schedule runs with a fixed activation shape and separate forward / backward exchanges
+(``variable_seq_lengths=False, overlap_p2p_comm=True, batch_p2p_comm=False``): on a 2-rank pipeline group
+(prev peer == next peer) Megatron-Core 0.16's combined ``send_forward_backward_recv_forward_backward`` pairs
+the two same-peer messages crosswise, silently swapping activations and gradients (measured here: wrong loss,
+grad norm 549 instead of 3.13; NVIDIA/Megatron-LM issue 5100 / PR 5271).
+
+Old-policy and reference log-probs
+----------------------------------
+``compute_logprobs(micro_batches, model="policy" | "reference")`` runs the forward-only schedule
+(``get_forward_backward_func(forward_only=True)``) on the same micro-batches; ``fill_logprobs`` stores the
+results into ``batch.old_logprobs`` / ``batch.ref_logprobs``. A batch whose ``old_logprobs`` is None is trained
+fully on-policy (``old_logp = logp.detach()``, ratio 1): exact when the rollout policy equals the current
+weights (one optimizer step per rollout), and it saves one forward pass.
+
+The reference model is a SECOND, FROZEN copy of the model chunks (same layout, no DDP, no optimizer, no
+gradients), built only when ``kl_coef > 0`` (or ``reference=True``) and initialized from the policy's weights
+at construction (``sync_reference_from_policy()`` re-copies, e.g. after loading HF weights into the policy).
+Chosen over swapping a weight snapshot in and out of the policy because it never touches the policy's DDP /
+optimizer buffers (no risk of training the wrong weights after an exception mid-swap) and costs only the
+parameters (2 bytes/param in bf16, ~1/8 of the policy's training memory with Adam). Checkpoints save it (keys
+prefixed ``reference.``), so a resumed run has the same reference.
+
+Precision: bf16 parameters with fp32 main params, fp32 gradient reduction and fp32 Adam state on GPU; fp32
+everywhere on CPU (``model.default_dtype``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from megatron_dppo.algo.losses import LossConfig, loss_numerator
+
+from . import compat
+from .cpu import ensure_device_backend
+from .logprobs import compute_logprobs as _forward_only_logprobs
+from .logprobs import forward_thd, vocab_parallel_logprobs
+from .model import ModelArch, build_model_chunks, default_dtype
+from .parallel import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+LR_SCHEDULES = ("constant", "cosine")
+
+# Per-micro-batch sums reduced into the step metrics (order of the stats vector).
+_STAT_NAMES = ("numerator", "tokens", "clipped_tokens", "clip_high_tokens", "clip_low_tokens", "ratio_sum",
+               "pg_sum", "kl_sum", "entropy_sum", "weight_sum", "sequences")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OptimConfig:
+    """Adam(W) + schedule + clipping.
+
+    lr(step), with ``step`` = optimizer steps already taken (0 for the first update), per param group with
+    Megatron's ``max_lr``/``min_lr`` (``lr``/``min_lr`` here unless overridden):
+        warmup (step < warmup_steps):  max_lr * (step + 1) / warmup_steps
+        constant:                      max_lr
+        cosine:                        min_lr + (max_lr - min_lr) * (1 + cos(pi * p)) / 2,
+                                       p = min(1, (step - warmup_steps) / (total_steps - warmup_steps))
+    The first update of a warmup therefore already uses a non-zero rate (Megatron's own scheduler starts at 0).
+    ``clip_grad`` is the max global L2 norm (0 disables clipping); weight decay is decoupled (AdamW) and not
+    applied to biases and norm weights (Megatron's default parameter groups).
+    """
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+    # DistributedOptimizer checkpoint format: dp_reshardable (resumes bit-exactly, reshards over DP only) or
+    # fully_reshardable (any TP/PP/DP change; gathers the state on DP rank 0 at save time).
+    dist_ckpt_optim_format: str = "dp_reshardable"
+
+    def __post_init__(self):
+        for name in ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"OptimConfig.{name}={value!r} must be a finite number >= 0")
+        if self.min_lr > self.lr:
+            raise ValueError(f"OptimConfig.min_lr={self.min_lr} must be <= lr={self.lr}")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ValueError(f"OptimConfig.{name}={value} must be in [0, 1)")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"OptimConfig.lr_schedule={self.lr_schedule!r}; valid: {LR_SCHEDULES}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"OptimConfig.warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        if self.lr_schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+            raise ValueError(f"lr_schedule='cosine' needs total_steps > warmup_steps={self.warmup_steps}, "
+                             f"got total_steps={self.total_steps}")
+        formats = ("dp_reshardable", "fully_reshardable")
+        if self.dist_ckpt_optim_format not in formats:
+            raise ValueError(f"OptimConfig.dist_ckpt_optim_format={self.dist_ckpt_optim_format!r}; valid: {formats}")
+
+
+def lr_at_step(cfg: OptimConfig, step: int, max_lr: float, min_lr: float) -> float:
+    """The learning rate of update number ``step`` (0-based) for a group with ``max_lr``/``min_lr``."""
+    if step < 0:
+        raise ValueError(f"step={step} must be >= 0")
+    if step < cfg.warmup_steps:
+        return max_lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return max_lr
+    progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
+    return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+lr_factor_schedule = lr_at_step  # earlier name, kept for callers (trainer.py)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Micro-batch helpers
+# ----------------------------------------------------------------------------------------------------------
+def dummy_micro_batch(pad_multiple: int = 1):
+    """A zero-weight placeholder micro-batch (``pad_multiple`` padding positions, loss mask 0)."""
+    from megatron_dppo.packing import build_thd_batch
+
+    return build_thd_batch([], [], [], [], [], pad_multiple=pad_multiple)
+
+
+def pad_micro_batch(batch, length: int):
+    """``batch`` extended to ``length`` positions: the padding joins the last sequence's padded region
+    (``cu_seqlens_padded[-1]``; true lengths unchanged), with loss mask, weights and labels 0 and
+    ``seq_index = -1``. Used to give every micro-batch one shape under the interleaved pipeline schedule."""
+    import dataclasses
+
+    extra = int(length) - int(batch.tokens.numel())
+    if extra < 0:
+        raise ValueError(f"cannot pad a micro-batch of {batch.tokens.numel()} positions to {length}")
+    if extra == 0:
+        return batch
+
+    def cat(t, value, dtype=None):
+        if t is None:
+            return None
+        return torch.cat([t, torch.full((extra,), value, dtype=dtype or t.dtype, device=t.device)])
+
+    last_pos = int(batch.position_ids[-1]) + 1 if batch.position_ids.numel() else 0
+    cu_padded = batch.cu_seqlens_padded.clone()
+    cu_padded[-1] += extra
+    return dataclasses.replace(
+        batch,
+        tokens=cat(batch.tokens, 0),
+        position_ids=torch.cat([batch.position_ids, torch.arange(last_pos, last_pos + extra,
+                                                                 dtype=batch.position_ids.dtype,
+                                                                 device=batch.position_ids.device)]),
+        labels=cat(batch.labels, 0), loss_mask=cat(batch.loss_mask, 0.0), token_weight=cat(batch.token_weight, 0.0),
+        advantages=cat(batch.advantages, 0.0), seq_index=cat(batch.seq_index, -1),
+        cu_seqlens_padded=cu_padded,
+        max_seqlen=max(int(batch.max_seqlen), int(cu_padded[-1] - cu_padded[-2])),
+        old_logprobs=cat(batch.old_logprobs, 0.0), ref_logprobs=cat(batch.ref_logprobs, 0.0),
+    )
+
+
+def _pad_multiple(parallel: ParallelConfig) -> int:
+    from megatron_dppo.packing import thd_pad_multiple
+
+    return thd_pad_multiple(parallel.tp, parallel.cp, parallel.sp)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine
+# ----------------------------------------------------------------------------------------------------------
+class PolicyEngine:
+    """Megatron-Core policy (and frozen reference) for GRPO-family training on packed THD micro-batches.
+
+    Model-parallel state must be initialized (``parallel.initialize_parallel``). Every rank of a TP/PP group
+    must pass the same micro-batches; DP ranks pass their own.
+
+    Attributes the trainer and ``checkpoint.py`` use: ``model_chunks`` (DDP-wrapped), ``reference_chunks``
+    (or None), ``optimizer`` (Megatron optimizer), ``step`` (optimizer updates done), ``arch``, ``parallel``,
+    ``optim_cfg``, ``loss_cfg``, ``dtype``, ``device``.
+    """
+
+    def __init__(self, arch: ModelArch, parallel: ParallelConfig, optim: OptimConfig | None = None,
+                 loss: LossConfig | None = None, *, dtype: torch.dtype | None = None,
+                 reference: bool | None = None, **config_overrides):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        device_type = ensure_device_backend()
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("model-parallel state is not initialized; call parallel.initialize_parallel first")
+        self.arch = arch
+        self.parallel = parallel
+        self.optim_cfg = optim or OptimConfig()
+        self.loss_cfg = loss or LossConfig()
+        self.dtype = dtype or default_dtype()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        self.step = 0
+        if device_type == "cpu" and self.dtype != torch.float32:
+            raise ValueError(f"dtype={self.dtype} on CPU: the CPU backend trains in torch.float32 only")
+
+        # 1. model chunks (one per virtual stage); per-token loss mode (see module docstring)
+        overrides = dict(config_overrides)
+        overrides["calculate_per_token_loss"] = True
+        if parallel.vpp is not None:
+            # interleaved schedule on a pipeline group whose prev and next peer can coincide (pp = 2): fixed
+            # shapes and separate forward / backward exchanges (see the module docstring and _prepare)
+            overrides.update(variable_seq_lengths=False, overlap_p2p_comm=True, batch_p2p_comm=False)
+        chunks = build_model_chunks(arch, parallel, self.dtype, **overrides)
+        for chunk in chunks:
+            if not chunk.config.calculate_per_token_loss:
+                raise RuntimeError("TransformerConfig.calculate_per_token_loss must be True (fixed denominator)")
+
+        # 2. DDP: fp32 gradient reduction, a SUM over data-parallel ranks (gradient_scaling_factor = 1)
+        self.ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.optim_cfg.use_distributed_optimizer,
+            check_for_nan_in_grad=False,
+            average_in_collective=False,
+        )
+        self.model_chunks = [
+            DistributedDataParallel(config=chunk.config, ddp_config=self.ddp_config, module=chunk,
+                                    disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)
+        ]
+        for chunk in self.model_chunks:
+            chunk.broadcast_params()  # DP replicas start identical whatever their seeds
+
+        # 3. optimizer
+        opt_kwargs = dict(
+            optimizer="adam", lr=self.optim_cfg.lr, min_lr=self.optim_cfg.min_lr,
+            weight_decay=self.optim_cfg.weight_decay, adam_beta1=self.optim_cfg.adam_beta1,
+            adam_beta2=self.optim_cfg.adam_beta2, adam_eps=self.optim_cfg.adam_eps,
+            clip_grad=self.optim_cfg.clip_grad, bf16=self.dtype == torch.bfloat16,
+            fp16=self.dtype == torch.float16, params_dtype=self.dtype,
+            use_distributed_optimizer=self.optim_cfg.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(**compat.supported_kwargs(OptimizerConfig, opt_kwargs)), self.model_chunks)
+
+        # 4. schedule hooks on every chunk's config (the schedule reads model_chunks[0]'s)
+        from megatron.core.distributed import finalize_model_grads
+
+        def finalize_without_token_scaling(model, num_tokens=None, *args, **kwargs):
+            """Megatron's grad finalization (DP reduce, SP/embedding all-reduces) WITHOUT the division by the
+            token count that calculate_per_token_loss would trigger: the loss is already divided by D."""
+            return finalize_model_grads(model, None, *args, **kwargs)
+
+        no_sync = [c.no_sync for c in self.model_chunks]
+        for chunk in self.model_chunks:
+            cfg = chunk.config
+            cfg.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+            cfg.finalize_model_grads_func = finalize_without_token_scaling
+            cfg.grad_scale_func = self.optimizer.scale_loss
+
+        # 5. frozen reference model
+        want_reference = self.loss_cfg.kl_coef > 0 if reference is None else bool(reference)
+        self.reference_chunks = None
+        if want_reference:
+            self.reference_chunks = build_model_chunks(arch, parallel, self.dtype, **overrides)
+            for ref in self.reference_chunks:
+                ref.requires_grad_(False)
+                ref.eval()
+            self.sync_reference_from_policy()
+
+    # ------------------------------------------------------------------------------------------------------
+    @property
+    def modules(self) -> list:
+        """The bare ``GPTModel`` chunks of the policy (no DDP wrapper)."""
+        return [c.module for c in self.model_chunks]
+
+    @torch.no_grad()
+    def sync_reference_from_policy(self) -> None:
+        """Copy the policy's current weights into the reference model."""
+        if self.reference_chunks is None:
+            raise ValueError("this engine has no reference model (kl_coef == 0 and reference not requested)")
+        for ref, pol in zip(self.reference_chunks, self.modules):
+            ref_params = dict(ref.named_parameters())
+            for name, p in pol.named_parameters():
+                ref_params[name].copy_(p)
+
+    def current_lr(self) -> float:
+        """Learning rate the next update uses (default parameter group)."""
+        return lr_at_step(self.optim_cfg, self.step, self.optim_cfg.lr, self.optim_cfg.min_lr)
+
+    def _apply_lr(self) -> float:
+        lr0 = None
+        for group in self.optimizer.param_groups:
+            max_lr = group.get("max_lr", self.optim_cfg.lr)
+            min_lr = group.get("min_lr", self.optim_cfg.min_lr)
+            group["lr"] = lr_at_step(self.optim_cfg, self.step, max_lr, min_lr) * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.optim_cfg.weight_decay * group.get("wd_mult", 1.0)
+            if lr0 is None or group.get("default_config", False):
+                lr0 = group["lr"]
+        return float(lr0 if lr0 is not None else self.current_lr())
+
+    # ------------------------------------------------------------------------------------------------------
+    def _prepare(self, micro_batches: Sequence, pad_dp: bool) -> list:
+        """Move to the device, replace empty batches by dummies, equalize the count over DP (and to a
+        multiple of pp with virtual stages)."""
+        from megatron.core import parallel_state
+
+        pad = _pad_multiple(self.parallel)
+        batches = []
+        for b in micro_batches:
+            if int(b.tokens.numel()) == 0:
+                b = dummy_micro_batch(pad)
+            batches.append(b.to(self.device))
+        count = len(batches)
+        if pad_dp and parallel_state.get_data_parallel_world_size() > 1:
+            n = torch.tensor([count], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX,
+                                         group=parallel_state.get_data_parallel_group())
+            count = int(n.item())
+        if self.parallel.vpp is not None:
+            count = max(count, self.parallel.pp)
+            count = -(-count // self.parallel.pp) * self.parallel.pp
+        count = max(count, 1)
+        while len(batches) < count:
+            batches.append(dummy_micro_batch(pad).to(self.device))
+        if self.parallel.vpp is not None:
+            # Megatron-Core's interleaved schedule mis-pairs the variable-shape exchange when the pipeline group
+            # has 2 ranks (NVIDIA/Megatron-LM #5100): run it with one fixed shape instead.
+            length = max(int(b.tokens.numel()) for b in batches)
+            batches = [pad_micro_batch(b, length) for b in batches]
+        return batches
+
+    @torch.no_grad()
+    def compute_logprobs(self, micro_batches: Sequence, model: str = "policy", with_entropy: bool = False
+                         ) -> list[Tensor] | list[tuple[Tensor, Tensor]]:
+        """Forward-only per-position log-probs ``logp[t] = log p(labels[t] | prefix)`` of each micro-batch
+        (``[T_i]`` float32, meaningful where ``loss_mask`` is 1), on every rank (broadcast over the pipeline).
+
+        ``model``: "policy" (old-policy log-probs) or "reference". With ``with_entropy`` each item is
+        ``(logp, entropy)``. The list has one entry per input micro-batch (dummy padding is dropped).
+        """
+        if model == "policy":
+            chunks = self.model_chunks
+        elif model == "reference":
+            if self.reference_chunks is None:
+                raise ValueError("model='reference' but this engine has no reference model "
+                                 "(kl_coef == 0 and reference not requested)")
+            chunks = self.reference_chunks
+        else:
+            raise ValueError(f"model={model!r}; valid: 'policy', 'reference'")
+        n = len(micro_batches)
+        batches = self._prepare(micro_batches, pad_dp=False)
+        results = _forward_only_logprobs(chunks, batches, with_entropy=with_entropy, broadcast=True)[:n]
+        sizes = [int(b.tokens.numel()) for b in micro_batches]
+        if with_entropy:
+            return [(lp[:t], ent[:t]) for (lp, ent), t in zip(results, sizes)]
+        return [lp[:t] for (lp, _), t in zip(results, sizes)]
+
+    def fill_logprobs(self, micro_batches: Sequence, old: bool = True, reference: bool | None = None) -> None:
+        """Set ``batch.old_logprobs`` (policy) and, when the loss has a KL term (or ``reference``),
+        ``batch.ref_logprobs`` of every micro-batch, in place (kept on the batch's own device)."""
+        if old:
+            for b, lp in zip(micro_batches, self.compute_logprobs(micro_batches, "policy")):
+                b.old_logprobs = lp.to(b.tokens.device)
+        want_ref = self.loss_cfg.kl_coef > 0 if reference is None else reference
+        if want_ref:
+            for b, lp in zip(micro_batches, self.compute_logprobs(micro_batches, "reference")):
+                b.ref_logprobs = lp.to(b.tokens.device)
+
+    # ------------------------------------------------------------------------------------------------------
+    def _loss_func(self, batch, denominator: float, output_tensor: Tensor):
+        """Last pipeline stage: (numerator / D, loss-token count, {"stats": sums}) for one micro-batch."""
+        labels = batch.labels.to(output_tensor.device)
+        logp, entropy = vocab_parallel_logprobs(output_tensor, labels, with_entropy=True)
+        no_tokens = not bool((batch.loss_mask > 0).any())  # dummy: every term is masked out
+        old = batch.old_logprobs.to(logp.device, torch.float32) if batch.old_logprobs is not None else logp.detach()
+        ref = None
+        if self.loss_cfg.kl_coef > 0:
+            if batch.ref_logprobs is None and no_tokens:
+                ref = logp.detach()
+            elif batch.ref_logprobs is None:
+                raise ValueError(f"kl_coef={self.loss_cfg.kl_coef} > 0 but a micro-batch has ref_logprobs=None; "
+                                 "call PolicyEngine.fill_logprobs first")
+            else:
+                ref = batch.ref_logprobs.to(logp.device, torch.float32)
+        numerator, m = loss_numerator(logp, old, batch.advantages, batch.token_weight, batch.loss_mask,
+                                      batch.seq_index, self.loss_cfg, ref)
+        mask = batch.loss_mask > 0
+        with torch.no_grad():
+            zero = torch.zeros((), dtype=torch.float64, device=logp.device)
+            get = lambda k: m[k].detach().double() if k in m else zero  # noqa: E731
+            stats = torch.stack([
+                numerator.detach().double(), get("tokens"), get("clipped_tokens"), get("clip_high_tokens"),
+                get("clip_low_tokens"), get("ratio_sum"), get("pg_sum"), get("kl_sum"),
+                torch.where(mask, entropy, torch.zeros_like(entropy)).sum().double(),
+                torch.where(mask, batch.token_weight, torch.zeros_like(batch.token_weight)).sum().double(),
+                zero + batch.num_sequences,
+            ])
+        num_tokens = mask.sum().to(torch.int)
+        return numerator / denominator, num_tokens, {"stats": stats}
+
+    def train_step(self, micro_batches: Sequence, denominator: float) -> dict[str, float]:
+        """One optimizer update on this rank's packed micro-batches.
+
+        Gradient = grad( sum over all DP ranks and micro-batches of loss_numerator ) / ``denominator``
+        (module docstring). Each batch needs ``old_logprobs`` (or None: on-policy) and, with a KL term,
+        ``ref_logprobs``. Returns metrics identical on every rank:
+            loss           sum of numerators / D (the step's objective, to minimize)
+            grad_norm      global L2 norm of the gradient before clipping
+            lr             learning rate used
+            clip_fraction  clipped loss tokens / loss tokens (PPO/GSPO clipping)
+            kl             mean KL estimate per loss token (0 without KL term)
+            entropy        mean policy entropy per loss token
+            ratio          mean importance ratio per loss token
+            tokens         loss (completion) tokens of the step, all DP ranks
+            sequences      sequences of the step, all DP ranks
+            micro_batches  micro-batches per DP rank (after padding)
+            update_ok      1.0, or 0.0 when the optimizer skipped the update (fp16 overflow / non-finite norm)
+        """
+        from megatron.core import parallel_state
+
+        if isinstance(denominator, bool) or not isinstance(denominator, (int, float)) or not (
+                math.isfinite(denominator) and denominator > 0):
+            raise ValueError(f"denominator={denominator!r} must be a finite number > 0 (loss_denominator)")
+        denominator = float(denominator)
+        batches = self._prepare(micro_batches, pad_dp=True)
+        for chunk in self.model_chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self._apply_lr()
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = forward_thd(model, batch)
+            return output, lambda out, b=batch: self._loss_func(b, denominator, out)
+
+        iterators = [iter(batches) for _ in self.model_chunks]
+        multi = len(self.model_chunks) > 1
+        losses = compat.get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if multi else iterators[0],
+            model=self.model_chunks if multi else self.model_chunks[0],
+            num_microbatches=len(batches),
+            seq_length=max(int(b.tokens.numel()) for b in batches),
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self.step += 1
+
+        # metrics: sum over micro-batches (last stage), broadcast over PP, sum over DP
+        stats = torch.zeros(len(_STAT_NAMES), dtype=torch.float64, device=self.device)
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            for item in losses:
+                stats += item["stats"].to(self.device)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            torch.distributed.broadcast(stats, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                        group=parallel_state.get_pipeline_model_parallel_group())
+        if parallel_state.get_data_parallel_world_size() > 1:
+            torch.distributed.all_reduce(stats, group=parallel_state.get_data_parallel_group())
+        s = dict(zip(_STAT_NAMES, stats.tolist()))
+        tokens = max(s["tokens"], 1.0)
+        return {
+            "loss": s["numerator"] / denominator,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": lr,
+            "clip_fraction": s["clipped_tokens"] / tokens,
+            "clip_high_fraction": s["clip_high_tokens"] / tokens,
+            "clip_low_fraction": s["clip_low_tokens"] / tokens,
+            "kl": s["kl_sum"] / tokens,
+            "entropy": s["entropy_sum"] / tokens,
+            "ratio": s["ratio_sum"] / tokens,
+            "tokens": s["tokens"],
+            "sequences": s["sequences"],
+            "micro_batches": float(len(batches)),
+            "update_ok": float(bool(update_ok)),
+        }

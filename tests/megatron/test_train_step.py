@@ -1,0 +1,276 @@
+"""PolicyEngine.train_step: the loss equals the algorithm core's reference objective, the gradient is exactly
+grad(sum of numerators) / D whatever the micro-batching, and every parallel layout gives the same step."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _dist import run_distributed, single_process_world  # noqa: E402
+import _engine_fixtures as F  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def world():
+    with single_process_world(seed=F.SEED):
+        yield
+
+
+def _engine(loss_cfg, **optim):
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
+    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+
+    seed_everything(F.SEED)
+    return PolicyEngine(F.tiny_arch("llama", num_layers=2, tie=False), ParallelConfig(), OptimConfig(**optim),
+                        loss_cfg)
+
+
+def _fill(engine, batches):
+    logp = engine.compute_logprobs(batches, "policy")
+    for b, lp in zip(batches, logp):
+        b.old_logprobs = lp + F.perturbation(b, 0.3, 0.0)
+        b.ref_logprobs = lp + F.perturbation(b, 0.2, 1.0)
+    return logp
+
+
+def _padded(data, batches, values_per_batch, fill=0.0):
+    """[B, G, L_max] tensor of per-completion-token values (from the packed batches) and the mask."""
+    B, G = data["B"], data["G"]
+    lengths = data["completion_lengths"]
+    L = int(lengths.max())
+    out = torch.full((B, G, L), fill, dtype=torch.float64)
+    mask = torch.zeros(B, G, L, dtype=torch.float64)
+    for q in range(B):
+        for i in range(G):
+            mask[q, i, : int(lengths[q, i])] = 1.0
+    for b, values in zip(batches, values_per_batch):
+        for sid, vals in zip(b.sample_ids.tolist(), b.completion_values(values)):
+            q, i = divmod(sid, G)
+            assert vals.numel() == int(lengths[q, i])
+            out[q, i, : vals.numel()] = vals.double()
+    return out, mask
+
+
+CASES = {
+    "grpo_kl": dict(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3",
+                    aggregation="seq_mean_token_mean"),
+    "dapo_token_mean": dict(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, aggregation="token_mean"),
+    "gspo": dict(policy_loss="gspo", eps_low=0.05, eps_high=0.05, kl_coef=0.02, kl_estimator="k1",
+                 aggregation="seq_mean_token_mean"),
+    "dr_grpo": dict(policy_loss="ppo_clip", kl_coef=0.1, kl_estimator="k2", aggregation="seq_mean_token_sum_norm"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pruned_weighted_step_loss_equals_reference_objective(world, case):
+    """Packed THD micro-batches of the KEPT completions, token weights w (1/pi) or w/|o|, the full-batch D:
+    the engine's loss equals -reference_objective on the padded [B, G, L] tensors (pruned rows weight 0)."""
+    from megatron_dppo.algo.losses import LossConfig, loss_denominator, reference_objective
+
+    cfg = LossConfig(**CASES[case])
+    engine = _engine(cfg, lr=1e-3)
+    data = F.make_sequences(num_prompts=3, group=4, seed=1)
+    assert 0 < int(data["keep"].sum()) < data["keep"].numel()  # some completions pruned
+    batches = F.rank_micro_batches(data, cfg, 0, 1, 1, capacity=20)
+    assert len(batches) >= 2
+    logp = _fill(engine, batches)
+    L_max = int(data["completion_lengths"].max())
+    D = loss_denominator(cfg.aggregation, data["B"], data["G"], data["completion_lengths"],
+                         max_completion_len=L_max)
+
+    metrics = engine.train_step(batches, D)
+
+    lp, mask = _padded(data, batches, logp)
+    old, _ = _padded(data, batches, [b.old_logprobs for b in batches])
+    ref, _ = _padded(data, batches, [b.ref_logprobs for b in batches])
+    J = reference_objective(lp, old, data["advantages"].double(), mask, cfg, ref_logp=ref,
+                            weight=data["weight"].double(), denominator=D)
+    assert metrics["loss"] == pytest.approx(-float(J), rel=1e-5, abs=1e-7)
+    assert metrics["tokens"] == float(data["completion_lengths"][data["keep"]].sum())
+    if cfg.policy_loss == "ppo_clip":
+        assert metrics["clip_fraction"] > 0  # the comparison covers the clipped branch
+    if cfg.kl_coef > 0:
+        assert metrics["kl"] != 0.0
+    assert metrics["grad_norm"] > 0 and metrics["update_ok"] == 1.0
+
+
+def test_gradient_is_sum_of_numerators_over_D_for_any_micro_batching(world):
+    """main_grad after train_step == autograd of (sum_m numerator_m) / D on the plain model, whether the same
+    sequences come as 1 or 3 micro-batches plus an empty one (no division by the micro-batch count)."""
+    from megatron_dppo.algo.losses import LossConfig, loss_numerator
+    from megatron_dppo.megatron.logprobs import forward_thd, vocab_parallel_logprobs
+
+    cfg = LossConfig(**CASES["grpo_kl"])
+    data = F.make_sequences(num_prompts=2, group=4, seed=2)
+    D = float(data["B"] * data["G"])
+    grads = {}
+    for split in (1, 3):
+        engine = _engine(cfg, lr=1e-3, clip_grad=0.0)
+        batches = F.rank_micro_batches(data, cfg, 0, 1, 1, split=split)
+        _fill(engine, batches)
+        module = engine.modules[0]
+        params = [p for p in module.parameters() if p.requires_grad]
+        total = 0.0
+        for b in batches:
+            logp, _ = vocab_parallel_logprobs(forward_thd(module, b), b.labels, with_entropy=False)
+            num, _ = loss_numerator(logp, b.old_logprobs, b.advantages, b.token_weight, b.loss_mask, b.seq_index,
+                                    cfg, b.ref_logprobs)
+            total = total + num
+        reference = torch.autograd.grad(total / D, params)
+
+        empty = dataclasses.replace(batches[0], tokens=torch.zeros(0, dtype=torch.long))  # -> a dummy
+        metrics = engine.train_step(batches + [empty], D)
+        assert metrics["micro_batches"] == len(batches) + 1
+        got = [p.main_grad for p in params]
+        for g, r in zip(got, reference):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+        grads[split] = torch.cat([g.flatten() for g in got])
+        norm = torch.cat([r.flatten() for r in reference]).norm().item()
+        assert metrics["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    torch.testing.assert_close(grads[1], grads[3], rtol=1e-5, atol=1e-7)
+
+
+def test_denominator_scales_the_gradient_and_must_be_positive(world):
+    from megatron_dppo.algo.losses import LossConfig
+
+    cfg = LossConfig()
+    data = F.make_sequences(num_prompts=2, group=2, seed=3)
+    norms = []
+    for D in (4.0, 8.0):
+        engine = _engine(cfg, lr=0.0, clip_grad=0.0)
+        batches = F.rank_micro_batches(data, cfg, 0, 1, 1)
+        _fill(engine, batches)
+        norms.append(engine.train_step(batches, D)["grad_norm"])
+    assert norms[1] == pytest.approx(norms[0] / 2, rel=1e-6)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="denominator"):
+            engine.train_step(batches, bad)
+
+
+def test_kl_without_reference_logprobs_is_an_error(world):
+    from megatron_dppo.algo.losses import LossConfig
+
+    engine = _engine(LossConfig(kl_coef=0.1), lr=1e-3)
+    data = F.make_sequences(num_prompts=1, group=2, seed=4)
+    batches = F.rank_micro_batches(data, engine.loss_cfg, 0, 1, 1)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        engine.train_step(batches, 2.0)
+    engine.fill_logprobs(batches)  # old + reference (kl_coef > 0) -> trains
+    assert all(b.ref_logprobs is not None and b.old_logprobs is not None for b in batches)
+    assert engine.train_step(batches, 2.0)["update_ok"] == 1.0
+    with pytest.raises(ValueError, match="reference"):
+        _engine(LossConfig(), lr=1e-3).compute_logprobs(batches, "reference")
+
+
+def test_schedule_is_applied_to_the_optimizer(world):
+    from megatron_dppo.algo.losses import LossConfig
+
+    engine = _engine(LossConfig(), lr=1e-3, warmup_steps=4, weight_decay=0.1)
+    data = F.make_sequences(num_prompts=1, group=2, seed=6)
+    batches = F.rank_micro_batches(data, engine.loss_cfg, 0, 1, 1)
+    for step in range(2):
+        metrics = engine.train_step(batches, 2.0)
+        assert metrics["lr"] == pytest.approx(1e-3 * (step + 1) / 4)
+        groups = engine.optimizer.param_groups
+        assert {g["lr"] for g in groups} == {metrics["lr"]}
+        assert {g["weight_decay"] for g in groups} == {0.0, 0.1}  # no decay on norms / biases
+    assert engine.step == 2 and engine.current_lr() == pytest.approx(7.5e-4)
+
+
+def test_lr_schedule_warmup_constant_cosine():
+    from megatron_dppo.megatron.train_step import OptimConfig, lr_at_step
+
+    warm = OptimConfig(lr=1.0, warmup_steps=4)
+    assert [lr_at_step(warm, s, 1.0, 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = OptimConfig(lr=1.0, min_lr=0.1, lr_schedule="cosine", warmup_steps=2, total_steps=12)
+    values = [lr_at_step(cos, s, 1.0, 0.1) for s in range(14)]
+    assert values[:3] == [0.5, 1.0, 1.0]
+    assert values[7] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert values[12] == values[13] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[2:], values[3:]))
+    with pytest.raises(ValueError, match="total_steps"):
+        OptimConfig(lr_schedule="cosine", warmup_steps=5, total_steps=5)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        OptimConfig(lr_schedule="linear")
+    with pytest.raises(ValueError, match="min_lr"):
+        OptimConfig(lr=1e-6, min_lr=1e-5)
+
+
+def test_pad_micro_batch_keeps_the_loss_positions():
+    from megatron_dppo.megatron.train_step import pad_micro_batch
+    from megatron_dppo.packing import build_thd_batch
+
+    b = build_thd_batch([[1, 2, 3, 4], [5, 6, 7]], [2, 1], [0, 1], [1.0, -1.0], [0.5, 0.25])
+    p = pad_micro_batch(b, 12)
+    assert p.tokens.numel() == 12 and int(p.cu_seqlens_padded[-1]) == 12
+    assert torch.equal(p.cu_seqlens, b.cu_seqlens) and p.max_seqlen == 8
+    assert torch.equal(p.loss_mask[:7], b.loss_mask) and float(p.loss_mask[7:].sum()) == 0.0
+    assert (p.seq_index[7:] == -1).all() and p.num_tokens == b.num_tokens
+    with pytest.raises(ValueError, match="pad"):
+        pad_micro_batch(b, 3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parallel layouts (subprocesses, gloo): the same global batch and weights (one TP1 checkpoint)
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tp1_reference(tmp_path_factory, world):
+    """TP1 run in this process: saves the reference weights and records the step."""
+    root = tmp_path_factory.mktemp("tp1_weights")
+    result = F.layout_worker(str(root), save=True)
+    return root, result
+
+
+def _assert_same_step(ref, got, after_atol=1e-4):
+    assert sorted(ref["before"]) == sorted(got["before"])
+    for sid in ref["before"]:
+        torch.testing.assert_close(got["before"][sid], ref["before"][sid], rtol=0, atol=2e-6)
+    r, g = ref["metrics"][0], got["metrics"][0]
+    assert g["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-8)
+    assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    for key in ("tokens", "sequences", "clip_fraction"):
+        assert g[key] == pytest.approx(r[key], rel=1e-9)
+    assert g["kl"] == pytest.approx(r["kl"], rel=1e-4)
+    # after one Adam step: the updated weights agree too (so the gradients did, not just their norm)
+    for sid in ref["after"]:
+        torch.testing.assert_close(got["after"][sid], ref["after"][sid], rtol=0, atol=after_atol)
+
+
+@pytest.mark.multiproc
+def test_dp2_distributed_optimizer_uneven_micro_batches_equal_tp1(tp1_reference):
+    """DP2 + DistributedOptimizer, rank 0 with 2 and rank 1 with 3 micro-batches (the engine pads with a dummy):
+    the gradient is the SUM over ranks / D, so loss, grad norm and the updated weights equal TP1's."""
+    root, ref = tp1_reference
+    results = run_distributed(F.layout_worker, 2, args=(str(root),),
+                              kwargs=dict(distributed_optimizer=True, uneven=True), timeout=240)
+    assert results[0]["metrics"][0]["micro_batches"] == 3.0
+    for res in results:
+        _assert_same_step(ref, res)
+
+
+LAYOUTS = {
+    "tp2_sp": (2, dict(tp=2, sp=True)),
+    "pp2": (2, dict(pp=2)),
+    "tp2_pp2": (4, dict(tp=2, pp=2)),
+    "pp2_vpp2": (2, dict(pp=2, vpp=2)),
+    "dp2": (2, dict()),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_equals_tp1(tp1_reference, layout):
+    """TP2+SP, PP2, TP2xPP2, PP2 with 2 virtual stages, DP2: weights loaded from the TP1 checkpoint give the
+    same log-probs, loss, grad norm and updated weights."""
+    root, ref = tp1_reference
+    world_size, kwargs = LAYOUTS[layout]
+    results = run_distributed(F.layout_worker, world_size, args=(str(root),), kwargs=kwargs, timeout=420)
+    for res in results:
+        _assert_same_step(ref, res)
