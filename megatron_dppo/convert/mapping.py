@@ -1,0 +1,371 @@
+"""Parameter mapping rules Hugging Face <-> Megatron-Core, one table per model family.
+
+The shape follows Megatron-Bridge's ``param_mapping.py`` without its Transformer Engine / CUDA requirements: each
+rule is a small frozen dataclass that knows
+
+* the names on both sides (``*`` stands for the global layer index),
+* how to turn the HF tensor(s) into the *full* (TP-unsharded) Megatron tensor and back
+  (``hf_to_megatron`` / ``megatron_to_hf``; a pure function of the tensors and the architecture), and
+* how that full tensor is split over tensor-parallel ranks (``shard`` / ``unshard``).
+
+Rules
+-----
+``ReplicatedMapping``      same tensor on every TP rank (layer norms, q/k norms).
+``ColumnParallelMapping``  split along dim 0 (output features): ``W = [W_0; W_1; ...]``.
+``RowParallelMapping``     split along dim 1 (input features): ``W = [W_0, W_1, ...]`` (linear_proj, linear_fc2).
+``VocabParallelMapping``   column split of the vocabulary rows; pads ``V_hf`` rows up to Megatron's (possibly
+                           padded) vocabulary with zeros on import and drops the padding on export.
+``QKVMapping``             Megatron fuses q, k, v into ``linear_qkv`` laid out *per query group*: with
+                           ``g = num_kv_heads`` groups, ``r = num_attention_heads / g`` query heads per group and
+                           head size ``d``, the rows are ``[q_(0,0..r-1), k_0, v_0, q_(1,0..r-1), k_1, v_1, ...]``,
+                           i.e. shape ``[g, (r + 2) d, ...]`` flattened (megatron/core/transformer/attention.py,
+                           ``get_query_key_value_tensors``). TP ranks take contiguous row blocks (whole groups when
+                           ``g >= tp``; when ``g < tp`` Megatron itself all-gathers and re-slices). Works for the
+                           weight ``[rows, hidden]`` and the Qwen2 bias ``[rows]``.
+``GatedMLPMapping``        ``linear_fc1 = [gate; up]`` (SwiGLU: ``silu(gate x) * up x``). Megatron chunks the *local*
+                           output in two, so TP rank ``t`` holds ``[gate_t; up_t]``; the full tensor is ``[gate; up]``
+                           (the same global layout Megatron's dist-checkpoint swiglu factory stores).
+``TiedOutputMapping``      tied embeddings under PP > 1: the last stage holds its own copy of the word embeddings
+                           as ``output_layer.weight``; it is filled from ``embed_tokens`` on import and skipped on
+                           export (the first stage's embedding is the one written out).
+
+Layer norm names depend on the Megatron layer spec: the local spec has ``input_layernorm.weight`` and
+``pre_mlp_layernorm.weight``; the Transformer Engine spec fuses them into ``linear_qkv.layer_norm_weight`` and
+``linear_fc1.layer_norm_weight``. ``detect_spec`` picks the right names from the model's parameter names.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+LOCAL_SPEC = "local"
+TE_SPEC = "te"
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+# Symbolic dimensions used in the tables, resolved against the architecture by ``resolve_dims``.
+#   V vocab, H hidden, F ffn, Q = heads * head_dim, KV = kv_heads * head_dim, D = head_dim
+Dims = tuple[str, ...]
+
+
+def resolve_dims(dims: Dims, arch: Any) -> tuple[int, ...]:
+    """Concrete HF shape of a symbolic shape such as ``("Q", "H")`` for this architecture."""
+    table = {
+        "V": arch.vocab_size,
+        "H": arch.hidden_size,
+        "F": arch.ffn_hidden_size,
+        "Q": arch.num_attention_heads * arch.head_dim,
+        "KV": arch.num_kv_heads * arch.head_dim,
+        "D": arch.head_dim,
+    }
+    return tuple(table[d] for d in dims)
+
+
+def _chunk(tensor: Tensor, parts: int, dim: int) -> list[Tensor]:
+    if tensor.shape[dim] % parts:
+        raise ValueError(f"cannot split dimension {dim} of shape {tuple(tensor.shape)} into {parts} equal TP shards")
+    return list(torch.chunk(tensor, parts, dim=dim))
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """One Megatron parameter <-> one or more HF tensors.
+
+    ``megatron`` and the values of ``hf`` are name patterns where ``*`` is the global layer index.
+    ``hf`` maps a role (``"weight"``, ``"q"``, ``"gate"``...) to an HF name pattern; ``hf_dims`` gives each role's
+    symbolic HF shape. ``tp_dim`` is the dimension split over TP ranks (None: replicated).
+    """
+
+    megatron: str
+    hf: Mapping[str, str]
+    hf_dims: Mapping[str, Dims]
+    tp_dim: ClassVar[int | None] = None
+    export: ClassVar[bool] = True  # False: import-only (a copy of a weight exported elsewhere)
+
+    # --- names -------------------------------------------------------------------------------------------
+    def megatron_name(self, layer: int | None = None) -> str:
+        return self.megatron if layer is None else self.megatron.replace("*", str(layer))
+
+    def hf_names(self, layer: int | None = None) -> dict[str, str]:
+        return {role: (n if layer is None else n.replace("*", str(layer))) for role, n in self.hf.items()}
+
+    def hf_shapes(self, arch: Any, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+        names = self.hf_names(layer)
+        return {names[role]: resolve_dims(self.hf_dims[role], arch) for role in self.hf}
+
+    @property
+    def is_layer(self) -> bool:
+        return "*" in self.megatron
+
+    # --- tensor transforms (full, TP-unsharded tensors) ----------------------------------------------------
+    def hf_to_megatron(self, hf: Mapping[str, Tensor], arch: Any, full_shape: Sequence[int]) -> Tensor:
+        """Full Megatron tensor of shape ``full_shape`` from the HF tensors keyed by role."""
+        (tensor,) = hf.values()
+        return tensor
+
+    def megatron_to_hf(self, full: Tensor, arch: Any) -> dict[str, Tensor]:
+        """HF tensors keyed by role from the full Megatron tensor."""
+        (role,) = self.hf
+        return {role: full}
+
+    # --- tensor parallelism -------------------------------------------------------------------------------
+    def shard(self, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+        """The part of the full tensor that TP rank ``tp_rank`` holds."""
+        if self.tp_dim is None or tp_size == 1:
+            return full
+        return _chunk(full, tp_size, self.tp_dim)[tp_rank]
+
+    def unshard(self, shards: Sequence[Tensor]) -> Tensor:
+        """Inverse of ``shard``: the full tensor from the shards of TP ranks 0..tp-1 (always a new tensor)."""
+        if self.tp_dim is None:
+            return shards[0].clone()
+        return torch.cat(list(shards), dim=self.tp_dim)
+
+
+@dataclass(frozen=True)
+class ReplicatedMapping(ParamMapping):
+    tp_dim: ClassVar[int | None] = None
+
+
+@dataclass(frozen=True)
+class ColumnParallelMapping(ParamMapping):
+    tp_dim: ClassVar[int | None] = 0
+
+
+@dataclass(frozen=True)
+class RowParallelMapping(ParamMapping):
+    tp_dim: ClassVar[int | None] = 1
+
+
+@dataclass(frozen=True)
+class VocabParallelMapping(ColumnParallelMapping):
+    """Word embeddings / output layer: rows are the vocabulary, padded with zeros up to Megatron's size."""
+
+    def hf_to_megatron(self, hf, arch, full_shape):
+        (tensor,) = hf.values()
+        pad = full_shape[0] - tensor.shape[0]
+        if pad < 0:
+            raise ValueError(f"{self.megatron}: HF vocabulary {tensor.shape[0]} exceeds Megatron's {full_shape[0]}")
+        return torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])]) if pad else tensor
+
+    def megatron_to_hf(self, full, arch):
+        (role,) = self.hf
+        return {role: full[: arch.vocab_size]}
+
+
+@dataclass(frozen=True)
+class TiedOutputMapping(VocabParallelMapping):
+    """``output_layer.weight`` of the last PP stage when embeddings are tied: imported, never exported."""
+
+    export: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class QKVMapping(ColumnParallelMapping):
+    """Separate HF q/k/v projections (weights or biases) <-> Megatron's per-group interleaved ``linear_qkv``."""
+
+    @staticmethod
+    def _group_sizes(arch) -> tuple[int, int, int]:
+        groups, heads, d = arch.num_kv_heads, arch.num_attention_heads, arch.head_dim
+        if heads % groups:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
+        return groups, heads // groups, d
+
+    def hf_to_megatron(self, hf, arch, full_shape):
+        g, r, d = self._group_sizes(arch)
+        q, k, v = hf["q"], hf["k"], hf["v"]
+        rest = q.shape[1:]
+        fused = torch.cat([q.reshape(g, r * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+        return fused.reshape(g * (r + 2) * d, *rest)
+
+    def megatron_to_hf(self, full, arch):
+        g, r, d = self._group_sizes(arch)
+        rest = full.shape[1:]
+        q, k, v = torch.split(full.reshape(g, (r + 2) * d, *rest), [r * d, d, d], dim=1)
+        return {"q": q.reshape(g * r * d, *rest), "k": k.reshape(g * d, *rest), "v": v.reshape(g * d, *rest)}
+
+
+@dataclass(frozen=True)
+class GatedMLPMapping(ColumnParallelMapping):
+    """HF gate_proj / up_proj <-> Megatron ``linear_fc1`` = ``[gate; up]``; TP rank t holds ``[gate_t; up_t]``."""
+
+    def hf_to_megatron(self, hf, arch, full_shape):
+        return torch.cat([hf["gate"], hf["up"]], dim=0)
+
+    def megatron_to_hf(self, full, arch):
+        gate, up = torch.chunk(full, 2, dim=0)
+        return {"gate": gate, "up": up}
+
+    def shard(self, full, tp_rank, tp_size):
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([_chunk(gate, tp_size, 0)[tp_rank], _chunk(up, tp_size, 0)[tp_rank]], dim=0)
+
+    def unshard(self, shards):
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Family tables
+# ----------------------------------------------------------------------------------------------------------------
+
+def _w(name: str) -> dict[str, str]:
+    return {"weight": name}
+
+
+def _dims(*d: str) -> dict[str, Dims]:
+    return {"weight": tuple(d)}
+
+
+def _decoder_table(arch: Any, spec: str, *, qkv_bias: bool, qk_norm: bool) -> list[ParamMapping]:
+    """The Llama-style decoder shared by all three families; ``qkv_bias`` (Qwen2) and ``qk_norm`` (Qwen3) add rows."""
+    L = "decoder.layers.*."
+    H = "model.layers.*."
+    if spec == TE_SPEC:
+        attn_norm, mlp_norm = L + "self_attention.linear_qkv.layer_norm_weight", L + "mlp.linear_fc1.layer_norm_weight"
+    else:
+        attn_norm, mlp_norm = L + "input_layernorm.weight", L + "pre_mlp_layernorm.weight"
+    table: list[ParamMapping] = [
+        VocabParallelMapping("embedding.word_embeddings.weight", _w("model.embed_tokens.weight"), _dims("V", "H")),
+        ReplicatedMapping(attn_norm, _w(H + "input_layernorm.weight"), _dims("H")),
+        QKVMapping(L + "self_attention.linear_qkv.weight",
+                   {"q": H + "self_attn.q_proj.weight", "k": H + "self_attn.k_proj.weight",
+                    "v": H + "self_attn.v_proj.weight"},
+                   {"q": ("Q", "H"), "k": ("KV", "H"), "v": ("KV", "H")}),
+        RowParallelMapping(L + "self_attention.linear_proj.weight", _w(H + "self_attn.o_proj.weight"),
+                           _dims("H", "Q")),
+        ReplicatedMapping(mlp_norm, _w(H + "post_attention_layernorm.weight"), _dims("H")),
+        GatedMLPMapping(L + "mlp.linear_fc1.weight",
+                        {"gate": H + "mlp.gate_proj.weight", "up": H + "mlp.up_proj.weight"},
+                        {"gate": ("F", "H"), "up": ("F", "H")}),
+        RowParallelMapping(L + "mlp.linear_fc2.weight", _w(H + "mlp.down_proj.weight"), _dims("H", "F")),
+        ReplicatedMapping("decoder.final_layernorm.weight", _w("model.norm.weight"), _dims("H")),
+    ]
+    if qkv_bias:
+        table.append(QKVMapping(L + "self_attention.linear_qkv.bias",
+                                {"q": H + "self_attn.q_proj.bias", "k": H + "self_attn.k_proj.bias",
+                                 "v": H + "self_attn.v_proj.bias"},
+                                {"q": ("Q",), "k": ("KV",), "v": ("KV",)}))
+    if qk_norm:
+        table.append(ReplicatedMapping(L + "self_attention.q_layernorm.weight", _w(H + "self_attn.q_norm.weight"),
+                                       _dims("D")))
+        table.append(ReplicatedMapping(L + "self_attention.k_layernorm.weight", _w(H + "self_attn.k_norm.weight"),
+                                       _dims("D")))
+    if arch.tie_embeddings:
+        table.append(TiedOutputMapping("output_layer.weight", _w("model.embed_tokens.weight"), _dims("V", "H")))
+    else:
+        table.append(VocabParallelMapping("output_layer.weight", _w("lm_head.weight"), _dims("V", "H")))
+    return table
+
+
+def llama_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
+    """Llama 2/3, SmolLM2: no biases, no q/k norm."""
+    return _decoder_table(arch, spec, qkv_bias=False, qk_norm=False)
+
+
+def qwen2_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
+    """Qwen2 / Qwen2.5: bias on q, k, v projections (not on o_proj)."""
+    return _decoder_table(arch, spec, qkv_bias=True, qk_norm=False)
+
+
+def qwen3_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
+    """Qwen3 (dense): RMSNorm on each query / key head (q_norm, k_norm), no biases."""
+    return _decoder_table(arch, spec, qkv_bias=False, qk_norm=True)
+
+
+FAMILY_TABLES: dict[str, Callable[[Any, str], list[ParamMapping]]] = {
+    "llama": llama_table,
+    "qwen2": qwen2_table,
+    "qwen3": qwen3_table,
+}
+
+
+def mapping_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
+    """The rules for ``arch.family`` under layer spec ``spec`` ('local' or 'te')."""
+    if arch.family not in FAMILY_TABLES:
+        raise ValueError(f"unsupported model family {arch.family!r}; supported: {sorted(FAMILY_TABLES)}")
+    if spec not in (LOCAL_SPEC, TE_SPEC):
+        raise ValueError(f"unknown layer spec {spec!r}; expected {LOCAL_SPEC!r} or {TE_SPEC!r}")
+    expected = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}[arch.family]
+    got = (bool(arch.qkv_bias), bool(arch.qk_norm))
+    if got != expected:
+        raise ValueError(f"family {arch.family!r} expects (qkv_bias, qk_norm)={expected}, the architecture has {got}")
+    return FAMILY_TABLES[arch.family](arch, spec)
+
+
+def detect_spec(megatron_names: Iterable[str]) -> str:
+    """'te' when layer norms are fused into linear_qkv / linear_fc1 (Transformer Engine spec), else 'local'."""
+    names = list(megatron_names)
+    if any(n.endswith("linear_qkv.layer_norm_weight") or n.endswith("linear_fc1.layer_norm_weight") for n in names):
+        return TE_SPEC
+    return LOCAL_SPEC
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Name resolution
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class MappingIndex:
+    """Finds the rule (and layer index) for a global Megatron parameter name."""
+
+    table: list[ParamMapping]
+    _exact: dict[str, ParamMapping] = field(init=False, default_factory=dict)
+    _patterns: list[tuple[re.Pattern, ParamMapping]] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        for m in self.table:
+            if m.is_layer:
+                self._patterns.append((re.compile(re.escape(m.megatron).replace(r"\*", r"(\d+)") + "$"), m))
+            else:
+                self._exact[m.megatron] = m
+
+    def lookup(self, megatron_name: str) -> tuple[ParamMapping, int | None]:
+        if megatron_name in self._exact:
+            return self._exact[megatron_name], None
+        for pattern, m in self._patterns:
+            match = pattern.match(megatron_name)
+            if match:
+                return m, int(match.group(1))
+        raise ValueError(f"no HF mapping for Megatron parameter {megatron_name!r} "
+                         f"(known: {[m.megatron for m in self.table]})")
+
+
+def expected_hf_shapes(arch: Any, spec: str = LOCAL_SPEC) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the architecture needs, with its shape (the checkpoint must contain exactly these)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for m in mapping_table(arch, spec):
+        if not m.export:
+            continue
+        for layer in (range(arch.num_layers) if m.is_layer else [None]):
+            shapes.update(m.hf_shapes(arch, layer))
+    return shapes
+
+
+# HF tensors that may be present in a checkpoint but carry no weights (buffers of old transformers versions).
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def validate_hf_tensors(hf_shapes: Mapping[str, Sequence[int]], arch: Any) -> None:
+    """Compare a checkpoint's tensor names and shapes with what ``arch`` needs; ValueError listing every problem.
+
+    ``lm_head.weight`` is tolerated when embeddings are tied (transformers ignores it and re-ties).
+    """
+    expected = expected_hf_shapes(arch)
+    problems: list[str] = []
+    for name in sorted(expected.keys() - hf_shapes.keys()):
+        problems.append(f"missing tensor {name!r} (expected shape {expected[name]})")
+    for name in sorted(hf_shapes.keys() - expected.keys()):
+        if name.endswith(IGNORED_HF_SUFFIXES) or (arch.tie_embeddings and name == "lm_head.weight"):
+            continue
+        problems.append(f"unexpected tensor {name!r} with shape {tuple(hf_shapes[name])}")
+    for name in sorted(expected.keys() & hf_shapes.keys()):
+        if tuple(hf_shapes[name]) != expected[name]:
+            problems.append(f"shape mismatch for {name!r}: checkpoint has {tuple(hf_shapes[name])}, "
+                            f"the config implies {expected[name]}")
+    if problems:
+        head = f"HF checkpoint does not match the {arch.family} architecture from its config ({len(problems)} problems):"
+        raise ValueError("\n  ".join([head] + problems[:50] + (["..."] if len(problems) > 50 else [])))

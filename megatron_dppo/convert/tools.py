@@ -1,0 +1,89 @@
+"""Command lines of the conversion tools (``tools/convert_*.py`` and ``megatron-dppo convert ...`` call these).
+
+    python tools/convert_hf_to_megatron.py HF_DIR OUT_DIR [--tp 2 --pp 1]       (torchrun --nproc-per-node=TP*PP)
+    python tools/convert_megatron_to_hf.py CKPT_DIR OUT_DIR [--tp 1 --pp 1] [--dtype bfloat16]
+    python -m megatron_dppo.convert.gguf [GGUF] OUT_DIR                         (default: SmolLM2-135M-Instruct)
+
+A ValueError (bad config, unsupported model, missing/unexpected tensor, shape mismatch, TP/PP that does not
+shard the model, existing output) prints ``error: ...`` and exits with status 2; no output folder is left.
+Set ``MEGATRON_DPPO_DEBUG=1`` for the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Sequence
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parallel_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+
+
+def _run(fn: Callable[[], object]) -> int:
+    owned = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    try:
+        out = fn()
+    except ValueError as err:
+        if os.environ.get("MEGATRON_DPPO_DEBUG"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if owned:  # tear down only the process groups this call created
+            _destroy()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"wrote {out}")
+    return 0
+
+
+def _destroy() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from megatron_dppo.megatron.parallel import destroy_parallel
+
+        destroy_parallel()
+
+
+def hf_to_megatron_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="convert_hf_to_megatron",
+        description="HF folder (safetensors + config.json + tokenizer) -> Megatron dist checkpoint at TP/PP. "
+                    "Run with torchrun --nproc-per-node=TP*PP (or a plain process for TP=PP=1).")
+    parser.add_argument("hf_dir", help="Hugging Face model folder")
+    parser.add_argument("out_dir", help="output checkpoint folder (created atomically)")
+    _parallel_args(parser)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="stored weight dtype (default float32: exact)")
+    args = parser.parse_args(argv)
+    from megatron_dppo.convert.checkpoint import convert_hf_to_megatron
+
+    return _run(lambda: convert_hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp,
+                                               dtype=DTYPES[args.dtype], overwrite=args.overwrite))
+
+
+def megatron_to_hf_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="convert_megatron_to_hf",
+        description="Megatron checkpoint (saved at any TP/PP) -> HF folder that transformers and vLLM load. "
+                    "Runs at --tp/--pp (default 1: one process reshards everything).")
+    parser.add_argument("ckpt_dir", help="converted or trained checkpoint folder (holding model/ and hf/)")
+    parser.add_argument("out_dir", help="output HF folder (created atomically)")
+    _parallel_args(parser)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="written dtype (default: the HF config's dtype, else float32)")
+    parser.add_argument("--hf-config", default=None,
+                        help="config.json (or its folder, with tokenizer files) when CKPT_DIR has no hf/ folder")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="size of each safetensors file")
+    args = parser.parse_args(argv)
+    from megatron_dppo.convert.checkpoint import convert_megatron_to_hf
+
+    return _run(lambda: convert_megatron_to_hf(
+        args.ckpt_dir, args.out_dir, tp=args.tp, pp=args.pp,
+        dtype=DTYPES[args.dtype] if args.dtype else None, hf_config=args.hf_config, overwrite=args.overwrite,
+        max_shard_bytes=int(args.max_shard_gb * 1024 ** 3)))

@@ -1,0 +1,101 @@
+"""Tiny random Hugging Face models of each family, built with transformers (no downloads), and helpers."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "megatron"))  # _dist (launcher helper shared with the engine tests)
+
+# Every family with grouped-query attention (4 query heads, 2 KV heads), tied and untied output embeddings.
+# Qwen3 uses an explicit head_dim (heads * head_dim != hidden), as the real Qwen3 models do.
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+TINY = {
+    "llama_tied": dict(_COMMON, model_type="llama", tie_word_embeddings=True, rope_theta=10_000.0),
+    "llama_untied": dict(_COMMON, model_type="llama", tie_word_embeddings=False, rope_theta=500_000.0),
+    "qwen2_untied": dict(_COMMON, model_type="qwen2", tie_word_embeddings=False, rope_theta=1_000_000.0),
+    "qwen2_tied": dict(_COMMON, model_type="qwen2", tie_word_embeddings=True, rope_theta=1_000_000.0),
+    "qwen3_tied": dict(_COMMON, model_type="qwen3", tie_word_embeddings=True, head_dim=24, rope_theta=1_000_000.0),
+    "qwen3_untied": dict(_COMMON, model_type="qwen3", tie_word_embeddings=False, head_dim=24, rope_theta=10_000.0),
+}
+
+TOKENIZER_STUB = {"tokenizer_config.json": {"model_max_length": 256, "tokenizer_class": "PreTrainedTokenizerFast"},
+                  "special_tokens_map.json": {"eos_token": "</s>"}}
+
+
+def build_hf_model(name: str, seed: int = 0):
+    """A transformers model of config TINY[name] with every parameter random (norm weights around 1, biases
+    around 0, all distinct), so a swapped or mis-laid tensor changes the logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**TINY[name])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    model.tie_weights()
+    return model
+
+
+def save_hf_model(name: str, folder: Path, seed: int = 0) -> Path:
+    """Save build_hf_model(name) as an HF folder (safetensors + config.json + stub tokenizer files)."""
+    model = build_hf_model(name, seed)
+    model.save_pretrained(folder, safe_serialization=True)
+    for fname, content in TOKENIZER_STUB.items():
+        (folder / fname).write_text(json.dumps(content))
+    return folder
+
+
+def tokens(batch: int = 2, length: int = 13, vocab: int = 128, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def megatron_logits(chunks, ids: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits [b, s, V] of a (TP/PP-sharded) GPTModel on this rank's world.
+
+    Runs the pipeline by hand (stage i sends its hidden states [s, b, h] to stage i+1) and all-gathers the
+    vocabulary shards over TP. Returns the logits on the last pipeline stage, None elsewhere.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_dppo.convert.weights import unwrap_chunk
+
+    (model,) = [unwrap_chunk(c) for c in chunks]
+    model.eval()
+    position_ids = torch.arange(ids.shape[1]).expand_as(ids)
+    pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    group = ps.get_pipeline_model_parallel_group()
+    with torch.no_grad():
+        if pp_rank > 0:
+            hidden = torch.empty(ids.shape[1], ids.shape[0], model.config.hidden_size)
+            dist.recv(hidden, src=dist.get_global_rank(group, pp_rank - 1), group=group)
+            model.set_input_tensor(hidden)
+        out = model(ids, position_ids, None)
+        if pp_rank < pp_size - 1:
+            dist.send(out.contiguous(), dst=dist.get_global_rank(group, pp_rank + 1), group=group)
+            return None
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return out
+    shards = [torch.empty_like(out) for _ in range(tp)]
+    dist.all_gather(shards, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(shards, dim=-1)
