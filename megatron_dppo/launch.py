@@ -1,19 +1,29 @@
 """Who am I in the job? Rank, world size and rendezvous address from the launcher's environment.
 
-Supported launchers, checked in this order:
+Launchers, checked in this order (the first that matches wins):
 
-- ``torchrun`` (and ``srun ... torchrun``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-  ``MASTER_ADDR``, ``MASTER_PORT`` are set by torchrun itself.
-- Slurm ``srun`` with one task per GPU: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``,
-  ``SLURM_NTASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE``; ``MASTER_ADDR`` is the first host of
-  ``SLURM_JOB_NODELIST`` (expanded with ``scontrol show hostnames`` when available), ``MASTER_PORT`` is derived
-  from ``SLURM_JOB_ID`` so concurrent jobs on one node do not collide.
-- ``mpirun`` / ``srun --mpi=pmix``: OpenMPI (``OMPI_COMM_WORLD_*``), PMI/PMIx (``PMI_RANK``, ``PMIX_RANK``,
-  ``PMI_SIZE``), MPICH/Hydra (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``), or mpi4py when installed.
-  ``MASTER_ADDR`` must be exported by the job script (or is the local host for a single-node job).
+1. ``torchrun`` (also ``srun ... torchrun``): ``TORCHELASTIC_RUN_ID`` is set and torchrun exports ``RANK``,
+   ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` itself.
+2. MPI: ``mpirun``/``mpiexec`` (Open MPI ``OMPI_COMM_WORLD_*``, MPICH/Hydra ``PMI_RANK``/``PMI_SIZE``/
+   ``MPI_LOCALRANKID``) and Slurm direct launch ``srun --mpi=pmix`` (``PMIX_RANK``) or ``--mpi=pmi2``
+   (``PMI_RANK``/``PMI_SIZE``). MPI comes BEFORE Slurm: ``mpirun`` inside an allocation starts its daemons with
+   ``srun`` (one task per node), so its ranks inherit that daemon step's ``SLURM_PROCID``/``SLURM_NTASKS`` (the
+   node index and the node count; measured with Open MPI 4.1 on Slurm 22.05), which are NOT the MPI rank/size.
+3. Slurm ``srun`` with one task per GPU: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``,
+   ``SLURM_GTIDS``, only inside a job step (``SLURM_STEP_ID`` set). The batch script itself (Slurm 22.05: it has
+   ``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS`` but no ``SLURM_STEP_ID``) is not a rank of the job: a process
+   started there is treated as a single process, and :func:`check_single_world` rejects it when the job asked for
+   more tasks.
+4. ``RANK``/``WORLD_SIZE`` already exported (a manual ``env://`` launch, or a previous ``discover_launch``).
+5. A single process.
 
-``discover_launch`` also exports the torch.distributed variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``) so that ``init_process_group(init_method="env://")`` works unchanged.
+``MASTER_ADDR`` under Slurm is the first host of the step's node list (``scontrol show hostnames``), and
+``MASTER_PORT`` is derived from ``SLURM_JOB_ID`` (:func:`slurm_master_port`, the same formula as
+``slurm/train.sbatch``) so that concurrent jobs on one node do not collide; exported values always win.
+
+``discover_launch`` exports the torch.distributed variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) so that ``init_process_group(init_method="env://")`` works
+unchanged, plus ``DPPO_LAUNCHER`` so that a second call reports the same launcher.
 """
 from __future__ import annotations
 
@@ -22,9 +32,16 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 DEFAULT_PORT = 29500
+LAUNCHERS = ("torchrun", "slurm", "mpi", "single")
+
+
+class LaunchError(ValueError):
+    """The launch environment is inconsistent or would silently train N separate models."""
 
 
 @dataclass(frozen=True)
@@ -42,26 +59,79 @@ class LaunchInfo:
         return self.rank == 0
 
 
-def _int_env(env, *names: str) -> int | None:
+def _int_env(env: Mapping[str, str], *names: str) -> int | None:
+    """The first of ``names`` that is set and non-empty, as an int (``None`` when none is set)."""
     for name in names:
         value = env.get(name)
         if value not in (None, ""):
             try:
                 return int(value)
             except ValueError as err:
-                raise ValueError(f"environment variable {name}={value!r} is not an integer") from err
+                raise LaunchError(f"environment variable {name}={value!r} is not an integer") from err
     return None
 
 
-def expand_slurm_nodelist(nodelist: str) -> list[str]:
+# ----------------------------------------------------------------------------------------------- Slurm helpers
+def _split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split on ``sep`` outside brackets: ``a[1,2],b`` -> ``["a[1,2]", "b"]``."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        elif char == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+def parse_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expand Slurm's compact host list syntax without Slurm: ``gpu[01-03,07],login1`` -> 4 + 1 hosts.
+
+    Zero padding follows the lower bound (``n[08-10]`` -> ``n08 n09 n10``); several bracket groups in one name
+    (``rack[1-2]-n[1-2]``) expand as a cartesian product, in Slurm's order. Raises :class:`LaunchError` on
+    unbalanced brackets or a bad range.
+    """
+    hosts: list[str] = []
+    for part in _split_top_level(nodelist.strip()):
+        hosts.extend(_expand_host_pattern(part))
+    return hosts
+
+
+def _expand_host_pattern(pattern: str) -> list[str]:
+    open_at = pattern.find("[")
+    if open_at < 0:
+        if "]" in pattern:
+            raise LaunchError(f"unbalanced ']' in Slurm node list {pattern!r}")
+        return [pattern]
+    close_at = pattern.find("]", open_at)
+    if close_at < 0:
+        raise LaunchError(f"unbalanced '[' in Slurm node list {pattern!r}")
+    prefix, ranges, rest = pattern[:open_at], pattern[open_at + 1:close_at], pattern[close_at + 1:]
+    items: list[str] = []
+    for item in ranges.split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())
+        if not match:
+            raise LaunchError(f"bad range {item!r} in Slurm node list {pattern!r}; expected N or N-M")
+        lo, hi = match.group(1), match.group(2) or match.group(1)
+        if int(hi) < int(lo):
+            raise LaunchError(f"descending range {item!r} in Slurm node list {pattern!r}")
+        items.extend(f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1))
+    suffixes = _expand_host_pattern(rest) if rest else [""]
+    return [f"{prefix}{item}{suffix}" for item in items for suffix in suffixes]
+
+
+def expand_slurm_nodelist(nodelist: str, use_scontrol: bool = True) -> list[str]:
     """Expand a Slurm node list such as ``gpu[01-03,07],login1`` into host names.
 
-    Uses ``scontrol show hostnames`` when it is on PATH (the authoritative expansion), else a parser for the
-    common bracket syntax.
+    Uses ``scontrol show hostnames`` when it is on PATH (the authoritative expansion; it needs no controller),
+    else :func:`parse_slurm_nodelist`.
     """
     if not nodelist:
         return []
-    if shutil.which("scontrol"):
+    if use_scontrol and shutil.which("scontrol"):
         try:
             out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                                  timeout=10, check=True).stdout.split()
@@ -69,146 +139,254 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
                 return out
         except (subprocess.SubprocessError, OSError):
             pass
-    hosts: list[str] = []
-    # split on commas that are not inside brackets
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
-        match = re.fullmatch(r"(.*?)\[([^\]]*)\](.*)", part)
-        if not match:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = match.groups()
-        for item in ranges.split(","):
-            if "-" in item:
-                lo, hi = item.split("-", 1)
-                width = len(lo)
-                hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
-            else:
-                hosts.append(f"{prefix}{item}{suffix}")
-    return hosts
+    return parse_slurm_nodelist(nodelist)
 
 
 def slurm_master_port(job_id: int | None) -> int:
-    """A port derived from the job id, in [20000, 40000), so that two jobs sharing a node do not collide."""
+    """``20000 + job_id % 20000``: a port in [20000, 40000) that differs between concurrent jobs.
+
+    ``slurm/train.sbatch`` computes the same number in bash. ``None`` (no job) gives :data:`DEFAULT_PORT`.
+    """
     if job_id is None:
         return DEFAULT_PORT
     return 20000 + job_id % 20000
 
 
-def _slurm_tasks_per_node(env) -> int | None:
-    n = _int_env(env, "SLURM_NTASKS_PER_NODE")
-    if n is not None:
-        return n
-    spec = env.get("SLURM_TASKS_PER_NODE", "")  # e.g. "2(x3),1"
-    match = re.match(r"(\d+)", spec)
-    return int(match.group(1)) if match else None
+def parse_slurm_tasks_per_node(spec: str) -> list[int]:
+    """``"2(x3),1"`` -> ``[2, 2, 2, 1]`` (Slurm's ``SLURM_*TASKS_PER_NODE`` syntax)."""
+    counts: list[int] = []
+    for item in _split_top_level(spec):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not match:
+            raise LaunchError(f"cannot parse tasks-per-node item {item!r} in {spec!r}; expected N or N(xM)")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
 
 
-def _mpi_rank_size(env) -> tuple[int, int, int | None, int | None] | None:
-    rank = _int_env(env, "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-    size = _int_env(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
-    local_rank = _int_env(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK")
-    local_size = _int_env(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE")
-    if rank is not None and size is None:
-        try:  # PMIx does not always export the size; ask MPI itself when mpi4py is there
-            from mpi4py import MPI  # type: ignore
+def _in_slurm_step(env: Mapping[str, str]) -> bool:
+    return env.get("SLURM_STEP_ID") not in (None, "") or env.get("SLURM_STEPID") not in (None, "")
 
-            size = MPI.COMM_WORLD.Get_size()
-        except ImportError:
-            size = None
-    if rank is None or size is None:
+
+def _slurm_local_world_size(env: Mapping[str, str]) -> int | None:
+    """Tasks of this step on this node: ``SLURM_GTIDS`` (global ids on this node) when set, else the step's
+    tasks-per-node list at ``SLURM_NODEID`` (valid when the step spans the whole allocation)."""
+    gtids = env.get("SLURM_GTIDS", "")
+    if gtids:
+        return len([g for g in gtids.split(",") if g])
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    if spec:
+        counts = parse_slurm_tasks_per_node(spec)
+        node = _int_env(env, "SLURM_NODEID")
+        if len(set(counts)) == 1:
+            return counts[0]
+        if node is not None and node < len(counts) and len(counts) == _int_env(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+            return counts[node]
+    return _int_env(env, "SLURM_NTASKS_PER_NODE")
+
+
+def _slurm_master_addr(env: Mapping[str, str]) -> str | None:
+    hosts = expand_slurm_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                                  or env.get("SLURM_NODELIST") or "")
+    return hosts[0] if hosts else None
+
+
+def _slurm_port(env: Mapping[str, str]) -> int:
+    port = _int_env(env, "MASTER_PORT")
+    return port if port is not None else slurm_master_port(_int_env(env, "SLURM_JOB_ID", "SLURM_JOBID"))
+
+
+# --------------------------------------------------------------------------------------------- per launcher
+def _from_torchrun(env: Mapping[str, str]) -> LaunchInfo | None:
+    if env.get("TORCHELASTIC_RUN_ID") is None:
         return None
-    return rank, size, local_rank, local_size
+    rank, world = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
+    if rank is None or world is None:
+        raise LaunchError("TORCHELASTIC_RUN_ID is set but RANK/WORLD_SIZE are not: not a torchrun worker?")
+    return LaunchInfo(rank, world, _int_env(env, "LOCAL_RANK") or 0, _int_env(env, "LOCAL_WORLD_SIZE") or 1,
+                      env.get("MASTER_ADDR") or "127.0.0.1", _int_env(env, "MASTER_PORT") or DEFAULT_PORT,
+                      "torchrun")
 
 
-def discover_launch(env=None, export: bool = True) -> LaunchInfo:
-    """Read rank, world size and rendezvous address from the launcher's environment.
+def _from_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
+    if env.get("SLURM_PROCID") in (None, "") or not _in_slurm_step(env):
+        return None
+    world = _int_env(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    if world is None:
+        raise LaunchError("SLURM_PROCID is set inside a job step but neither SLURM_STEP_NUM_TASKS nor "
+                          "SLURM_NTASKS is")
+    return LaunchInfo(
+        rank=_int_env(env, "SLURM_PROCID") or 0,
+        world_size=world,
+        local_rank=_int_env(env, "SLURM_LOCALID") or 0,
+        local_world_size=_slurm_local_world_size(env) or 1,
+        master_addr=env.get("MASTER_ADDR") or _slurm_master_addr(env) or "127.0.0.1",
+        master_port=_slurm_port(env),
+        launcher="slurm",
+    )
 
-    ``env`` defaults to ``os.environ``; with ``export`` the torch.distributed ``env://`` variables are set.
-    Raises ``ValueError`` when the environment is inconsistent (e.g. a rank outside the world).
+
+def _mpi4py_world() -> tuple[int, int, str]:
+    """(rank, size, rank 0's host name) from mpi4py; importing ``mpi4py.MPI`` initializes MPI."""
+    from mpi4py import MPI  # type: ignore[import-not-found]
+
+    comm = MPI.COMM_WORLD
+    return comm.Get_rank(), comm.Get_size(), comm.bcast(socket.gethostname(), root=0)
+
+
+def _from_mpi(env: Mapping[str, str], use_mpi4py: bool) -> LaunchInfo | None:
+    rank = _int_env(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+    if rank is None:
+        return None
+    size = _int_env(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    local_rank = _int_env(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+    local_size = _int_env(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+    # Direct launch by srun (--mpi=pmix exports PMIX_RANK only, --mpi=pmi2 PMI_RANK/PMI_SIZE): the step's Slurm
+    # variables describe the same world. Under mpirun they describe mpirun's daemon step and disagree.
+    slurm = _from_slurm(env)
+    direct = slurm is not None and slurm.rank == rank and (size is None or size == slurm.world_size)
+    if direct:
+        size = slurm.world_size
+        local_rank = slurm.local_rank if local_rank is None else local_rank
+        local_size = slurm.local_world_size if local_size is None else local_size
+    mpi_master = None
+    if size is None:
+        if not use_mpi4py:
+            raise LaunchError(f"MPI rank {rank} is set (PMIX_RANK) but no world size is: launch with srun "
+                              f"--mpi=pmix inside a Slurm job, with mpirun, or install mpi4py")
+        try:
+            mpi_rank, size, mpi_master = _mpi4py_world()
+        except (ImportError, RuntimeError, OSError) as err:  # no mpi4py, or no MPI library for it to load
+            raise LaunchError(f"MPI rank {rank} is set (PMIX_RANK) but no world size is, and mpi4py cannot "
+                              f"ask MPI ({err})") from err
+        if mpi_rank != rank:
+            raise LaunchError(f"MPI says rank {mpi_rank} but the environment says rank {rank}")
+    master = env.get("MASTER_ADDR") or (slurm.master_addr if direct else None) or mpi_master
+    if not master and use_mpi4py and size > 1:
+        try:
+            master = _mpi4py_world()[2]  # rank 0's host: authoritative whatever the mapping
+        except (ImportError, RuntimeError, OSError):
+            master = None
+    if not master and env.get("SLURM_JOB_NODELIST"):
+        master = _slurm_master_addr(env)  # mpirun fills the allocation's first node first
+    if not master:
+        if local_size is not None and local_size == size:
+            master = "127.0.0.1"
+        else:
+            raise LaunchError(f"MPI launch of {size} ranks over several hosts without MASTER_ADDR: export it "
+                              f"(mpirun -x MASTER_ADDR=<rank 0 host>) or install mpi4py")
+    port = _int_env(env, "MASTER_PORT")
+    if port is None:
+        port = _slurm_port(env) if env.get("SLURM_JOB_ID") else DEFAULT_PORT
+    return LaunchInfo(rank, size, local_rank or 0, local_size or 1, master, port, "mpi")
+
+
+def _from_env(env: Mapping[str, str]) -> LaunchInfo | None:
+    rank, world = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    launcher = env.get("DPPO_LAUNCHER", "torchrun")
+    return LaunchInfo(rank, world, _int_env(env, "LOCAL_RANK") or 0, _int_env(env, "LOCAL_WORLD_SIZE") or 1,
+                      env.get("MASTER_ADDR") or "127.0.0.1", _int_env(env, "MASTER_PORT") or DEFAULT_PORT,
+                      launcher if launcher in LAUNCHERS else "torchrun")
+
+
+def discover_launch(env: MutableMapping[str, str] | None = None, export: bool = True,
+                    use_mpi4py: bool | None = None) -> LaunchInfo:
+    """Read rank, world size and rendezvous address from the launcher's environment (module docstring).
+
+    ``env`` defaults to ``os.environ``; with ``export`` the torch.distributed ``env://`` variables are written
+    back into it. ``use_mpi4py`` (default: only when ``env`` is ``os.environ``) allows asking MPI itself for
+    the world size / rank 0's host when the environment does not say; importing mpi4py initializes MPI.
+    Raises :class:`LaunchError` (a ``ValueError``) when the environment is inconsistent.
     """
     env = os.environ if env is None else env
+    if use_mpi4py is None:
+        use_mpi4py = env is os.environ
+    info = (_from_torchrun(env) or _from_mpi(env, use_mpi4py) or _from_slurm(env) or _from_env(env)
+            or LaunchInfo(0, 1, 0, 1, env.get("MASTER_ADDR") or "127.0.0.1",
+                          _int_env(env, "MASTER_PORT") or DEFAULT_PORT, "single"))
 
-    if env.get("TORCHELASTIC_RUN_ID") is not None or (
-        env.get("RANK") is not None and env.get("WORLD_SIZE") is not None
-    ):
-        info = LaunchInfo(
-            rank=_int_env(env, "RANK") or 0,
-            world_size=_int_env(env, "WORLD_SIZE") or 1,
-            local_rank=_int_env(env, "LOCAL_RANK") or 0,
-            local_world_size=_int_env(env, "LOCAL_WORLD_SIZE") or 1,
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int_env(env, "MASTER_PORT") or DEFAULT_PORT,
-            launcher="torchrun",
-        )
-    elif env.get("SLURM_PROCID") is not None and env.get("SLURM_NTASKS") is not None and (
-        env.get("SLURM_STEP_ID") is not None or env.get("SLURM_STEPID") is not None
-    ):
-        job_id = _int_env(env, "SLURM_JOB_ID", "SLURM_JOBID")
-        master = env.get("MASTER_ADDR")
-        if not master:
-            hosts = expand_slurm_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-            master = hosts[0] if hosts else "127.0.0.1"
-        info = LaunchInfo(
-            rank=_int_env(env, "SLURM_PROCID") or 0,
-            world_size=_int_env(env, "SLURM_NTASKS") or 1,
-            local_rank=_int_env(env, "SLURM_LOCALID") or 0,
-            local_world_size=_slurm_tasks_per_node(env) or 1,
-            master_addr=master,
-            master_port=_int_env(env, "MASTER_PORT") or slurm_master_port(job_id),
-            launcher="slurm",
-        )
-    elif (mpi := _mpi_rank_size(env)) is not None:
-        rank, size, local_rank, local_size = mpi
-        info = LaunchInfo(
-            rank=rank,
-            world_size=size,
-            local_rank=local_rank if local_rank is not None else 0,
-            local_world_size=local_size if local_size is not None else 1,
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int_env(env, "MASTER_PORT") or DEFAULT_PORT,
-            launcher="mpi",
-        )
-    else:
-        info = LaunchInfo(0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"),
-                          _int_env(env, "MASTER_PORT") or DEFAULT_PORT, "single")
-
-    if not 0 <= info.rank < info.world_size:
-        raise ValueError(f"rank {info.rank} is outside the world of size {info.world_size} "
-                         f"(launcher {info.launcher}); valid ranks are 0..{info.world_size - 1}")
-    if not 0 <= info.local_rank < max(info.local_world_size, 1) and info.local_world_size > 0:
-        raise ValueError(f"local rank {info.local_rank} is outside the node's {info.local_world_size} processes")
+    if info.world_size < 1 or not 0 <= info.rank < info.world_size:
+        raise LaunchError(f"rank {info.rank} is outside the world of size {info.world_size} "
+                          f"(launcher {info.launcher}); valid ranks are 0..{info.world_size - 1}")
+    if not 1 <= info.local_world_size <= info.world_size or not 0 <= info.local_rank < info.local_world_size:
+        raise LaunchError(f"local rank {info.local_rank} of {info.local_world_size} processes on this node is "
+                          f"impossible in a world of {info.world_size} (launcher {info.launcher})")
+    if not 0 < info.master_port < 65536:
+        raise LaunchError(f"MASTER_PORT={info.master_port} is not a TCP port (1..65535)")
     if export:
         env.update({
             "RANK": str(info.rank), "WORLD_SIZE": str(info.world_size), "LOCAL_RANK": str(info.local_rank),
             "LOCAL_WORLD_SIZE": str(info.local_world_size), "MASTER_ADDR": info.master_addr,
-            "MASTER_PORT": str(info.master_port),
+            "MASTER_PORT": str(info.master_port), "DPPO_LAUNCHER": info.launcher,
         })
     return info
 
 
-def expected_world_size(env=None) -> int | None:
-    """The world size the job scheduler promised, when it says (Slurm job or step task count)."""
+def expected_world_size(env: Mapping[str, str] | None = None) -> int | None:
+    """The task count Slurm promised: the step's inside ``srun``, the job's in the batch script or salloc."""
     env = os.environ if env is None else env
-    return _int_env(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    if _in_slurm_step(env):
+        return _int_env(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    return _int_env(env, "SLURM_NTASKS", "SLURM_NPROCS")
 
 
-def check_single_world(info: LaunchInfo, env=None) -> None:
-    """Fail fast when a launch produced N separate worlds of size 1 instead of one world of size N.
+def check_single_world(info: LaunchInfo, env: Mapping[str, str] | None = None) -> None:
+    """Fail fast when a launch produced N separate worlds instead of one world spanning all processes.
 
-    Typical cause: ``srun --mpi=none python train.py`` with an MPI-flavoured launch, or ``srun`` without
-    ``torchrun`` where the environment says ``WORLD_SIZE=1``. Each process would otherwise train alone, silently.
+    Caught here, before any process group exists (each process would otherwise train its own model, silently):
+
+    - a process started in the batch script itself, or in an ``salloc`` shell, of a job that asked for N > 1
+      tasks (it is alone: the other N - 1 tasks were never started; use ``srun``);
+    - ``srun -N M torchrun --standalone ...`` (or any torchrun without a shared rendezvous): each of the M agents
+      builds its own world of its ``--nproc-per-node`` workers;
+    - MPI already initialized (``mpi4py.MPI`` imported) with a world that differs from the one discovered, e.g.
+      ``srun --mpi=none`` giving every MPI process a singleton world.
     """
     env = os.environ if env is None else env
     expected = expected_world_size(env)
-    launched_by_torchrun = info.launcher == "torchrun" and env.get("TORCHELASTIC_RUN_ID") is not None
-    if launched_by_torchrun:
-        return  # torchrun builds its own world (nnodes x nproc-per-node); Slurm's task count is per node
+    if info.launcher == "torchrun" and env.get("TORCHELASTIC_RUN_ID") is not None:
+        agents = expected if _in_slurm_step(env) else None
+        if agents is not None and agents > 1 and info.world_size <= info.local_world_size:
+            raise LaunchError(
+                f"srun started {agents} torchrun agents (SLURM_STEP_NUM_TASKS={agents}) but this world has only "
+                f"the {info.world_size} local worker(s): every agent built its own world. Give torchrun one "
+                f"rendezvous: --nnodes={agents} --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT "
+                f"--rdzv-id=$SLURM_JOB_ID (not --standalone).")
+        return  # torchrun builds its own world (nnodes x nproc-per-node); Slurm's task count is per agent
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi_size = mpi.COMM_WORLD.Get_size()
+        if mpi_size != info.world_size:
+            raise LaunchError(
+                f"MPI's world has {mpi_size} process(es) but the launch says {info.world_size} "
+                f"(launcher {info.launcher}): with srun use --mpi=pmix (Open MPI) so MPI joins Slurm's step.")
     if info.world_size == 1 and expected is not None and expected > 1:
-        raise RuntimeError(
-            f"this process sees a world of size 1, but Slurm started {expected} tasks "
-            f"(SLURM_NTASKS={expected}): the launch created {expected} separate worlds. Launch with "
-            f"`srun python -m ...` (one task per GPU; rank from SLURM_PROCID), `srun --mpi=pmix` for MPI, "
-            f"or `srun torchrun --nnodes ... --nproc-per-node ...` with one task per node.")
+        where = "this srun step" if _in_slurm_step(env) else "this job (the batch script / salloc shell)"
+        raise LaunchError(
+            f"this process sees a world of size 1, but {where} has {expected} tasks (SLURM_NTASKS={expected}): "
+            f"the launch would create {expected} separate worlds or leave {expected - 1} tasks unstarted. Launch "
+            f"with `srun python -m ...` (one task per GPU; rank from SLURM_PROCID), `srun --mpi=pmix` for MPI, or "
+            f"`srun torchrun --nnodes ... --nproc-per-node ...` with one task per node.")
+
+
+STOP_FILE_ENV = "DPPO_STOP_FILE"
+
+
+def stop_requested(env: Mapping[str, str] | None = None) -> bool:
+    """Has the job script asked this run to checkpoint and stop? True when the file ``$DPPO_STOP_FILE`` exists.
+
+    ``slurm/train.sbatch`` creates that file when Slurm warns of the time limit (``--signal=B:USR1@<s>``, or
+    ``scancel --signal=USR1 --batch``), then requeues the job once the ranks have exited. It does not signal the
+    ranks: a signal sent to a job step reaches every process of the step, helper processes included (reward
+    workers, vLLM engines, checkpoint writer processes), and kills those without a handler -- measured: a
+    Megatron dist-checkpoint save dies with BrokenPipeError. Ranks may see the file at different steps (network
+    file systems cache attributes), so call this on every rank at a step boundary and agree collectively
+    (all-reduce MAX) before checkpointing and exiting with status 0.
+    """
+    env = os.environ if env is None else env
+    path = env.get(STOP_FILE_ENV)
+    return bool(path) and os.path.exists(path)
 
 
 def free_port() -> int:

@@ -1,0 +1,76 @@
+"""The shell side, without a cluster: shellcheck, and what the recipes would submit (DRY_RUN=1)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted([*REPO.glob("slurm/*.sbatch"), *REPO.glob("slurm/*.sh"), *REPO.glob("slurm/recipes/*.sh"),
+                  *REPO.glob(".ci/*.sh"), REPO / ".ci" / "run"])
+RECIPES = sorted(REPO.glob("slurm/recipes/*.sh"))
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)")
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_shellcheck(script):
+    out = subprocess.run(["shellcheck", "-x", "--shell=bash", str(script)], capture_output=True, text=True,
+                         cwd=script.parent, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_there_is_something_to_check():
+    names = {p.name for p in SCRIPTS}
+    assert {"train.sbatch", "train_mpi.sbatch", "convert.sbatch", "submit.sh", "slurm_cluster.sh", "slurm.sh"} <= names
+    assert len(RECIPES) >= 3
+
+
+def dry_run(recipe: Path, tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    settings = {"NODES", "GPUS_PER_NODE", "TP", "PP", "CONFIG", "HF_MODEL", "MEGATRON_CKPT", "MEGATRON_CKPT_KEY"}
+    full_env = {key: value for key, value in os.environ.items() if key not in settings}
+    full_env.update({"DRY_RUN": "1", **env})
+    return subprocess.run([str(recipe), *args], capture_output=True, text=True, cwd=tmp_path, env=full_env,
+                          timeout=30)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_submits_training_with_the_layout(recipe, tmp_path):
+    out = dry_run(recipe, tmp_path, "trainer.seed=3", HF_MODEL="/models/m")
+    assert out.returncode == 0, out.stderr
+    train = out.stderr.splitlines()[0]
+    assert "convert.sbatch" not in out.stderr and "--dependency" not in train  # no conversion unless asked
+    nodes = int(re.search(r"--nodes=(\d+)", train).group(1))
+    gpus = int(re.search(r"--gpus-per-node=(\d+)", train).group(1))
+    tp = int(re.search(r"parallel\.tp=(\d+)", train).group(1))
+    pp = int(re.search(r"parallel\.pp=(\d+)", train).group(1))
+    assert (nodes * gpus) % (tp * pp) == 0 and gpus % tp == 0  # TP stays inside a node
+    assert "train.sbatch --config examples/" in train and "model.path=/models/m" in train
+    assert train.rstrip().endswith("trainer.seed=3")  # user overrides come last, so they win
+    assert not (tmp_path / "logs").exists()  # a dry run creates nothing
+
+
+def test_conversion_first_when_asked(tmp_path):
+    out = dry_run(RECIPES[0], tmp_path, HF_MODEL="/models/m", MEGATRON_CKPT="mcore", TP="2", PP="2",
+                  MEGATRON_CKPT_KEY="model.init_checkpoint")
+    assert out.returncode == 0, out.stderr
+    convert, _, train, _ = out.stderr.splitlines()
+    assert convert.rstrip().endswith("convert.sbatch /models/m mcore --tp 2 --pp 2")
+    assert "--dependency=afterok:0 --kill-on-invalid-dep=yes" in train and "model.init_checkpoint=mcore" in train
+    (tmp_path / "mcore").mkdir()  # already converted: no second conversion
+    out = dry_run(RECIPES[0], tmp_path, HF_MODEL="/models/m", MEGATRON_CKPT="mcore")
+    assert "convert.sbatch" not in out.stderr and "--dependency" not in out.stderr
+
+
+def test_missing_hf_folder_is_refused_before_submitting(tmp_path):
+    out = dry_run(RECIPES[0], tmp_path, HF_MODEL="Qwen/Qwen3-4B", DRY_RUN="0")
+    assert out.returncode == 2 and "hf download" in out.stderr
+    assert not (tmp_path / "logs").exists()
+
+
+def test_impossible_layout_is_refused(tmp_path):
+    out = dry_run(RECIPES[0], tmp_path, HF_MODEL="/models/m", NODES="1", GPUS_PER_NODE="8", TP="3")
+    assert out.returncode == 2 and "not a multiple of TP*PP" in out.stderr

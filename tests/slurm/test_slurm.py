@@ -1,0 +1,215 @@
+"""The real sbatch scripts on a real Slurm cluster of two fake nodes (n1, n2); see .ci/slurm_cluster.sh.
+
+Each job runs ``python -m megatron_dppo.launch_check`` (gloo, CPU) in place of the trainer: it discovers the
+launch, all-reduces, takes checkpointed steps and writes ``out/rank-<r>.json``. Jobs ask for 2 (fake) GPUs per
+node, so every run is 2 nodes x 2 ranks.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
+
+TRAIN = str(REPO / "slurm" / "train.sbatch")
+TRAIN_MPI = str(REPO / "slurm" / "train_mpi.sbatch")
+TWO_BY_TWO = ["--nodes=2", "--gpus-per-node=2"]
+
+
+def assert_two_by_two(outputs: dict[int, dict], launcher: str) -> None:
+    """Ranks 0..3 each wrote a record; one world of 4, two ranks on each of n1 and n2, the all-reduce right."""
+    assert sorted(outputs) == [0, 1, 2, 3], outputs.keys()
+    assert {o["world_size"] for o in outputs.values()} == {4}
+    assert all(o["allreduce_ok"] and o["allreduce"] == 10.0 for o in outputs.values())
+    assert {o["launcher"] for o in outputs.values()} == {launcher}
+    assert Counter(o["slurm_node"] for o in outputs.values()) == {"n1": 2, "n2": 2}
+    assert outputs[0]["nodes"] == [outputs[r]["slurm_node"] for r in range(4)]  # all_gather agrees
+    assert sorted((o["slurm_node"], o["local_rank"]) for o in outputs.values()) == [
+        ("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]
+    assert {o["local_world_size"] for o in outputs.values()} == {2}
+
+
+def test_torchrun_two_nodes_two_ranks_complete_with_checkpoint(slurm, tmp_path):
+    job = slurm.submit(tmp_path, [TRAIN, "--out", "out", "--steps", "2", "--ckpt", "ckpt", "--step-seconds", "0.1"],
+                       name="t-torchrun", sbatch_args=TWO_BY_TWO)
+    state, _ = slurm.wait(job, timeout=150)
+    assert state == "COMPLETED", slurm.describe(job)
+    outputs = job.outputs()
+    assert_two_by_two(outputs, "torchrun")
+    assert {o["cuda_visible_devices"] for o in outputs.values()} == {"0,1"}  # Slurm's gres binding reached ranks
+    assert all(o["finished"] and o["total"] == 3.0 for o in outputs.values())
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-000002"
+    state_file = json.loads((tmp_path / "ckpt" / "step-000002" / "state.json").read_text())
+    assert state_file == {"step": 2, "total": 3.0, "world_size": 4}
+    run_dir = tmp_path / "logs" / f"t-torchrun-{job.job_id}"
+    assert len(list(run_dir.glob("node-*.out"))) == 2  # one log per node (torchrun agent) ...
+    assert len(list(run_dir.glob("ranks/*/attempt_0/*/stdout.log"))) == 4  # ... and one per rank
+    assert "done with status 0" in job.batch_log.read_text()
+
+
+def test_one_srun_task_per_gpu(slurm, tmp_path):
+    job = slurm.submit(tmp_path, [TRAIN, "--out", "out"], name="t-srun", sbatch_args=TWO_BY_TWO,
+                       env=slurm.job_env(DPPO_LAUNCH="srun"))
+    state, _ = slurm.wait(job, timeout=150)
+    assert state == "COMPLETED", slurm.describe(job)
+    outputs = job.outputs()
+    assert_two_by_two(outputs, "slurm")
+    assert {o["master"] for o in outputs.values()} == {f"n1:{20000 + job.job_id % 20000}"}  # from the job id
+    assert sorted(p.name for p in (tmp_path / "logs" / f"t-srun-{job.job_id}").iterdir()) == [
+        f"rank-{r}.out" for r in range(4)]
+
+
+def test_a_failing_rank_fails_the_job_within_a_minute(slurm, tmp_path):
+    job = slurm.submit(tmp_path, [TRAIN, "--out", "out", "--steps", "1000", "--ckpt", "ckpt", "--fail-rank", "3"],
+                       name="t-fail", sbatch_args=TWO_BY_TWO)
+    slurm.wait(job, timeout=60, until={"RUNNING"} | slurm.TERMINAL)
+    state, seconds = slurm.wait(job, timeout=60)
+    assert state == "FAILED", slurm.describe(job)
+    assert seconds < 60
+    assert slurm.show(job)["ExitCode"] != "0:0"
+    assert "failing on purpose" in job.logs(), slurm.describe(job)
+    last_step = max((json.loads(p.read_text()).get("last_step") or 0) for p in (tmp_path / "out").glob("*.json"))
+    assert last_step < 1000  # nobody ran on to the end
+
+
+@pytest.mark.parametrize("launch, stop_by", [("torchrun", "stop-file"),
+                                             pytest.param("srun", "sigterm", marks=pytest.mark.slow)])
+def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path, launch, stop_by):
+    """SIGUSR1 to the batch shell (what --signal=B:USR1@<s> does before the time limit): the ranks checkpoint and
+    stop, the job requeues itself and resumes from that checkpoint. stop-file: the program polls $DPPO_STOP_FILE
+    (the normal path); sigterm: a program that ignores it is terminated after DPPO_STOP_GRACE seconds, and the
+    requeued job resumes from its latest checkpoint (the work since then is redone)."""
+    steps = 8
+    extra = ["--ignore-stop-file"] if stop_by == "sigterm" else []
+    job = slurm.submit(tmp_path, [TRAIN, "--out", "out", "--steps", str(steps), "--ckpt", "ckpt",
+                                  "--step-seconds", "0.3", *extra], name="t-requeue", sbatch_args=TWO_BY_TWO,
+                       env=slurm.job_env(DPPO_LAUNCH=launch, DPPO_STOP_GRACE="2" if stop_by == "sigterm" else "90"))
+    latest = tmp_path / "ckpt" / "latest"
+    deadline = time.monotonic() + 120
+    while not latest.exists():  # wait for the first checkpoint
+        assert time.monotonic() < deadline and slurm.state(job) not in slurm.TERMINAL, slurm.describe(job)
+        time.sleep(0.2)
+    slurm.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
+    state, _ = slurm.wait(job, timeout=180)
+    assert state == "COMPLETED", slurm.describe(job)
+    assert slurm.show(job)["Restarts"] == "1"
+    outputs = job.outputs()
+    assert_two_by_two(outputs, {"torchrun": "torchrun", "srun": "slurm"}[launch])
+    for out in outputs.values():
+        first = out["earlier_runs"][-1]
+        assert first["restart_count"] == 0 and out["restart_count"] == 1, out
+        if stop_by == "stop-file":
+            assert first["preempted"], out  # stopped on request at a step boundary, not killed
+            assert out["resumed_from"] == first["last_step"] >= 1  # resumed exactly where it checkpointed
+        else:  # SIGTERM ends the step (SIGKILL after KillWait): resumed from the latest checkpoint written
+            assert out["resumed_from"] >= 1, out
+        assert out["finished"] and out["last_step"] == steps
+        assert out["total"] == steps * (steps + 1) / 2  # same result as an uninterrupted run
+    log = job.batch_log.read_text()
+    assert "requeueing job" in log and "restart 1" in log
+    assert ("SIGTERM" in log) == (stop_by == "sigterm")
+
+
+@pytest.mark.parametrize("mpi_launch", ["srun", "mpirun"])
+def test_mpi_launch(slurm, tmp_path, mpi_launch):
+    if mpi_launch == "mpirun" and shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed")
+    has_mpi4py = importlib.util.find_spec("mpi4py") is not None
+    job = slurm.submit(tmp_path, [TRAIN_MPI, "--out", "out", *(["--mpi"] if has_mpi4py else [])],
+                       name=f"t-mpi-{mpi_launch}", sbatch_args=[*TWO_BY_TWO, "--ntasks-per-node=2"],
+                       env=slurm.job_env(DPPO_MPI_LAUNCH=mpi_launch))
+    state, _ = slurm.wait(job, timeout=150)
+    assert state == "COMPLETED", slurm.describe(job)
+    outputs = job.outputs()
+    assert_two_by_two(outputs, "mpi")
+    if has_mpi4py:  # MPI itself agrees: one world of 4, not 4 singletons
+        assert all(o["mpi_world"] == [rank, 4] for rank, o in outputs.items())
+
+
+def test_separate_worlds_are_refused(slurm, tmp_path):
+    """Two launches that would train N separate models die at start-up with the launcher's explanation."""
+    check = "python -m megatron_dppo.launch_check --out out"
+    standalone = slurm.submit(tmp_path, ["--wrap", f"srun torchrun --standalone --nproc-per-node=1 --no-python {check}"],
+                              name="t-standalone", sbatch_args=["--nodes=2", "--ntasks-per-node=1"])
+    batch_step = slurm.submit(tmp_path, ["--wrap", check], name="t-batchstep", sbatch_args=["--nodes=1", "--ntasks=2"])
+    for job, message in [(standalone, "every agent built its own world"), (batch_step, "separate worlds")]:
+        state, _ = slurm.wait(job, timeout=90)
+        assert state == "FAILED", slurm.describe(job)
+        assert message in job.logs(), slurm.describe(job)
+    assert not (tmp_path / "out").exists()  # refused before any rank initialized torch.distributed
+
+
+def _conversion_env(slurm, tmp_path: Path, fail: bool, **extra: str) -> dict[str, str]:
+    """slurm/submit.sh settings with a converter stub: `convert HF_DIR OUT_DIR --tp 1 --pp 1`."""
+    stub = tmp_path / "convert_stub.sh"
+    stub.write_text("#!/bin/bash\n# stands in for tools/convert_hf_to_megatron.py HF_DIR OUT_DIR --tp TP --pp PP\n"
+                    + ("exit 1\n" if fail else 'sleep 1; mkdir -p "$2"; date +%s.%N > "$2/converted"\n'))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    return slurm.job_env(CONFIG="examples/tiny.yaml", HF_MODEL=str(tmp_path / "hf"), MEGATRON_CKPT="mcore",
+                         NODES="2", GPUS_PER_NODE="2", DPPO_LAUNCH="srun", DPPO_CONVERT_CMD=f"bash {stub}", **extra)
+
+
+def test_training_waits_for_the_conversion(slurm, tmp_path):
+    """slurm/submit.sh (what the recipes call): conversion job, then training with --dependency=afterok.
+
+    The "training" here is a shell stub (the launch itself is tested above): each rank records when it ran.
+    """
+    train_stub = tmp_path / "train_stub.sh"
+    train_stub.write_text('#!/bin/bash\n# args: --config C overrides... --out DIR\nmkdir -p "${@: -1}"\n'
+                          'date +%s.%N > "${@: -1}/rank-$SLURM_PROCID.json"\n')
+    env = _conversion_env(slurm, tmp_path, fail=False, DPPO_CMD=f"bash {train_stub}")
+    out = slurm.run(str(REPO / "slurm" / "submit.sh"), "--out", "out", cwd=tmp_path, env=env)
+    train_id = int(out.stdout.strip())
+    conv_id = int(next(line.split()[2].rstrip(":") for line in out.stderr.splitlines()
+                       if line.startswith("conversion job")))
+    assert slurm.show(train_id)["Dependency"].startswith(f"afterok:{conv_id}")
+    state, _ = slurm.wait(train_id, timeout=150)
+    assert state == "COMPLETED", slurm.describe(train_id) + out.stderr
+    assert slurm.state(conv_id) == "COMPLETED"
+    converted_at = float((tmp_path / "mcore" / "converted").read_text())
+    ran_at = {int(p.stem.split("-")[1]): float(p.read_text()) for p in (tmp_path / "out").glob("rank-*.json")}
+    assert sorted(ran_at) == [0, 1, 2, 3]
+    assert min(ran_at.values()) > converted_at  # every rank started after the conversion had finished
+
+
+def test_a_failed_conversion_cancels_the_training_job(slurm, tmp_path):
+    env = _conversion_env(slurm, tmp_path, fail=True)
+    out = slurm.run(str(REPO / "slurm" / "submit.sh"), "--out", "out", cwd=tmp_path, env=env)
+    train_id = int(out.stdout.strip())
+    state, _ = slurm.wait(train_id, timeout=60)
+    assert state == "CANCELLED", slurm.describe(train_id)
+    assert not (tmp_path / "out").exists()  # it never ran
+
+
+@pytest.mark.slow
+def test_real_conversion_job_at_tp2(slurm, tmp_path):
+    """slurm/convert.sbatch with the real converter: a tiny random Qwen2 HF folder -> Megatron checkpoint at TP=2
+    (two converter processes under torchrun), then a training job that waited for it (afterok) reads it."""
+    pytest.importorskip("transformers")
+    script = ("import sys, torch\nfrom transformers import Qwen2Config, Qwen2ForCausalLM\ntorch.manual_seed(0)\n"
+              "Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, "
+              "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, "
+              "tie_word_embeddings=True)).save_pretrained(sys.argv[1])\n")
+    (tmp_path / "make_hf.py").write_text(script)
+    slurm.run(sys.executable, str(tmp_path / "make_hf.py"), str(tmp_path / "hf"), env=slurm.job_env(), timeout=300)
+    env = slurm.job_env(CONFIG="examples/tiny.yaml", HF_MODEL=str(tmp_path / "hf"), MEGATRON_CKPT="mcore",
+                        NODES="2", GPUS_PER_NODE="2", TP="2", DPPO_LAUNCH="srun",
+                        DPPO_CMD="python -m megatron_dppo.launch_check")
+    out = slurm.run(str(REPO / "slurm" / "submit.sh"), "--out", "out", cwd=tmp_path, env=env)
+    train_id = int(out.stdout.strip())
+    state, _ = slurm.wait(train_id, timeout=400)
+    assert state == "COMPLETED", slurm.describe(train_id) + out.stderr
+    assert "--nproc-per-node=2" in next((tmp_path / "logs").glob("*convert*.out")).read_text()
+    assert (tmp_path / "mcore" / "model" / "metadata.json").is_file()
+    assert len(list((tmp_path / "mcore" / "model").glob("*.distcp"))) >= 2  # written by 2 TP ranks
+    assert len(list((tmp_path / "out").glob("rank-*.json"))) == 4
