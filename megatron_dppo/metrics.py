@@ -1,0 +1,232 @@
+"""Metrics plumbing of the trainer: phase timers, the sinks (JSONL, TensorBoard, W&B), pass@k, the reward plot.
+
+Rank 0 writes; other ranks get a sink that drops everything. ``metrics.jsonl`` holds one JSON object per step
+(``{"step": s, "phase": "rl"|"sft"|"eval", ...}``); on resume the lines at or after the resumed position are
+dropped, so a resumed run's file equals a straight run's file (apart from the wall-clock ``time/*`` fields).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase of one step: ``with timer("generate"): ...``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def as_metrics(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        out["time/step"] = sum(self.seconds.values())
+        return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def _scalar(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+class MetricsSink:
+    """JSONL + TensorBoard (+ W&B) writer. ``enabled=False`` (non-zero ranks) makes every call a no-op.
+
+    Records are keyed by phase: ``(0, sft_step)`` for the warm start, ``(1, step)`` for RL and eval records.
+    ``open(resume_key)`` keeps the JSONL records before ``resume_key`` (None = a fresh run: empty file), and
+    TensorBoard drops events at or after ``tb_purge_step`` (global step = warm-start steps + RL step).
+    """
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool, jsonl: bool = True, tensorboard: bool = True,
+                 wandb: str = "off", wandb_project: str = "megatron-dppo", run_config: dict | None = None) -> None:
+        self.enabled = enabled
+        self.dir = Path(output_dir)
+        self.jsonl_path = self.dir / "metrics.jsonl"
+        self._want = {"jsonl": jsonl, "tensorboard": tensorboard, "wandb": wandb}
+        self._project, self._run_config = wandb_project, run_config
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+
+    def open(self, resume_key: tuple[int, int] | None = None, tb_purge_step: int | None = None) -> None:
+        if not self.enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self._want["jsonl"]:
+            self._truncate_jsonl(resume_key)
+            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        if self._want["tensorboard"]:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=tb_purge_step)
+            except ImportError as err:  # tensorboard is a core dependency; warn rather than die mid-run
+                warnings.warn(f"TensorBoard disabled: {err}")
+        if self._want["wandb"] != "off":
+            self._wandb = _start_wandb(self._want["wandb"], self._project, str(self.dir), self._run_config)
+
+    def _truncate_jsonl(self, resume_key: tuple[int, int] | None) -> None:
+        """Keep only the records before ``resume_key`` (None = fresh run: start an empty file)."""
+        if resume_key is None or not self.jsonl_path.exists():
+            self.jsonl_path.write_text("", encoding="utf-8")
+            return
+        kept = []
+        for line in self.jsonl_path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a crash
+            if record_key(rec) < tuple(resume_key):
+                kept.append(line)
+        self.jsonl_path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, Any], phase: str = "rl", global_step: int | None = None) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl is not None:
+            rec = {"step": step, "phase": phase}
+            rec.update({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool)) or v is None})
+            self._jsonl.write(json.dumps(rec) + "\n")
+            self._jsonl.flush()
+        scalars = {k: f for k, v in metrics.items() if (f := _scalar(v)) is not None}
+        gstep = step if global_step is None else global_step
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k if "/" in k else f"{phase}/{k}", v, gstep)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=gstep)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def record_key(rec: dict) -> tuple[int, int]:
+    """Order of records: warm-start steps (0, step) before RL/eval steps (1, step). The evaluation before the
+    first RL step (step -1) belongs to RL step 0: a run resumed at RL step 0 runs it again."""
+    if rec.get("phase") == "sft":
+        return (0, int(rec.get("step", 0)))
+    return (1, max(0, int(rec.get("step", 0))))
+
+
+def _start_wandb(mode: str, project: str, directory: str, run_config: dict | None):
+    try:
+        import wandb  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        if mode == "on":
+            raise ValueError("logging.wandb=on but the wandb package is not installed (pip install wandb, or set "
+                             "logging.wandb=auto|off)") from None
+        return None
+    if mode == "auto" and not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE")):
+        return None
+    return wandb.init(project=project, dir=directory, config=run_config)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def plot_reward_curve(metrics_path: str | Path, png_path: str | Path) -> Path | None:
+    """Six panels from ``metrics.jsonl``: reward (before/after pruning, eval pass@1), kept fraction per level,
+    effective sample size, the warm-start NLL, packing density, and time per phase. Returns the PNG path (None
+    when there is nothing to plot)."""
+    records = read_jsonl(metrics_path)
+    rl = [r for r in records if r.get("phase") == "rl"]
+    ev = [r for r in records if r.get("phase") == "eval"]
+    sft = [r for r in records if r.get("phase") == "sft"]
+    if not rl and not ev and not sft:
+        return None
+    import matplotlib  # noqa: PLC0415 - only needed at the end of a run
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    def series(recs, key):
+        pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    def lines(ax, recs, keys, **kw):
+        for key, label in keys:
+            xs, ys = series(recs, key)
+            if xs:
+                ax.plot(xs, ys, label=label, **kw)
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    ax = axes[0][0]
+    lines(ax, rl, [("reward/mean", "train reward (all completions)")])
+    lines(ax, rl, [("reward/mean_kept", "train reward (kept after pruning)")], alpha=0.45)
+    evk = sorted({k for r in ev for k in r if k.startswith("eval/") and ("pass@" in k)})
+    lines(ax, ev, [(k, k[5:]) for k in evk], marker="o")
+    ax.set_title("reward"), ax.set_xlabel("RL step"), ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+    ax = axes[0][1]
+    lines(ax, rl, [("prune/prompt_kept_fraction", "prompts kept (of drawn)"),
+                   ("prune/completion_kept_fraction", "completions kept (of generated)"),
+                   ("prune/total_kept_fraction", "sequences trained / B*G")])
+    ax.set_ylim(0, 1.05), ax.set_title("kept fraction per level"), ax.set_xlabel("RL step"), ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+    ax = axes[0][2]
+    lines(ax, rl, [("prune/total_ess", "ESS (sum w)^2 / sum w^2"), ("prune/total_kept", "sequences trained")])
+    ax.set_title("effective sample size"), ax.set_xlabel("RL step"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
+
+    ax = axes[1][0]
+    lines(ax, sft, [("sft/nll", "warm-start NLL per completion token")])
+    ax.set_title("supervised warm start"), ax.set_xlabel("warm-start step"), ax.grid(alpha=0.3)
+    if sft:
+        ax.legend(fontsize=7)
+
+    ax = axes[1][1]
+    lines(ax, rl, [("packing/density", "valid-token density")])
+    ax.set_ylim(0, 1.05), ax.set_title("packing density"), ax.set_xlabel("RL step"), ax.grid(alpha=0.3)
+
+    ax = axes[1][2]
+    phases = sorted({k for r in rl for k in r if k.startswith("time/") and k != "time/step"})
+    if rl and phases:
+        steps = [r["step"] for r in rl]
+        bottom = [0.0] * len(rl)
+        for key in phases:
+            vals = [float(r.get(key, 0.0)) for r in rl]
+            ax.bar(steps, vals, bottom=bottom, label=key[5:], width=0.9)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.legend(fontsize=7)
+    ax.set_title("time per phase (s)"), ax.set_xlabel("RL step")
+    fig.tight_layout()
+    png_path = Path(png_path)
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path

@@ -1,0 +1,17 @@
+"""Reward functions for the end-to-end tests, imported by path ("tests.e2e._rewards:parity")."""
+import math
+
+
+def parity(completion: str, gold) -> float:
+    """1 for an even number of characters: varies within every group of a random policy, so advantages are non-zero
+    from the first step (an untrained model almost never solves the arithmetic)."""
+    return float(len(completion) % 2 == 0)
+
+
+def flaky(completion: str, gold) -> float:
+    """Raises, returns NaN or a non-number for some completions: each such sample must cost a 0, never the run."""
+    if len(completion) % 3 == 0:
+        raise RuntimeError(f"flaky reward refuses {completion!r}")
+    if len(completion) % 3 == 1:
+        return math.nan
+    return 1.0

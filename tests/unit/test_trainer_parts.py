@@ -1,0 +1,131 @@
+"""Fast checks of the trainer's plumbing: pass@k, the metrics sink's resume truncation, sharding helpers, seeds,
+loss presets with overrides, and the stop-signal handler."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import signal
+
+import pytest
+
+from megatron_dppo import distributed as D
+from megatron_dppo.config import load_config
+from megatron_dppo.metrics import MetricsSink, pass_at_k, read_jsonl
+
+
+@pytest.mark.parametrize("n,c,k", [(4, 0, 1), (4, 1, 1), (4, 2, 2), (5, 3, 2), (6, 1, 4), (6, 6, 3), (3, 1, 3)])
+def test_pass_at_k_is_the_probability_that_k_of_n_samples_contain_a_correct_one(n, c, k):
+    samples = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    brute = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+    assert math.isclose(pass_at_k(n, c, k), brute, rel_tol=1e-12)
+
+
+def test_pass_at_k_rejects_impossible_counts():
+    with pytest.raises(ValueError, match="n=2, c=3"):
+        pass_at_k(2, 3, 1)
+    with pytest.raises(ValueError, match="k=3"):
+        pass_at_k(2, 1, 3)
+
+
+def test_metrics_sink_resume_keeps_exactly_the_records_before_the_resume_point(tmp_path):
+    sink = MetricsSink(tmp_path, enabled=True, tensorboard=False)
+    sink.open()
+    for s in range(3):
+        sink.log(s, {"sft/nll": 1.0 / (s + 1)}, phase="sft")
+    sink.log(-1, {"eval/x/pass@1": 0.25}, phase="eval")  # before the first RL step
+    for s in range(4):
+        sink.log(s, {"reward/mean": s / 10})
+        if s % 2:
+            sink.log(s, {"eval/x/pass@1": 0.5}, phase="eval")
+    sink.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "phase": "rl", "rew')  # a line torn by a crash
+    resumed = MetricsSink(tmp_path, enabled=True, tensorboard=False)
+    resumed.open(resume_key=(1, 2))  # resume at RL step 2
+    resumed.close()
+    kept = [(r["phase"], r["step"]) for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert kept == [("sft", 0), ("sft", 1), ("sft", 2), ("eval", -1), ("rl", 0), ("rl", 1), ("eval", 1)]
+    at_rl0 = MetricsSink(tmp_path, enabled=True, tensorboard=False)
+    at_rl0.open(resume_key=(1, 0))  # resumed right after the warm start: the step -1 evaluation runs again
+    at_rl0.close()
+    assert [(r["phase"], r["step"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [("sft", 0), ("sft", 1),
+                                                                                         ("sft", 2)]
+    during_sft = MetricsSink(tmp_path, enabled=True, tensorboard=False)
+    during_sft.open(resume_key=(0, 1))
+    during_sft.close()
+    assert [(r["phase"], r["step"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [("sft", 0)]
+    fresh = MetricsSink(tmp_path, enabled=True, tensorboard=False)
+    fresh.open()
+    fresh.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_disabled_sink_writes_nothing(tmp_path):
+    sink = MetricsSink(tmp_path / "x", enabled=False)
+    sink.open()
+    sink.log(0, {"a": 1.0})
+    sink.close()
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("n,shards", [(0, 3), (1, 2), (7, 3), (8, 4), (10, 1)])
+def test_shard_bounds_cover_everything_once_in_order(n, shards):
+    bounds = [D.shard_bounds(n, shards, i) for i in range(shards)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [b - a for a, b in bounds]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_map_sharded_single_process_keeps_order_and_checks_counts():
+    assert D.map_sharded(lambda xs, i: [x * 2 for x in xs], [1, 2, 3]) == [2, 4, 6]
+    with pytest.raises(ValueError, match="returned 1 results for 3 items"):
+        D.map_sharded(lambda xs, i: [0], [1, 2, 3])
+
+
+def test_decision_seeds_are_stable_and_distinct():
+    assert D.derive_seed(1, 2, "prompts") == D.derive_seed(1, 2, "prompts")
+    seeds = {D.derive_seed(s, t, tag) for s in (1, 2) for t in range(5) for tag in ("prompts", "completions")}
+    assert len(seeds) == 20
+    import torch
+    a = torch.rand(3, generator=D.decision_generator(1, 2, "x"))
+    assert torch.equal(a, torch.rand(3, generator=D.decision_generator(1, 2, "x")))
+
+
+def test_loss_preset_with_overrides():
+    from megatron_dppo.build import build_loss
+
+    cfg = load_config(None, ["data.task=arithmetic", "model.hf_config.model_type=qwen2", "loss.preset=dapo",
+                             "loss.eps_high=0.3", "loss.advantage_estimator=rloo"])
+    loss, estimator = build_loss(cfg)
+    assert loss.aggregation == "token_mean" and loss.eps_high == 0.3 and loss.eps_low == 0.2
+    assert estimator == "rloo"
+    loss, estimator = build_loss(load_config(None, ["data.task=arithmetic", "model.hf_config.model_type=qwen2",
+                                                    "loss.preset=dr_grpo"]))
+    assert loss.aggregation == "seq_mean_token_sum_norm" and estimator == "dr_grpo"
+
+
+def test_stop_signals_set_a_flag_and_restore_the_handlers():
+    from megatron_dppo.trainer import StopSignals
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    with StopSignals() as stop:
+        assert stop.poll() is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.poll() == signal.SIGUSR1 and stop.received == signal.SIGUSR1
+    assert signal.getsignal(signal.SIGUSR1) == previous
+
+
+def test_a_job_script_stop_file_stops_with_code_zero(tmp_path, monkeypatch):
+    """slurm/train.sbatch asks for a checkpoint-and-stop by creating $DPPO_STOP_FILE (no signal to the ranks)."""
+    from megatron_dppo.trainer import STOP_REQUESTED, StopSignals
+
+    stop_file = tmp_path / "stop"
+    monkeypatch.setenv("DPPO_STOP_FILE", str(stop_file))
+    with StopSignals() as stop:
+        assert stop.poll() is None
+        stop_file.touch()
+        assert stop.poll() == STOP_REQUESTED == 0 and stop.received is None
