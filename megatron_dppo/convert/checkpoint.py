@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_dppo import distributed as D
 from megatron_dppo.convert.hf_io import (
     HFCheckpoint, copy_tokenizer_files, make_tokenizer_config_portable, portable_config, torch_dtype_name,
     write_safetensors_shards)
@@ -98,26 +99,6 @@ def _init_parallel(cfg: Any, arch: Any) -> None:
     initialize_parallel(cfg, seed=1234, arch=arch)  # reuses an existing default process group
 
 
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.barrier()
-
-
-def _all_ok(ok: bool) -> bool:
-    """True when every rank reports ok (collective)."""
-    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-        return ok
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    if torch.distributed.get_backend() == "nccl":
-        flag = flag.cuda()
-    torch.distributed.all_reduce(flag)
-    return int(flag.item()) == 0
-
-
 def _tmp_name(final: Path) -> Path:
     return final.parent / f".{final.name}.partial"
 
@@ -134,19 +115,19 @@ def _run_atomically(out_dir: Path, body: Callable[[Path], None]) -> Path:
     rank 0 remove the temporary folder.
     """
     tmp = _tmp_name(out_dir)
-    rank = _rank()
+    rank = D.rank()
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    _barrier()
+    D.barrier()
     error: BaseException | None = None
     try:
         body(tmp)
     except Exception as exc:  # noqa: BLE001 - re-raised below once every rank knows
         error = exc
     try:
-        all_ok = _all_ok(error is None)
+        all_ok = D.all_ranks(error is None)
     except BaseException:
         all_ok = False
     if not all_ok:
@@ -159,7 +140,7 @@ def _run_atomically(out_dir: Path, body: Callable[[Path], None]) -> Path:
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
-    _barrier()
+    D.barrier()
     return out_dir
 
 
@@ -178,9 +159,9 @@ def save_model_dist_checkpoint(chunks: list, path: Path) -> None:
     """Collective: write the model chunks' weights as a Megatron dist checkpoint (torch_dist) into ``path``."""
     from megatron.core import dist_checkpointing
 
-    if _rank() == 0:
+    if D.rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    D.barrier()
     dist_checkpointing.save(_model_sharded_state_dict(chunks), str(path))
 
 
@@ -258,7 +239,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
 
     def body(tmp: Path) -> None:
         save_model_dist_checkpoint(chunks, tmp / MODEL_SUBDIR)
-        if _rank() == 0:
+        if D.rank() == 0:
             (tmp / HF_SUBDIR).mkdir()
             shutil.copy2(hf_dir / "config.json", tmp / HF_SUBDIR / "config.json")
             copy_tokenizer_files(hf_dir, tmp / HF_SUBDIR)
@@ -377,7 +358,7 @@ def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLi
 
     def body(tmp: Path) -> None:
         stream = export_hf_weights(chunks, arch, bucket_bytes=bucket_bytes, dtype=dtype)
-        if _rank() != 0:
+        if D.rank() != 0:
             for _ in stream:  # take part in the collectives, keep nothing
                 pass
             return

@@ -60,6 +60,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_dppo import distributed as D
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -70,44 +72,6 @@ _TMP_PREFIX = ".tmp-"
 
 def checkpoint_name(step: int) -> str:
     return f"step_{int(step):08d}"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Process-group helpers (single process without torch.distributed works too)
-# ----------------------------------------------------------------------------------------------------------
-def _dist() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if _dist() else 0
-
-
-def _world() -> int:
-    return torch.distributed.get_world_size() if _dist() else 1
-
-
-def _barrier() -> None:
-    if _dist():
-        torch.distributed.barrier()
-
-
-def _all_ok(ok: bool) -> bool:
-    if not _dist():
-        return ok
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    if torch.distributed.get_backend() == "nccl":
-        flag = flag.cuda()
-    torch.distributed.all_reduce(flag)
-    return int(flag.item()) == 0
-
-
-def _broadcast_str(text: str | None) -> str | None:
-    if not _dist():
-        return text
-    box = [text]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -177,7 +141,7 @@ def _layout(engine) -> dict:
     from megatron.core import parallel_state
 
     return {
-        "world_size": _world(),
+        "world_size": D.world_size(),
         "tp": engine.parallel.tp,
         "pp": engine.parallel.pp,
         "vpp": engine.parallel.vpp,
@@ -358,12 +322,12 @@ def save_checkpoint(engine, root: str | os.PathLike, extra: dict[str, Any] | Non
     root = Path(root)
     name = checkpoint_name(engine.step)
     final, tmp = root / name, root / f"{_TMP_PREFIX}{name}"
-    if _rank() == 0:
+    if D.rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{_TMP_PREFIX}*"):  # leftovers of crashed saves
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    _barrier()
+    D.barrier()
 
     ok = False
     try:
@@ -372,19 +336,19 @@ def save_checkpoint(engine, root: str | os.PathLike, extra: dict[str, Any] | Non
         if meta["has_optimizer_state"]:
             sd["optimizer"] = engine.optimizer.sharded_state_dict(_flat_model_sd(sd), is_loading=False,
                                                                   metadata=_optimizer_metadata(engine))
-        sd["rng"] = ShardedObject("megatron_dppo.rng_state", _rng_state(), (_world(),), (_rank(),), replica_id=0)
+        sd["rng"] = ShardedObject("megatron_dppo.rng_state", _rng_state(), (D.world_size(),), (D.rank(),), replica_id=0)
         sd["meta"] = meta
         sd["extra"] = extra if extra is not None else {}
         dist_checkpointing.save(sd, str(tmp))
         ok = True
     finally:
-        all_ok = _all_ok(ok)  # also runs when this rank raised, so the others do not hang here
-        if not all_ok and _rank() == 0:
+        all_ok = D.all_ranks(ok)  # also runs when this rank raised, so the others do not hang here
+        if not all_ok and D.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
     if not all_ok:
         raise RuntimeError(f"saving checkpoint {final} failed on another rank; nothing was written")
 
-    if _rank() == 0:
+    if D.rank() == 0:
         (tmp / "megatron_dppo.json").write_text(json.dumps(
             {k: v for k, v in meta.items() if k != "optim" and k != "loss"}, indent=1, default=str))
         aside = root / f"{_TMP_PREFIX}old-{name}"
@@ -399,7 +363,7 @@ def save_checkpoint(engine, root: str | os.PathLike, extra: dict[str, Any] | Non
             for old in list_checkpoints(root)[:-keep_last]:
                 if old.name != name:
                     shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    D.barrier()
     logger.info("saved checkpoint %s", final)
     return final
 
@@ -429,7 +393,7 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
 
     path = resolve_checkpoint(path)
     # every rank must load the same directory even if `latest` moves meanwhile
-    path = Path(_broadcast_str(str(path)))
+    path = Path(D.broadcast_object(str(path)))
     meta = read_checkpoint_meta(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format_version={meta.get('format_version')}, this code reads "
@@ -474,7 +438,7 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
         sd["optimizer"] = engine.optimizer.sharded_state_dict(_flat_model_sd(sd), is_loading=True,
                                                               metadata=_optimizer_metadata(engine))
     if do_rng:
-        sd["rng"] = ShardedObject("megatron_dppo.rng_state", None, (_world(),), (_rank(),), replica_id=0)
+        sd["rng"] = ShardedObject("megatron_dppo.rng_state", None, (D.world_size(),), (D.rank(),), replica_id=0)
 
     with torch.no_grad():
         state = dist_checkpointing.load(sd, str(path))
@@ -497,6 +461,6 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
     if do_rng:
         _set_rng_state(state["rng"])
     engine.step = int(meta["step"])
-    _barrier()
+    D.barrier()
     logger.info("loaded checkpoint %s (step %d, optimizer %s, rng %s)", path, engine.step, do_opt, do_rng)
     return state.get("extra", {})
