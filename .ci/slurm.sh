@@ -14,5 +14,6 @@ echo "[slurm.sh] cluster up after $((SECONDS - start)) s"
 # shellcheck disable=SC1091
 source "${DPPO_SLURM_ROOT:-/tmp/dppo-slurm}/env.sh"
 # The cluster tests plus the cluster-free shell checks (shellcheck, recipe dry runs). `.ci/slurm.sh -m slurm`
-# runs every cluster test, adding the real HF -> Megatron conversion job and the SIGTERM fallback (~1.5 min).
+# runs every cluster test, adding the real HF -> Megatron conversion job and the stand-in (launch_check) requeue
+# tests, incl. the SIGTERM fallback (~1.5 min more).
 "$PYTHON" -m pytest -q -m "not slow" tests/slurm tests/unit/test_launch.py "$@"

@@ -1,13 +1,17 @@
 """The real sbatch scripts on a real Slurm cluster of two fake nodes (n1, n2); see .ci/slurm_cluster.sh.
 
-Each job runs ``python -m megatron_dppo.launch_check`` (gloo, CPU) in place of the trainer: it discovers the
-launch, all-reduces, takes checkpointed steps and writes ``out/rank-<r>.json``. Jobs ask for 2 (fake) GPUs per
-node, so every run is 2 nodes x 2 ranks.
+The three checks the issue asks for run the REAL trainer (``megatron-dppo train``, the scripts' default DPPO_CMD)
+with a tiny CPU config (gloo): 2 nodes x 2 ranks completes with a checkpoint; a failing rank fails the job within a
+minute; a preempted job checkpoints, requeues itself and resumes to the same final step. The other launch modes
+(one srun task per GPU, MPI, refused separate worlds) run the stand-in ``python -m megatron_dppo.launch_check``
+(gloo, CPU, seconds): it discovers the launch, all-reduces, takes checkpointed steps and writes
+``out/rank-<r>.json``. Jobs ask for 2 (fake) GPUs per node, so every run is 2 nodes x 2 ranks.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import sys
 import time
@@ -17,12 +21,51 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
+from _e2e_helpers import tiny_config, write_config  # noqa: E402
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
 
 TRAIN = str(REPO / "slurm" / "train.sbatch")
 TRAIN_MPI = str(REPO / "slurm" / "train_mpi.sbatch")
 TWO_BY_TWO = ["--nodes=2", "--gpus-per-node=2"]
+CHECK = "python -m megatron_dppo.launch_check"  # the stand-in program (DPPO_CMD)
+
+
+def tiny_trainer_config(tmp_path: Path, steps: int, sft_steps: int = 1) -> tuple[Path, Path]:
+    """(config file, train.output_dir) of a seconds-per-step run: the e2e tests' 2-layer Qwen2 from scratch,
+    ``steps`` RL steps after ``sft_steps`` warm-start steps, no evaluation, a checkpoint after every step. The
+    output directory is in the test's tmp dir: both fake nodes are this host, so both see it."""
+    out = tmp_path / "run"
+    cfg = tiny_config(out, train={"steps": steps, "sft_steps": sft_steps}, eval={"every": 0},
+                      checkpoint={"every": 1, "keep_last": 100},
+                      reward={"fn": "tests.slurm._rewards:parity_or_fail", "isolation": "inline"})
+    return write_config(tmp_path / "tiny.yaml", cfg), out
+
+
+def trainer_env(slurm, **extra: str):
+    """The job environment of a real-trainer job: the repo on PYTHONPATH for the test reward function."""
+    return slurm.job_env(PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", **extra)
+
+
+def rl_steps(out: Path) -> list[int]:
+    return [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if r.get("phase") == "rl"]
+
+
+def assert_four_ranks_took_part(tmp_path: Path, job, ckpt: Path, runs: int = 1) -> None:
+    """The trainer saw one world of 4 (rank 0's banner), torchrun ran 2 agents (one per node) x 2 ranks, each rank
+    with its own log, and every rank wrote its own shard of the checkpoint (torch_dist: ``__<rank>_<i>.distcp``)."""
+    logs = job.logs()
+    assert re.search(r"world 4 \(tp 1, pp 1, dp 4\)", logs), logs[-3000:]
+    run_dir = tmp_path / "logs" / f"{job.name}-{job.job_id}"
+    assert sorted(p.name for p in run_dir.glob("node-*.out")) == ["node-0.out", "node-1.out"]  # srun's %n
+    agents = [p for p in run_dir.glob("ranks/*/attempt_0") if p.is_dir()]  # one per torchrun agent and run
+    assert len(agents) == 2 * runs, agents
+    assert all(sorted(q.parent.name for q in a.glob("*/stdout.log")) == ["0", "1"] for a in agents)  # local ranks
+    writers = {int(p.name.split("_")[2]) for p in ckpt.glob("__*_*.distcp")}
+    assert writers == {0, 1, 2, 3}, sorted(p.name for p in ckpt.iterdir())
+    assert json.loads((ckpt / "megatron_dppo.json").read_text())["layout"]["world_size"] == 4
 
 
 def assert_two_by_two(outputs: dict[int, dict], launcher: str) -> None:
@@ -38,27 +81,26 @@ def assert_two_by_two(outputs: dict[int, dict], launcher: str) -> None:
     assert {o["local_world_size"] for o in outputs.values()} == {2}
 
 
-def test_torchrun_two_nodes_two_ranks_complete_with_checkpoint(slurm, tmp_path):
-    job = slurm.submit(tmp_path, [TRAIN, "--out", "out", "--steps", "2", "--ckpt", "ckpt", "--step-seconds", "0.1"],
-                       name="t-torchrun", sbatch_args=TWO_BY_TWO)
-    state, _ = slurm.wait(job, timeout=150)
+def test_trainer_on_two_nodes_two_ranks_completes_with_checkpoint(slurm, tmp_path):
+    """The real trainer (the script's default DPPO_CMD) through srun + torchrun: 2 nodes x 2 ranks, gloo."""
+    steps = 2
+    config, out = tiny_trainer_config(tmp_path, steps=steps)
+    job = slurm.submit(tmp_path, [TRAIN, "--config", str(config)], name="t-train", sbatch_args=TWO_BY_TWO,
+                       env=trainer_env(slurm))
+    state, seconds = slurm.wait(job, timeout=200)
     assert state == "COMPLETED", slurm.describe(job)
-    outputs = job.outputs()
-    assert_two_by_two(outputs, "torchrun")
-    assert {o["cuda_visible_devices"] for o in outputs.values()} == {"0,1"}  # Slurm's gres binding reached ranks
-    assert all(o["finished"] and o["total"] == 3.0 for o in outputs.values())
-    assert (tmp_path / "ckpt" / "latest").read_text() == "step-000002"
-    state_file = json.loads((tmp_path / "ckpt" / "step-000002" / "state.json").read_text())
-    assert state_file == {"step": 2, "total": 3.0, "world_size": 4}
-    run_dir = tmp_path / "logs" / f"t-torchrun-{job.job_id}"
-    assert len(list(run_dir.glob("node-*.out"))) == 2  # one log per node (torchrun agent) ...
-    assert len(list(run_dir.glob("ranks/*/attempt_0/*/stdout.log"))) == 4  # ... and one per rank
+    assert rl_steps(out) == list(range(steps))
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{1 + steps:08d}", latest  # 1 warm-start + 2 RL optimizer steps
+    assert_four_ranks_took_part(tmp_path, job, out / "checkpoints" / latest)
+    assert "megatron-dppo train --config" in job.batch_log.read_text()  # the default program
     assert "done with status 0" in job.batch_log.read_text()
+    print(f"2x2 trainer job: {seconds:.0f} s")
 
 
 def test_one_srun_task_per_gpu(slurm, tmp_path):
     job = slurm.submit(tmp_path, [TRAIN, "--out", "out"], name="t-srun", sbatch_args=TWO_BY_TWO,
-                       env=slurm.job_env(DPPO_LAUNCH="srun"))
+                       env=slurm.job_env(DPPO_LAUNCH="srun", DPPO_CMD=CHECK))
     state, _ = slurm.wait(job, timeout=150)
     assert state == "COMPLETED", slurm.describe(job)
     outputs = job.outputs()
@@ -69,21 +111,54 @@ def test_one_srun_task_per_gpu(slurm, tmp_path):
 
 
 def test_a_failing_rank_fails_the_job_within_a_minute(slurm, tmp_path):
-    job = slurm.submit(tmp_path, [TRAIN, "--out", "out", "--steps", "1000", "--ckpt", "ckpt", "--fail-rank", "3"],
-                       name="t-fail", sbatch_args=TWO_BY_TWO)
+    """Rank 2 of the real trainer dies (exit 3) in the first RL step, the other three then wait in a collective:
+    torchrun on n2 ends, srun --kill-on-bad-exit=1 ends n1's step, and the job is FAILED, not hung."""
+    config, out = tiny_trainer_config(tmp_path, steps=1000, sft_steps=0)
+    job = slurm.submit(tmp_path, [TRAIN, "--config", str(config)], name="t-fail", sbatch_args=TWO_BY_TWO,
+                       env=trainer_env(slurm, DPPO_TEST_FAIL_RANK="2"))
     slurm.wait(job, timeout=60, until={"RUNNING"} | slurm.TERMINAL)
-    state, seconds = slurm.wait(job, timeout=60)
+    state, seconds = slurm.wait(job, timeout=90)
     assert state == "FAILED", slurm.describe(job)
-    assert seconds < 60
+    assert seconds < 60, f"FAILED only {seconds:.0f} s after it started running"
     assert slurm.show(job)["ExitCode"] != "0:0"
-    assert "failing on purpose" in job.logs(), slurm.describe(job)
-    last_step = max((json.loads(p.read_text()).get("last_step") or 0) for p in (tmp_path / "out").glob("*.json"))
-    assert last_step < 1000  # nobody ran on to the end
+    assert "rank 2 failing on purpose" in job.logs(), slurm.describe(job)
+    assert not (out / "metrics.jsonl").exists() or rl_steps(out) == []  # nobody went on training
+    print(f"failing-rank job: FAILED {seconds:.0f} s after it started running")
 
 
-@pytest.mark.parametrize("launch, stop_by", [("torchrun", "stop-file"),
-                                             pytest.param("srun", "sigterm", marks=pytest.mark.slow)])
-def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path, launch, stop_by):
+def test_preempted_trainer_checkpoints_requeues_and_resumes(slurm, tmp_path):
+    """SIGUSR1 to the batch shell (what --signal=B:USR1@<s> does before the time limit): the trap creates
+    $DPPO_STOP_FILE, the trainer's ranks agree on it at the next step boundary, checkpoint and exit 0; the job
+    requeues itself, resumes from that checkpoint and ends at the same final step as a straight run."""
+    steps = 6
+    config, out = tiny_trainer_config(tmp_path, steps=steps)
+    job = slurm.submit(tmp_path, [TRAIN, "--config", str(config)], name="t-requeue", sbatch_args=TWO_BY_TWO,
+                       env=trainer_env(slurm, DPPO_STOP_GRACE="90"))
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 180
+    while not latest.exists():  # wait for the first checkpoint (after RL step 1)
+        assert time.monotonic() < deadline and slurm.state(job) not in slurm.TERMINAL, slurm.describe(job)
+        time.sleep(0.2)
+    slurm.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
+    state, _ = slurm.wait(job, timeout=220)
+    assert state == "COMPLETED", slurm.describe(job)
+    assert slurm.show(job)["Restarts"] == "1"
+    log = job.batch_log.read_text()
+    assert "requeueing job" in log and "restart 1" in log and "SIGTERM" not in log
+    logs = job.logs()
+    stopped = set(re.findall(r"stopped by the job script's stop request; checkpoint (\S+);", logs))
+    resumed = set(re.findall(r"resumed from (\S+) \(warm-start step 1, RL step (\d+)\)", logs))
+    assert len(stopped) == 1 and len(resumed) == 1, (stopped, resumed, logs[-3000:])  # rank 0, tee'd twice
+    (resumed_from, resumed_step), = resumed
+    assert resumed_from == stopped.pop() and 1 <= int(resumed_step) < steps  # resumed mid-way where it stopped ...
+    assert rl_steps(out) == list(range(steps))  # ... and every RL step is logged once, as in a straight run
+    assert latest.read_text().strip() == f"step_{1 + steps:08d}"  # same final step as an uninterrupted run
+    assert_four_ranks_took_part(tmp_path, job, out / "checkpoints" / latest.read_text().strip(), runs=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch, stop_by", [("torchrun", "stop-file"), ("srun", "sigterm")])
+def test_preempted_stand_in_checkpoints_requeues_and_resumes(slurm, tmp_path, launch, stop_by):
     """SIGUSR1 to the batch shell (what --signal=B:USR1@<s> does before the time limit): the ranks checkpoint and
     stop, the job requeues itself and resumes from that checkpoint. stop-file: the program polls $DPPO_STOP_FILE
     (the normal path); sigterm: a program that ignores it is terminated after DPPO_STOP_GRACE seconds, and the
@@ -92,7 +167,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path, launch,
     extra = ["--ignore-stop-file"] if stop_by == "sigterm" else []
     job = slurm.submit(tmp_path, [TRAIN, "--out", "out", "--steps", str(steps), "--ckpt", "ckpt",
                                   "--step-seconds", "0.3", *extra], name="t-requeue", sbatch_args=TWO_BY_TWO,
-                       env=slurm.job_env(DPPO_LAUNCH=launch, DPPO_STOP_GRACE="2" if stop_by == "sigterm" else "90"))
+                       env=slurm.job_env(DPPO_LAUNCH=launch, DPPO_STOP_GRACE="2" if stop_by == "sigterm" else "90",
+                                         DPPO_CMD=CHECK))
     latest = tmp_path / "ckpt" / "latest"
     deadline = time.monotonic() + 120
     while not latest.exists():  # wait for the first checkpoint
@@ -126,7 +202,7 @@ def test_mpi_launch(slurm, tmp_path, mpi_launch):
     has_mpi4py = importlib.util.find_spec("mpi4py") is not None
     job = slurm.submit(tmp_path, [TRAIN_MPI, "--out", "out", *(["--mpi"] if has_mpi4py else [])],
                        name=f"t-mpi-{mpi_launch}", sbatch_args=[*TWO_BY_TWO, "--ntasks-per-node=2"],
-                       env=slurm.job_env(DPPO_MPI_LAUNCH=mpi_launch))
+                       env=slurm.job_env(DPPO_MPI_LAUNCH=mpi_launch, DPPO_CMD=CHECK))
     state, _ = slurm.wait(job, timeout=150)
     assert state == "COMPLETED", slurm.describe(job)
     outputs = job.outputs()
