@@ -253,7 +253,7 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    """Adam optimizer (Megatron distributed optimizer on GPU)."""
+    """Adam optimizer (optionally Megatron's DistributedOptimizer, which shards its state over DP ranks)."""
 
     lr: float = opt(1e-6, "Peak learning rate of the RL phase.")
     min_lr: float = opt(0.0, "Final learning rate of the cosine decay (if scheduler=cosine).")
@@ -264,6 +264,8 @@ class OptimConfig:
     adam_beta2: float = opt(0.999, "Adam beta2.")
     adam_eps: float = opt(1e-8, "Adam epsilon.")
     grad_clip: float = opt(1.0, "Global gradient-norm clip; 0 = off.")
+    distributed_optimizer: bool = opt(False, "Shard Adam state and fp32 master weights over the data-parallel "
+                                             "ranks (Megatron DistributedOptimizer); for large models.")
 
     def validate(self) -> None:
         _check(self.lr > 0, "optim.lr", self.lr, "> 0")

@@ -815,7 +815,8 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     engine = PolicyEngine(arch, parallel, OptimConfig(
         lr=cfg.optim.lr, min_lr=0.0, lr_schedule="constant", warmup_steps=0, weight_decay=cfg.optim.weight_decay,
         adam_beta1=cfg.optim.adam_beta1, adam_beta2=cfg.optim.adam_beta2, adam_eps=cfg.optim.adam_eps,
-        clip_grad=cfg.optim.grad_clip), loss_cfg, dtype=torch_dtype(cfg.model.dtype))
+        clip_grad=cfg.optim.grad_clip, use_distributed_optimizer=cfg.optim.distributed_optimizer), loss_cfg,
+        dtype=torch_dtype(cfg.model.dtype))
     rollout = build_rollout(cfg, hf_config, model_dir, tokenizer)
 
     pruner: DPPOPruner | CPPOPruner | None = None
