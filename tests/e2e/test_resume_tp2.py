@@ -1,5 +1,6 @@
-"""TP2 (2 processes, gloo) with DPPO: a crash right after a checkpoint, then resume == the straight run, bit for bit
-(every logged metric except wall-clock times, and every tensor of the final checkpoint: weights, Adam state)."""
+"""2 processes (gloo) with DPPO: a crash right after a checkpoint, then resume == the straight run, bit for bit
+(every logged metric except wall-clock times, and every tensor of the final checkpoint: weights, Adam state).
+Layouts: TP2, and (slow) DP2 with the DistributedOptimizer, whose sharded Adam state has its own resume path."""
 from __future__ import annotations
 
 import shutil
@@ -13,12 +14,24 @@ from _e2e_helpers import checkpoint_tensors, latest_checkpoint, read_metrics, ru
 pytestmark = [pytest.mark.multiproc]
 
 
-def test_tp2_dppo_resume_equals_straight_run(tmp_path):
+LAYOUTS = {
+    "tp2": ({"parallel": {"tp": 2}}, "world 2 (tp 2, pp 1, dp 1)"),
+    "dp2-distopt": ({"parallel": {"tp": 1}, "optim": {"lr": 1.0e-3, "distributed_optimizer": True}},
+                    "world 2 (tp 1, pp 1, dp 2)"),
+}
+
+
+@pytest.mark.parametrize("layout", [
+    "tp2",
+    pytest.param("dp2-distopt", marks=pytest.mark.slow),
+])
+def test_dppo_resume_equals_straight_run(tmp_path, layout):
+    sections, banner = LAYOUTS[layout]
     straight = tmp_path / "straight"
-    cfg = tiny_config(straight, parallel={"tp": 2}, logging={"audit_log": True, "audit_every": 2})
+    cfg = tiny_config(straight, logging={"audit_log": True, "audit_every": 2}, **sections)
     config = write_config(tmp_path / "run.yaml", cfg)
     proc = run_cli(config, nproc=2)
-    assert "world 2 (tp 2, pp 1, dp 1)" in proc.stdout
+    assert banner in proc.stdout
 
     records = read_metrics(straight)
     rl = [r for r in records if r["phase"] == "rl"]
@@ -43,7 +56,7 @@ def test_tp2_dppo_resume_equals_straight_run(tmp_path):
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000006")
     (resumed / "checkpoints" / "latest").write_text("step_00000004\n")
-    cfg_resumed = tiny_config(resumed, parallel={"tp": 2}, logging={"audit_log": True, "audit_every": 2})
+    cfg_resumed = tiny_config(resumed, logging={"audit_log": True, "audit_every": 2}, **sections)
     proc = run_cli(write_config(tmp_path / "resumed.yaml", cfg_resumed), nproc=2)
     assert "resumed from" in proc.stdout and "RL step 2" in proc.stdout
 
