@@ -132,8 +132,7 @@ def step_gradient(engine, micro_batches: Sequence, denominator: float) -> Tensor
     current weights. Gradient buffers are zeroed before and after; no optimizer step, no LR change."""
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_dppo.megatron import compat
-    from megatron_dppo.megatron.logprobs import forward_thd
+    from megatron_dppo.megatron.logprobs import forward_thd, run_pipeline_schedule
 
     if not (isinstance(denominator, (int, float)) and math.isfinite(denominator) and denominator > 0):
         raise ValueError(f"denominator={denominator!r} must be a finite number > 0")
@@ -158,17 +157,7 @@ def step_gradient(engine, micro_batches: Sequence, denominator: float) -> Tensor
     try:
         for cfg in configs:
             cfg.finalize_model_grads_func = finalize_all_reduce
-        multi = len(engine.model_chunks) > 1
-        iterators = [iter(batches) for _ in engine.model_chunks]
-        compat.get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if multi else iterators[0],
-            model=engine.model_chunks if multi else engine.model_chunks[0],
-            num_microbatches=len(batches),
-            seq_length=max(int(b.tokens.numel()) for b in batches),
-            micro_batch_size=1,
-            forward_only=False,
-        )
+        run_pipeline_schedule(engine.model_chunks, batches, forward_step, forward_only=False)
         scale = 1.0
         get_scale = getattr(engine.optimizer, "get_loss_scale", None)
         if callable(get_scale):

@@ -182,19 +182,31 @@ def _forward_only(model_chunks: list, micro_batches: list, with_entropy: bool) -
 
         return output, loss_func
 
-    iterators = [iter(micro_batches) for _ in model_chunks]
-    seq_length = max(int(b.tokens.numel()) for b in micro_batches)
-    results = compat.get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
-        model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=1,
-        forward_only=True,
-        collect_non_loss_data=True,
-    )
+    results = run_pipeline_schedule(model_chunks, micro_batches, forward_step, forward_only=True,
+                                    collect_non_loss_data=True)
     return list(results) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else []
+
+
+def run_pipeline_schedule(model_chunks: list, micro_batches: list, forward_step, *, forward_only: bool,
+                          collect_non_loss_data: bool = False):
+    """Run packed THD micro-batches (one ``[1, T]`` sequence each) through Megatron's pipeline schedule.
+
+    The one place that calls ``get_forward_backward_func`` (forward-only log-probs, the train step, the gradient
+    audit): every virtual pipeline chunk gets its own iterator over the same micro-batches; ``seq_length`` is the
+    longest micro-batch (the packer keeps every one within the capacity).
+    """
+    iterators = [iter(micro_batches) for _ in model_chunks]
+    multi = len(model_chunks) > 1
+    return compat.get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if multi else iterators[0],
+        model=model_chunks if multi else model_chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=max(int(b.tokens.numel()) for b in micro_batches),
+        micro_batch_size=1,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+    )
 
 
 def _broadcast_from_last_stage(results: list, micro_batches: Iterable, with_entropy: bool) -> list:

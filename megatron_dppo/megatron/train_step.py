@@ -71,7 +71,7 @@ from megatron_dppo.algo.losses import LossConfig, loss_numerator
 from . import compat
 from .cpu import ensure_device_backend
 from .logprobs import compute_logprobs as _forward_only_logprobs
-from .logprobs import forward_thd, vocab_parallel_logprobs
+from .logprobs import forward_thd, run_pipeline_schedule, vocab_parallel_logprobs
 from .model import ModelArch, build_model_chunks, default_dtype
 from .parallel import ParallelConfig
 
@@ -471,17 +471,7 @@ class PolicyEngine:
             output = forward_thd(model, batch)
             return output, lambda out, b=batch: self._loss_func(b, denominator, out)
 
-        iterators = [iter(batches) for _ in self.model_chunks]
-        multi = len(self.model_chunks) > 1
-        losses = compat.get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if multi else iterators[0],
-            model=self.model_chunks if multi else self.model_chunks[0],
-            num_microbatches=len(batches),
-            seq_length=max(int(b.tokens.numel()) for b in batches),
-            micro_batch_size=1,
-            forward_only=False,
-        )
+        losses = run_pipeline_schedule(self.model_chunks, batches, forward_step, forward_only=False)
         update_ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
 
