@@ -71,11 +71,6 @@ def max_over_ranks(value: int) -> int:
     return int(t.item())
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on at least one (e.g. a stop signal reached only one rank)."""
-    return max_over_ranks(1 if flag else 0) == 1
-
-
 def all_ranks(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on all of them (e.g. every rank finished writing its shard)."""
     return max_over_ranks(0 if flag else 1) == 0
@@ -122,11 +117,6 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def decision_generator(seed: int, step: int, tag: str) -> torch.Generator:
-    """The seeded CPU generator of one random decision (e.g. ``tag="prompt_prune"``) of one step."""
-    return torch.Generator().manual_seed(derive_seed(seed, step, tag))
-
-
 def set_cpu_threads(local_world_size: int, threads: int | None = None) -> int:
     """Torch threads of this process: ``threads``, else OMP_NUM_THREADS when set, else the machine's cores split
     between the processes of this node. (No-op on GPU machines, where the CPU does little.)"""
@@ -150,10 +140,8 @@ def pick_free_port_if_single_process() -> None:
                      "MASTER_PORT")
     if is_initialized() or any(os.environ.get(v) for v in launcher_vars):
         return
-    import socket
+    from megatron_dppo.launch import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 

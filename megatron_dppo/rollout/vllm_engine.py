@@ -34,13 +34,13 @@ import itertools
 import json
 import logging
 import os
-import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_dppo.launch import free_port
 from megatron_dppo.rollout.base import (
     Completion,
     CompletionGroup,
@@ -86,19 +86,13 @@ def expected_hf_weights(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ensure_single_process_env() -> None:
     """external_launcher reads the torch.distributed env; fill it in for a lone process (world size 1)."""
     if "WORLD_SIZE" in os.environ:
         return
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 class VLLMRolloutEngine:
