@@ -1,7 +1,6 @@
 """Prompt data: dataset presets on the real files, malformed input messages, templates, the resumable sampler, the
 arithmetic task and its SentencePiece tokenizer."""
 import json
-from pathlib import Path
 
 import pytest
 
@@ -22,14 +21,9 @@ from megatron_dppo.data import (
 )
 from megatron_dppo.rewards import arithmetic_reward
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "math"
+from _shared_data import shared_math_file
 
-
-def _data(name):
-    path = DATA / name
-    if not path.is_file():
-        pytest.skip(f"shared data not available: {path}")
-    return path
+_data = shared_math_file
 
 
 def _write(path, lines):

@@ -4,7 +4,6 @@ import json
 import logging
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,14 +22,10 @@ from megatron_dppo.rewards import (
     score_batch,
 )
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "math"
-
+from _shared_data import shared_math_file
 
 def _rows(name):
-    path = DATA / name
-    if not path.is_file():
-        pytest.skip(f"shared data not available: {path}")
-    return [json.loads(line) for line in path.open()]
+    return [json.loads(line) for line in shared_math_file(name).open()]
 
 
 # ---------------------------------------------------------------------------------------------------------------
