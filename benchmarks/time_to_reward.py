@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, write_json  # noqa: E402
 PRUNERS = {"grpo": ["algo.pruner=none"], "cppo": ["algo.pruner=cppo"], "dppo": ["algo.pruner=dppo"]}
 
 
@@ -203,10 +204,7 @@ def main(argv=None):
            "warm_start_seconds": warm_s, "png": str(png), "results": results}
     print(markdown(rep))
     print(f"\nplot: {png}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rep, indent=1))
-        print(f"wrote {args.out}")
+    write_json(args.out, rep)
 
 
 if __name__ == "__main__":
