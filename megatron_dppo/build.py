@@ -2,7 +2,7 @@
 
 Each function turns one part of the config into one object and raises ``ValueError`` naming the option when the
 input is unusable (a missing file, a malformed row, a prompt longer than the context, a tokenizer without a chat
-template, ...), so that ``trainer.setup`` fails before anything is written.
+template, ...), so that ``run.setup`` fails before anything is written.
 """
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def test_loss_preset_with_overrides():
 
 
 def test_stop_signals_set_a_flag_and_restore_the_handlers():
-    from megatron_dppo.trainer import StopSignals
+    from megatron_dppo.lifecycle import StopSignals
 
     previous = signal.getsignal(signal.SIGUSR1)
     with StopSignals() as stop:
@@ -118,7 +118,7 @@ def test_stop_signals_set_a_flag_and_restore_the_handlers():
 
 def test_a_job_script_stop_file_stops_with_code_zero(tmp_path, monkeypatch):
     """slurm/train.sbatch asks for a checkpoint-and-stop by creating $DPPO_STOP_FILE (no signal to the ranks)."""
-    from megatron_dppo.trainer import STOP_REQUESTED, StopSignals
+    from megatron_dppo.lifecycle import STOP_REQUESTED, StopSignals
 
     stop_file = tmp_path / "stop"
     monkeypatch.setenv("DPPO_STOP_FILE", str(stop_file))

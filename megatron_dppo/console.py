@@ -1,0 +1,57 @@
+"""Console output of a run: progress bars, the per-step line, the start-up banner (rank 0 only)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_dppo import distributed as D
+from megatron_dppo.config import Config
+
+if TYPE_CHECKING:
+    from megatron_dppo.run import Run
+
+
+def progress_bar(tqdm, cfg: Config, start: int, total: int, desc: str):
+    if not (D.is_main() and cfg.logging.progress_bar) or start >= total:
+        return None
+    return tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, leave=True)
+
+
+def progress(bar, postfix: dict) -> None:
+    if bar is not None:
+        bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items()}, refresh=False)
+        bar.update(1)
+
+
+def close_bar(bar) -> None:
+    if bar is not None:
+        bar.close()
+
+
+def print_step(run: Run, step: int, m: dict) -> None:
+    every = run.cfg.logging.print_every
+    if not (D.is_main() and every and (step + 1) % every == 0):
+        return
+    phases = " ".join(f"{k[5:]}={m[k]:.2f}s" for k in ("time/generate", "time/reward", "time/logprob",
+                                                        "time/train", "time/weight_sync") if k in m)
+    ev = " ".join(f"{k[5:]}={v:.3f}" for k, v in m.items() if k.startswith("eval/") and "pass@" in k)
+    line = (f"step {step:4d} | reward {m.get('reward/mean', float('nan')):.3f} (kept {m.get('reward/mean_kept', float('nan')):.3f})"
+            f" | kept prompts {m['prune/prompt_kept_fraction']:.2f} completions "
+            f"{m['prune/completion_kept_fraction']:.2f} | ESS {m['prune/total_ess']:.1f} | density "
+            f"{m.get('packing/density', 0):.2f} | {phases} | {m['throughput/tokens_per_s']:.0f} tok/s"
+            + (f" | {ev}" if ev else ""))
+    if run.cfg.logging.progress_bar:
+        from tqdm import tqdm
+        tqdm.write(line)  # above the progress bar
+    else:
+        print(line, flush=True)
+
+
+def print_banner(run: Run, found: Path | None) -> None:
+    cfg, arch = run.cfg, run.arch
+    print(f"megatron-dppo: {arch.family} {arch.num_parameters / 1e6:.2f}M params | world {D.world_size()} "
+          f"(tp {cfg.parallel.tp}, pp {cfg.parallel.pp}, dp {run.dp_size}) | {len(run.train_prompts)} train prompts"
+          f" | pruner {cfg.algo.pruner} | loss {cfg.loss.preset} ({run.loss_cfg.aggregation}, "
+          f"estimator {run.estimator}) | output {cfg.train.output_dir}"
+          + (f" | resuming {found.name}" if found else ""), flush=True)
+

@@ -1,0 +1,256 @@
+"""Run set-up and tear-down: process groups, tokenizer, data, the Megatron and rollout engines, rewards, the
+pruner, and the restored state, gathered in one :class:`Run`; plus the plumbing every phase shares (weight push
+to the rollout engine, generation shards, the learning-rate schedule the trainer owns across phases)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+from megatron_dppo import distributed as D
+from megatron_dppo.algo.losses import LossConfig
+from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, PromptHistory
+from megatron_dppo.build import (
+    Prompt,
+    build_hf_config,
+    build_loss,
+    build_rollout,
+    build_scorer,
+    build_tokenizer,
+    eos_ids,
+    full_hf_config,
+    is_converted_checkpoint,
+    load_eval_sets,
+    load_train_prompts,
+    quiet_logs,
+    resolve_model_dir,
+    torch_dtype,
+)
+from megatron_dppo.config import Config
+from megatron_dppo.console import print_banner
+from megatron_dppo.lifecycle import find_resume_checkpoint, restore
+from megatron_dppo.metrics import MetricsSink
+
+
+@dataclass
+class Run:
+    """Everything one training run holds; built by :func:`setup`."""
+
+    cfg: Config
+    info: Any  # launch.LaunchInfo
+    tokenizer: Any
+    hf_config: dict
+    arch: Any  # megatron.model.ModelArch
+    engine: Any  # megatron.train_step.PolicyEngine
+    rollout: Any  # rollout.RolloutEngine
+    scorer: Any  # rewards.RewardScorer
+    eval_scorers: dict[str, Any]
+    train_prompts: list[Prompt]
+    eval_sets: dict[str, list[Prompt]]
+    sampler: Any  # data.PromptSampler
+    pruner: DPPOPruner | CPPOPruner | None
+    history: PromptHistory
+    loss_cfg: LossConfig
+    estimator: str
+    sink: MetricsSink
+    sft_pairs: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (prompt ids, gold completion ids)
+    rl_step: int = 0  # next RL step to run
+    sft_step: int = 0  # warm-start steps done
+    eos_ids: list[int] = field(default_factory=list)
+    pad_id: int = 0
+    audit: Any = None  # open file (rank 0, logging.audit_log)
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        from megatron.core import parallel_state
+        return parallel_state.get_data_parallel_world_size()
+
+
+def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
+    """Process groups, tokenizer, data, Megatron engine, rollout engine, rewards, pruner; restore a checkpoint."""
+    from megatron_dppo.data import PromptSampler
+    from megatron_dppo.megatron.model import ModelArch
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel, validate_parallel
+    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+
+    quiet_logs()
+    parallel = ParallelConfig(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, sp=cfg.parallel.sp,
+                              cp=cfg.parallel.cp)
+    D.pick_free_port_if_single_process()
+    info = initialize_parallel(parallel, cfg.model.init_seed)
+    D.set_cpu_threads(info.local_world_size, cfg.train.cpu_threads)
+    out_dir = Path(cfg.train.output_dir)
+
+    # 1. everything that can be wrong with the inputs fails here, before anything is written or overwritten
+    tokenizer = build_tokenizer(cfg)
+    model_dir = resolve_model_dir(cfg)
+    hf_config = build_hf_config(cfg, tokenizer, model_dir)
+    arch = ModelArch.from_hf_config(hf_config)
+    validate_parallel(arch, parallel, D.world_size())
+    if cfg.rollout.engine == "vllm" and cfg.parallel.pp > 1:
+        raise ValueError("rollout.engine=vllm with parallel.pp > 1 is not supported (vLLM is colocated per TP "
+                         "group); use parallel.pp=1 or rollout.engine=hf")
+
+    loss_cfg, estimator = build_loss(cfg)
+    train_prompts, sft_pairs = load_train_prompts(cfg, tokenizer, arch)
+    if cfg.train.sft_steps and not sft_pairs:
+        raise ValueError("train.sft_steps > 0 needs gold completions: only data.task=arithmetic provides them "
+                         "(set train.sft_steps=0)")
+    eval_sets = load_eval_sets(cfg, tokenizer, arch) if (cfg.eval.every or need_eval) else {}
+    scorer = build_scorer(cfg, cfg.data.train_files)
+    eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward) for name in eval_sets}
+    found = find_resume_checkpoint(cfg) if resume else None
+
+    # 2. the engines
+    engine = PolicyEngine(arch, parallel, OptimConfig(
+        lr=cfg.optim.lr, min_lr=0.0, lr_schedule="constant", warmup_steps=0, weight_decay=cfg.optim.weight_decay,
+        adam_beta1=cfg.optim.adam_beta1, adam_beta2=cfg.optim.adam_beta2, adam_eps=cfg.optim.adam_eps,
+        clip_grad=cfg.optim.grad_clip, use_distributed_optimizer=cfg.optim.distributed_optimizer), loss_cfg,
+        dtype=torch_dtype(cfg.model.dtype))
+    rollout = build_rollout(cfg, hf_config, model_dir, tokenizer)
+
+    pruner: DPPOPruner | CPPOPruner | None = None
+    if cfg.algo.pruner == "dppo":
+        pruner = DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode)
+    elif cfg.algo.pruner == "cppo":
+        pruner = CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
+
+    sink = MetricsSink(out_dir, enabled=D.is_main(), jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
+                       wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, run_config=cfg.to_dict())
+    run = Run(cfg=cfg, info=info, tokenizer=tokenizer, hf_config=hf_config, arch=arch, engine=engine,
+              rollout=rollout, scorer=scorer, eval_scorers=eval_scorers,
+              train_prompts=train_prompts, eval_sets=eval_sets,
+              sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
+              pruner=pruner, history=PromptHistory(cfg.algo.history_ema), loss_cfg=loss_cfg, estimator=estimator,
+              sink=sink, sft_pairs=sft_pairs, eos_ids=eos_ids(tokenizer, hf_config),
+              pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0))
+
+    # 3. state: a checkpoint, or pretrained weights, or the fresh initialization
+    if found is not None:
+        restore(run, found)
+    elif model_dir is not None and cfg.model.path is not None:
+        load_pretrained(run, model_dir)
+
+    # 4. outputs (checkpoints/hf: config + tokenizer, so `megatron-dppo convert megatron-to-hf` exports a run)
+    if D.is_main():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(cfg.to_yaml())
+        hf_dir = Path(cfg.checkpoint_dir) / "hf"
+        hf_dir.mkdir(parents=True, exist_ok=True)
+        (hf_dir / "config.json").write_text(json.dumps(full_hf_config(hf_config), indent=1))
+        tokenizer.save_pretrained(hf_dir)
+    phase, position = run_phase_key(run)  # the global step of TensorBoard: warm-start steps, then RL steps
+    sink.open(resume_key=(phase, position) if found is not None else None,
+              tb_purge_step=(position if phase == 0 else cfg.train.sft_steps + position) if found is not None else None)
+    push_weights(run)  # the rollout engine always starts from the policy's exact weights
+    if D.is_main() and cfg.logging.audit_log:
+        run.audit = open_audit(out_dir / "audit.jsonl", run.rl_step if found is not None else None)
+    if D.is_main():
+        print_banner(run, found)
+    return run
+
+
+def open_audit(path: Path, resume_step: int | None):
+    """The audit trail, keeping on resume only the lines of the steps before ``resume_step``."""
+    kept = []
+    if resume_step is not None and path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line)["step"] < resume_step:
+                    kept.append(line + "\n")
+            except (json.JSONDecodeError, KeyError):
+                continue
+    path.write_text("".join(kept), encoding="utf-8")
+    return open(path, "a", encoding="utf-8")
+
+
+def run_phase_key(run: Run) -> tuple[int, int]:
+    """Position in the metric stream: (0, sft step) during the warm start, (1, RL step) afterwards."""
+    if run.sft_step < run.cfg.train.sft_steps:
+        return (0, run.sft_step)
+    return (1, run.rl_step)
+
+
+def teardown(run: Run) -> None:
+    run.sink.close()
+    if run.audit is not None:
+        run.audit.close()
+    for scorer in [run.scorer, *run.eval_scorers.values()]:
+        scorer.close()
+    from megatron_dppo.megatron.parallel import destroy_parallel
+    D.barrier()
+    destroy_parallel()
+
+
+def load_pretrained(run: Run, model_dir: Path) -> None:
+    """Fill the Megatron policy (and reference) from the pretrained weights: a converted Megatron checkpoint
+    (resharded to this layout) or HF safetensors (each rank reads only its own TP shard / PP layers, checked
+    against the config)."""
+    from megatron_dppo.convert.checkpoint import load_hf_folder, load_model_dist_checkpoint
+    from megatron_dppo.convert.hf_io import HFCheckpoint
+    from megatron_dppo.convert.weights import load_hf_weights
+
+    if model_dir.name == "hf" and is_converted_checkpoint(model_dir.parent):
+        load_model_dist_checkpoint(run.engine.model_chunks, model_dir.parent / "model")
+    elif run.cfg.model.hf_config:  # config overrides (e.g. a longer context): the architecture differs on purpose
+        load_hf_weights(run.engine.modules, run.arch, HFCheckpoint(model_dir).get)
+    else:
+        load_hf_folder(run.engine.model_chunks, model_dir, run.arch)
+    run.engine.optimizer.reload_model_params()
+    if run.engine.reference_chunks is not None:
+        run.engine.sync_reference_from_policy()
+
+
+def generation_shards(run: Run) -> tuple[int, int]:
+    """Who generates what: the HF engine shards over every rank; vLLM over TP groups (same prompts per group)."""
+    if run.cfg.rollout.engine == "vllm":
+        return D.rank() // run.cfg.parallel.tp, D.world_size() // run.cfg.parallel.tp
+    return D.rank(), D.world_size()
+
+
+def _strip_stop(ids: list[int], stops: list[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in stops else ids
+
+
+def push_weights(run: Run) -> int:
+    """Stream the policy's weights (gathered over TP/PP, HF names) into this rank's rollout engine. vLLM wakes its
+    weights first and its KV cache only after the push, which keeps the peak memory low."""
+    from megatron_dppo.convert import export_hf_weights
+
+    stream = export_hf_weights(run.engine.model_chunks, run.arch, run.cfg.rollout.weight_bucket_mb << 20)
+    if run.cfg.rollout.engine == "vllm":
+        run.rollout.wake_up(["weights"])
+    count = run.rollout.load_weights(stream)
+    run.rollout.wake_up()
+    return count
+
+
+
+# ==============================================================================================================
+# Learning rate (the trainer owns the schedule across the warm-start and RL phases)
+# ==============================================================================================================
+def rl_learning_rate(cfg: Config, rl_step_index: int) -> float:
+    """optim.* schedule counted from the first RL step (warmup, then constant or cosine to optim.min_lr)."""
+    from megatron_dppo.megatron.train_step import OptimConfig, lr_factor_schedule
+
+    o = cfg.optim
+    sched = OptimConfig(lr=o.lr, min_lr=o.min_lr, lr_schedule=o.scheduler, warmup_steps=o.warmup_steps,
+                        total_steps=max(cfg.train.steps, o.warmup_steps + 1))
+    return lr_factor_schedule(sched, rl_step_index, o.lr, o.min_lr)
+
+
+def set_learning_rate(engine, lr: float) -> None:
+    """Make the engine's next update use ``lr`` (its own schedule is configured constant; see setup)."""
+    engine.optim_cfg = dataclasses.replace(engine.optim_cfg, lr=lr, min_lr=min(engine.optim_cfg.min_lr, lr))
+    for group in engine.optimizer.param_groups:
+        group["max_lr"] = lr
+        group["min_lr"] = min(group.get("min_lr", 0.0), lr)
+
