@@ -286,6 +286,17 @@ def fill_old_and_reference_logprobs(run: Run, packed: list[list]) -> None:
         run.engine.fill_logprobs([b for micro_batches in packed for b in micro_batches], old=old)
 
 
+def whole_batch_micro_batches(run: Run, batch: TrainBatch, packed: list[list]) -> list:
+    """This rank's micro-batches of the whole surviving batch (for the gradient audit, which measures pruning over
+    the step's batch): the single mini-batch's own, or the batch packed anew with its reference log-probs."""
+    if len(packed) == 1:
+        return packed[0]
+    micro_batches, _ = pack(run, batch)
+    if run.loss_cfg.kl_coef > 0:
+        run.engine.fill_logprobs(micro_batches, old=False)
+    return micro_batches
+
+
 def correct_rollout_mismatch(run: Run, rollout: Rollout, mini_batches: list[TrainBatch],
                              packed: list[list]) -> dict[str, float]:
     """loss.rollout_correction: set each micro-batch's per-token factor u' of the policy-gradient term from the

@@ -58,7 +58,6 @@ from megatron_dppo.stages import (
     generate,
     gradient_audit,
     logprob_mismatch,
-    pack,
     pack_mini_batches,
     policy_updates,
     prompts_to_draw,
@@ -67,6 +66,7 @@ from megatron_dppo.stages import (
     select_prompts,
     split_mini_batches,
     step_metrics,
+    whole_batch_micro_batches,
     write_audit,
 )
 from megatron_dppo.warm_start import finish_warm_start, sft_step
@@ -125,8 +125,8 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
             fill_old_and_reference_logprobs(run, packed)
         # (every logging.audit_every steps: the pruned gradient against the full-batch one, at these weights)
         if cfg.logging.audit_every and step % cfg.logging.audit_every == 0:
-            whole = packed[0] if len(packed) == 1 else pack(run, batch)[0]
-            metrics.update(gradient_audit(run, prompts, prompt_cut, rollout, advantages, batch, whole))
+            metrics.update(gradient_audit(run, prompts, prompt_cut, rollout, advantages, batch,
+                                          whole_batch_micro_batches(run, batch, packed)))
         # 11. Rollout correction (loss.rollout_correction): trainer vs rollout-engine IS weights on the pg term.
         metrics.update(correct_rollout_mismatch(run, rollout, mini_batches, packed))
         # 12. Policy updates: for epoch: for mini-batch: one update with its fixed D_m.

@@ -462,3 +462,41 @@ def test_slime_tis_and_icepop_weights():
         ours, _ = rollout_correction_weights(old, rollout, ones, cfg)
         assert torch.allclose(ours, expected, rtol=1e-14, atol=0)
     assert bool((tis_ratio > 2.0).any()) and bool((tis_ratio < 2.0).any())  # the caps act
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Configuration: the new options, their errors, and the peers' presets by name
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, match", [
+    ("train.mini_batches=5", r"train.mini_batches=5 is invalid: expected an integer in \[1, train.prompts_per_step=4"),
+    ("train.epochs=0", "train.epochs=0 is invalid"),
+    ("loss.clip_ratio_c=1.0", "loss.clip_ratio_c=1.0 is invalid: expected null or > 1"),
+    ("loss.rollout_correction=foo", "loss.rollout_correction='foo' is invalid"),
+    ("loss.kl_clamp=0", "loss.kl_clamp=0.0 is invalid"),
+])
+def test_config_errors_name_the_value(override, match):
+    from megatron_dppo.config import load_config
+
+    with pytest.raises(ValueError, match=match):
+        cfg = load_config(None, ["data.task=arithmetic", "train.prompts_per_step=4", override], validate=False)
+        cfg.train.validate()
+        cfg.loss.validate()
+
+
+def test_presets_by_name_with_overrides():
+    from megatron_dppo.build import build_loss
+    from megatron_dppo.config import load_config
+
+    cfg = load_config(None, ["data.task=arithmetic", "loss.preset=verl_grpo", "loss.rollout_correction=tis",
+                             "loss.rollout_correction_cap=3.0", "train.mini_batches=4", "train.epochs=2"], validate=False)
+    cfg.train.validate()
+    loss, estimator = build_loss(cfg)
+    assert (loss.clip_ratio_c, loss.kl_clamp, loss.kl_coef, loss.aggregation, estimator) == \
+        (3.0, 10.0, 0.001, "token_mean", "grpo")
+    assert (loss.rollout_correction, loss.rollout_correction_cap) == ("tis", 3.0)
+    assert (cfg.train.mini_batches, cfg.train.epochs) == (4, 2)
+    trl, _ = build_loss(load_config(None, ["loss.preset=trl_grpo"], validate=False))
+    assert trl.advantage_eps == 1e-4 and trl.kl_coef == 0.0
+    default, _ = build_loss(load_config(None, [], validate=False))
+    assert (default.clip_ratio_c, default.kl_clamp, default.advantage_eps, default.rollout_correction) == \
+        (None, None, 1e-6, "none")
