@@ -252,7 +252,8 @@ def split_mini_batches(run: Run, prompts: list[Prompt], prompt_cut: PruneResult,
 def _select(batch: TrainBatch, idx: list[int], denominator_m: float) -> TrainBatch:
     """The sequences ``idx`` of ``batch`` (in order) with the denominator ``denominator_m``."""
     t = torch.tensor(idx, dtype=torch.long)
-    return TrainBatch(token_ids=[batch.token_ids[k] for k in idx], prompt_lengths=[batch.prompt_lengths[k] for k in idx],
+    return TrainBatch(token_ids=[batch.token_ids[k] for k in idx],
+                      prompt_lengths=[batch.prompt_lengths[k] for k in idx],
                       advantages=batch.advantages[t], token_weights=batch.token_weights[t],
                       seq_weights=batch.seq_weights[t], rewards=batch.rewards[t],
                       origin=[batch.origin[k] for k in idx], denominator=denominator_m)

@@ -321,8 +321,10 @@ def per_token_objective(
     if cfg.kl_coef > 0:
         if ref_logp is None:
             raise ValueError(f"kl_coef = {cfg.kl_coef} > 0 needs ref_logp, got None")
-        kl = (kl_k3_clamped(logp, clean(ref_logp), cfg.kl_clamp) if cfg.kl_clamp is not None and cfg.kl_estimator == "k3"
-              else KL_ESTIMATORS.get(cfg.kl_estimator)(logp, clean(ref_logp)))
+        if cfg.kl_clamp is not None and cfg.kl_estimator == "k3":
+            kl = kl_k3_clamped(logp, clean(ref_logp), cfg.kl_clamp)
+        else:
+            kl = KL_ESTIMATORS.get(cfg.kl_estimator)(logp, clean(ref_logp))
         kl = torch.where(mask, kl, zero)
         metrics["kl_sum"] = kl.detach().sum()
         s = s - cfg.kl_coef * kl

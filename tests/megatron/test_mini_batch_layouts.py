@@ -104,7 +104,8 @@ def mini_batch_worker(ckpt_root: str, tp: int = 1, sp: bool = False, save: bool 
     parts = [None] * dp_size
     group = parallel_state.get_data_parallel_group()
     torch.distributed.all_gather_object(parts, (old, after), group=group)
-    return {"old": {k: v for p in parts for k, v in p[0].items()}, "after": {k: v for p in parts for k, v in p[1].items()},
+    return {"old": {k: v for p in parts for k, v in p[0].items()},
+            "after": {k: v for p in parts for k, v in p[1].items()},
             "metrics": metrics, "split": [[o for o in mb.origin] for mb in mini_batches],
             "denominators": [mb.denominator for mb in mini_batches]}
 

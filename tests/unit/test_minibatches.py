@@ -488,7 +488,8 @@ def test_presets_by_name_with_overrides():
     from megatron_dppo.config import load_config
 
     cfg = load_config(None, ["data.task=arithmetic", "loss.preset=verl_grpo", "loss.rollout_correction=tis",
-                             "loss.rollout_correction_cap=3.0", "train.mini_batches=4", "train.epochs=2"], validate=False)
+                             "loss.rollout_correction_cap=3.0", "train.mini_batches=4", "train.epochs=2"],
+                      validate=False)
     cfg.train.validate()
     loss, estimator = build_loss(cfg)
     assert (loss.clip_ratio_c, loss.kl_clamp, loss.kl_coef, loss.aggregation, estimator) == \
@@ -500,3 +501,62 @@ def test_presets_by_name_with_overrides():
     default, _ = build_loss(load_config(None, [], validate=False))
     assert (default.clip_ratio_c, default.kl_clamp, default.advantage_eps, default.rollout_correction) == \
         (None, None, 1e-6, "none")
+
+
+def test_rollout_correction_stage_places_engine_logprobs_at_the_completion_tokens():
+    """stages.correct_rollout_mismatch on packed micro-batches (padding between sequences, two sequences in one
+    bin, their order swapped): each completion token gets u' of ITS OWN rollout-engine log-prob; a sequence the
+    engine gave no log-probs for gets 1; prompt and padding positions get 0."""
+    from types import SimpleNamespace
+
+    from megatron_dppo.packing import build_rank_micro_batches
+    from megatron_dppo.stages import Rollout, TrainBatch, correct_rollout_mismatch
+
+    prompts = [[5, 6], [7, 8, 9]]
+    completions = [[[11, 12, 13]], [[21, 22]]]
+    token_ids = [prompts[0] + completions[0][0], prompts[1] + completions[1][0]]
+    batch = TrainBatch(token_ids=token_ids, prompt_lengths=[2, 3], advantages=torch.tensor([1.0, -1.0]),
+                       token_weights=torch.ones(2), seq_weights=torch.ones(2), rewards=torch.zeros(2),
+                       origin=[(0, 0), (1, 0)], denominator=2.0)
+    engine_logp = [-0.5, -1.0, -3.0]  # sequence 0: u = exp(old - engine) with old = -1 everywhere
+    rollout = Rollout(prompts=[SimpleNamespace(token_ids=p) for p in prompts], completions=completions,
+                      texts=[[""], [""]], policy_logprobs=[[engine_logp], [None]], truncated=[[False], [False]])
+    micro_batches = build_rank_micro_batches([[1, 0]], token_ids, [2, 3], batch.advantages, batch.token_weights,
+                                             pad_multiple=4)
+    for mb in micro_batches:
+        mb.old_logprobs = torch.full(mb.tokens.shape, -1.0)
+    run = SimpleNamespace(loss_cfg=LossConfig(rollout_correction="tis", rollout_correction_cap=2.0))
+    metrics = correct_rollout_mismatch(run, rollout, [batch], [micro_batches])
+    (mb,) = micro_batches
+    per_seq = dict(zip(mb.sample_ids.tolist(), mb.completion_values(mb.rollout_weight)))
+    u = torch.exp(-1.0 - torch.tensor(engine_logp))
+    assert torch.allclose(per_seq[0], u.clamp(max=2.0).float())
+    assert torch.equal(per_seq[1], torch.ones(2))
+    assert float(mb.rollout_weight[mb.loss_mask == 0].abs().sum()) == 0.0
+    assert metrics["rollout/is_corrected_fraction"] == pytest.approx(1 / 5)  # u = e^2 > 2, of 5 tokens
+    assert metrics["rollout/is_ratio"] == pytest.approx((float(u.sum()) + 2) / 5)
+    assert metrics["rollout/kl_k1"] == pytest.approx(float(torch.tensor(engine_logp).sum() + 3) / 5)
+
+
+def test_one_mini_batch_one_epoch_is_todays_step():
+    """mini_batches = epochs = 1: the step trains the surviving batch itself (same object, same D), no old-log-prob
+    pass is added (the engine is not even touched when neither recompute_old_logprobs nor KL asks for one), and
+    the 'several updates' condition the old-log-prob decision reads is off. The whole-run check (metrics and
+    checkpoint tensors bit-identical to the commit before this feature) is in the branch's report."""
+    from types import SimpleNamespace
+
+    from megatron_dppo.config import load_config
+    from megatron_dppo.stages import fill_old_and_reference_logprobs, several_updates_per_rollout, split_mini_batches
+
+    cfg = load_config(None, ["train.recompute_old_logprobs=false"], validate=False)
+    run = SimpleNamespace(cfg=cfg, loss_cfg=LossConfig(), engine=None)
+    batch = object()
+    assert split_mini_batches(run, [], None, None, None, batch, step=0) == [batch]
+    assert split_mini_batches(run, [], None, None, None, batch, step=0)[0] is batch
+    assert not several_updates_per_rollout(cfg)
+    fill_old_and_reference_logprobs(run, [[]])  # engine None: would raise if a pass were added
+    for key, value in (("train.mini_batches", 2), ("train.epochs", 2)):
+        several = load_config(None, [f"{key}={value}"], validate=False)
+        assert several_updates_per_rollout(several)
+        with pytest.raises(AttributeError):  # several updates: the old-log-prob pass runs (here: no engine)
+            fill_old_and_reference_logprobs(SimpleNamespace(cfg=several, loss_cfg=LossConfig(), engine=None), [[]])
