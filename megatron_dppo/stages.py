@@ -339,15 +339,9 @@ def _rollout_logprobs_in_place_of(mb, batch: TrainBatch, rollout: Rollout) -> to
     return out
 
 
-def policy_updates(run: Run, mini_batches: list[TrainBatch], packed: list[list]) -> dict[str, float]:
-    """train.epochs passes over the mini-batches, one optimizer update each with its own D_m (empty mini-batches
-    are skipped). Returns the update metrics: one update's own, or over several the mean of each (sums of
-    tokens/sequences/micro_batches, min of update_ok) plus ``updates``."""
-    updates = []
-    for _epoch in range(run.cfg.train.epochs):
-        for batch, micro_batches in zip(mini_batches, packed):
-            if len(batch):
-                updates.append(run.engine.train_step(micro_batches, batch.denominator))
+def merge_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """The step's train/* metrics from its updates: one update's own, or over several the mean of each (sums of
+    tokens/sequences/micro_batches, min of update_ok) plus ``updates``, their count."""
     if len(updates) == 1:
         return updates[0]
     summed, lowest = ("tokens", "sequences", "micro_batches"), ("update_ok",)

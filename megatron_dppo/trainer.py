@@ -58,8 +58,8 @@ from megatron_dppo.stages import (
     generate,
     gradient_audit,
     logprob_mismatch,
+    merge_update_metrics,
     pack_mini_batches,
-    policy_updates,
     prompts_to_draw,
     score,
     select_completions,
@@ -129,11 +129,15 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
                                           whole_batch_micro_batches(run, batch, packed)))
         # 11. Rollout correction (loss.rollout_correction): trainer vs rollout-engine IS weights on the pg term.
         metrics.update(correct_rollout_mismatch(run, rollout, mini_batches, packed))
-        # 12. Policy updates: for epoch: for mini-batch: one update with its fixed D_m.
+        # 12. Policy updates: for epoch: for mini-batch: one update with its fixed D_m (an empty one is skipped).
         with timer("train"):
             set_learning_rate(run.engine, rl_learning_rate(cfg, step))
-            update = policy_updates(run, mini_batches, packed)
-        metrics.update({f"train/{k}": v for k, v in update.items()})
+            updates = []
+            for _epoch in range(cfg.train.epochs):
+                for mini_batch, micro_batches in zip(mini_batches, packed):
+                    if len(mini_batch):
+                        updates.append(run.engine.train_step(micro_batches, mini_batch.denominator))
+        metrics.update({f"train/{k}": v for k, v in merge_update_metrics(updates).items()})
         # 13. Weight push: Megatron -> HF names -> rollout engine.
         with timer("weight_sync"):
             push_weights(run)

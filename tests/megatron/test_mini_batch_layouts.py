@@ -1,5 +1,5 @@
 """Several updates per rollout through the trainer's own stages (stages.split_mini_batches -> pack_mini_batches
--> fill_old_and_reference_logprobs -> policy_updates) on the real engine: train.mini_batches = 2 and
+-> fill_old_and_reference_logprobs -> the update loop of rl_step) on the real engine: train.mini_batches = 2 and
 train.epochs = 2 (four updates, the PPO ratio live after the first) give the same updates at TP2+SP and DP2 as at
 TP1 (same weights from one TP1 checkpoint, same rollout batch, same split and per-mini-batch denominators).
 
@@ -94,7 +94,7 @@ def mini_batch_worker(ckpt_root: str, tp: int = 1, sp: bool = False, save: bool 
         old.update({mb.origin[k]: v for k, v in F.per_sample_completion_logp(
             micro_batches, [b.old_logprobs for b in micro_batches]).items()})
     metrics = []
-    for _epoch in range(run.cfg.train.epochs):  # policy_updates, one update at a time to record each
+    for _epoch in range(run.cfg.train.epochs):  # the update loop of trainer.rl_step, recording each update
         for mb, micro_batches in zip(mini_batches, packed):
             metrics.append(engine.train_step(micro_batches, mb.denominator))
     after = {}

@@ -560,3 +560,13 @@ def test_one_mini_batch_one_epoch_is_todays_step():
         assert several_updates_per_rollout(several)
         with pytest.raises(AttributeError):  # several updates: the old-log-prob pass runs (here: no engine)
             fill_old_and_reference_logprobs(SimpleNamespace(cfg=several, loss_cfg=LossConfig(), engine=None), [[]])
+
+
+def test_update_metrics_of_several_updates():
+    from megatron_dppo.stages import merge_update_metrics
+
+    one = {"loss": 0.5, "grad_norm": 2.0, "tokens": 10.0, "sequences": 3.0, "micro_batches": 2.0, "update_ok": 1.0}
+    assert merge_update_metrics([one]) is one  # one update per rollout: its metrics as they are
+    two = dict(one, loss=1.5, grad_norm=4.0, tokens=6.0, update_ok=0.0)
+    assert merge_update_metrics([one, two]) == {"loss": 1.0, "grad_norm": 3.0, "tokens": 16.0, "sequences": 6.0,
+                                                "micro_batches": 4.0, "update_ok": 0.0, "updates": 2.0}
