@@ -442,7 +442,8 @@ class PolicyEngine:
 
         Gradient = grad( sum over all DP ranks and micro-batches of loss_numerator ) / ``denominator``
         (module docstring). Each batch needs ``old_logprobs`` (or None: on-policy) and, with a KL term,
-        ``ref_logprobs``. Returns metrics identical on every rank:
+        ``ref_logprobs``; an optional ``rollout_weight`` multiplies its policy-gradient term per token (rollout
+        correction). Returns metrics identical on every rank:
             loss           sum of numerators / D (the step's objective, to minimize)
             grad_norm      global L2 norm of the gradient before clipping
             lr             learning rate used
