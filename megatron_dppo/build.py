@@ -34,7 +34,9 @@ def build_loss(cfg: Config) -> tuple[LossConfig, str]:
     """The loss preset with the config's per-field overrides, and the advantage estimator."""
     preset, estimator = LOSS_PRESETS[cfg.loss.preset]
     overrides = {k: getattr(cfg.loss, k) for k in ("policy_loss", "eps_low", "eps_high", "kl_coef", "kl_estimator",
-                                                   "aggregation") if getattr(cfg.loss, k) is not None}
+                                                   "aggregation", "advantage_eps", "clip_ratio_c", "kl_clamp",
+                                                   "rollout_correction", "rollout_correction_cap",
+                                                   "rollout_correction_cap_low") if getattr(cfg.loss, k) is not None}
     return replace(preset, **overrides), cfg.loss.advantage_estimator or estimator
 
 

@@ -230,25 +230,57 @@ LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")
 class LossConfig:
     """Policy loss: a preset (ALGORITHMS.md section 1) plus optional per-field overrides (null = preset value)."""
 
-    preset: Literal["grpo", "dapo", "gspo", "dr_grpo"] = opt("grpo", "Loss preset: grpo (PPO clip, seq-mean-"
-                                                                     "token-mean, std-normalized A), dapo (clip-"
-                                                                     "higher, token-mean), gspo (sequence ratio), "
-                                                                     "dr_grpo (no std, sum-norm by L_max).")
+    preset: Literal["grpo", "dapo", "gspo", "dr_grpo", "verl_grpo", "trl_grpo"] = opt(
+        "grpo", "Loss preset: grpo (PPO clip, seq-mean-token-mean, std-normalized A), dapo (clip-higher 0.28, "
+                "token-mean), gspo (sequence ratio), dr_grpo (no std, sum-norm by L_max); the peers' defaults by "
+                "name: verl_grpo (token-mean, dual clip 3, k3 KL 0.001 clamped to 10, advantage eps 1e-6), "
+                "trl_grpo (token-mean, no KL, advantage eps 1e-4). Several updates per rollout are train."
+                "mini_batches / train.epochs (verl ppo_mini_batch_size / ppo_epochs, TRL steps_per_generation / "
+                "num_iterations).")
     policy_loss: Optional[Literal["ppo_clip", "gspo"]] = opt(None, "Override: per-token PPO clip or GSPO.")
     eps_low: Optional[float] = opt(None, "Override: lower clip range (ratio >= 1 - eps_low).")
     eps_high: Optional[float] = opt(None, "Override: upper clip range (ratio <= 1 + eps_high).")
     kl_coef: Optional[float] = opt(None, "Override: KL penalty beta against the initial (reference) policy.")
     kl_estimator: Optional[Literal["k1", "k2", "k3"]] = opt(None, "Override: KL estimator (k3 = low-variance).")
-    aggregation: Optional[Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]] = opt(
-        None, "Override: loss aggregation (fixes the full-batch denominator D).")
+    aggregation: Optional[Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm",
+                                  "seq_mean_token_sum"]] = opt(
+        None, "Override: loss aggregation (fixes the full-batch denominator D). seq_mean_token_sum = verl's "
+              "seq-mean-token-sum: per-sequence token sums over D = B*G.")
     advantage_estimator: Optional[Literal["grpo", "dr_grpo", "rloo"]] = opt(
         None, "Override: advantage estimator on the full group.")
+    advantage_eps: Optional[float] = opt(None, "Override: eps of the grpo advantage (r - mean) / (std + eps); "
+                                               "presets use 1e-6 (verl), trl_grpo 1e-4 (TRL).")
+    clip_ratio_c: Optional[float] = opt(None, "Override: dual-clip bound c > 1 for tokens with A < 0 (objective "
+                                              "bounded below by c*A; verl's clip_ratio_c, default 3 there); null "
+                                              "in the preset = off.")
+    kl_clamp: Optional[float] = opt(None, "Override: clamp the k3 KL estimate to [-kl_clamp, kl_clamp] (and its "
+                                          "log-ratio to [-20, 20]) as verl's low_var_kl does with 10; k3 only, k1/k2 "
+                                          "ignore it.")
+    rollout_correction: Optional[Literal["none", "tis", "mis"]] = opt(
+        None, "Override: rollout/trainer mismatch correction of the policy-gradient term per token with u = "
+              "exp(trainer old logp - rollout-engine logp): tis = truncated IS, clamp(u, cap_low, cap) (verl token "
+              "TIS, slime TIS); mis = masked IS, u inside [cap_low, cap] else 0 (slime icepop, verl token "
+              "rejection); none (preset default). Forces the trainer's old log-prob pass; composes with the "
+              "pruning weights 1/pi. Logs rollout/is_ratio, rollout/is_corrected_fraction, rollout/kl_k1, "
+              "rollout/kl_k3.")
+    rollout_correction_cap: Optional[float] = opt(None, "Override: upper bound of the rollout IS weight (preset 2.0, "
+                                                        "the verl and slime default).")
+    rollout_correction_cap_low: Optional[float] = opt(None, "Override: lower bound of the rollout IS weight "
+                                                            "(preset 0.0, slime's default).")
 
     def validate(self) -> None:
         for name in ("eps_low", "eps_high"):
             v = getattr(self, name)
             _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
         _check(self.kl_coef is None or self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "null or >= 0")
+        _check(self.advantage_eps is None or self.advantage_eps >= 0, "loss.advantage_eps", self.advantage_eps,
+               "null or >= 0")
+        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "loss.clip_ratio_c", self.clip_ratio_c,
+               "null or > 1")
+        _check(self.kl_clamp is None or self.kl_clamp > 0, "loss.kl_clamp", self.kl_clamp, "null or > 0")
+        for name in ("rollout_correction_cap", "rollout_correction_cap_low"):
+            v = getattr(self, name)
+            _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
 
 
 @dataclass
@@ -294,7 +326,8 @@ class PackingConfig:
 class TrainConfig:
     """The RL schedule (and the optional supervised warm start)."""
 
-    steps: int = opt(100, "Number of RL steps (one rollout batch and one optimizer step each).")
+    steps: int = opt(100, "Number of RL steps (one rollout batch each; train.mini_batches * train.epochs optimizer "
+                          "updates each).")
     prompts_per_step: int = opt(32, "Global batch B: prompts drawn per step (before prompt pruning).")
     group_size: int = opt(8, "G: completions sampled per prompt.")
     seed: int = opt(1234, "Seed of every random decision (data order, sampling, pruning draws), per step.")
@@ -304,7 +337,18 @@ class TrainConfig:
     output_dir: str = opt("runs/default", "Directory for metrics, plots, the resolved config and checkpoints.")
     recompute_old_logprobs: bool = opt(True, "Recompute old-policy log-probs with the Megatron engine before the "
                                              "update (exact PPO ratio; also measures rollout/train mismatch). "
-                                             "false = ratio 1 by construction (on-policy), one forward pass less.")
+                                             "false = ratio 1 by construction (on-policy), one forward pass less; "
+                                             "ignored (the pass runs) with several updates per rollout or "
+                                             "loss.rollout_correction.")
+    mini_batches: int = opt(1, "PPO mini-batches per rollout batch: the drawn prompts are split by prompt (all G "
+                               "completions together), from (train.seed, step), BEFORE pruning, into this many "
+                               "parts of near-equal prompt count; each is packed separately and gets one update "
+                               "with its own full (un-pruned) denominator D_m, so its pruned gradient stays "
+                               "unbiased. Old log-probs are computed once per rollout, before the first update; "
+                               "the PPO ratio is live afterwards. <= train.prompts_per_step (verl "
+                               "ppo_mini_batch_size = B / mini_batches; TRL steps_per_generation).")
+    epochs: int = opt(1, "Passes over the rollout batch's mini-batches (verl ppo_epochs, TRL num_iterations); "
+                         "updates per RL step = train.mini_batches * train.epochs.")
     sft_steps: int = opt(0, "Supervised warm-start steps on gold completions before RL (through the same "
                             "Megatron engine: advantage 1 at ratio 1 == the log-likelihood gradient).")
     sft_batch_size: int = opt(32, "Gold (prompt, completion) pairs per warm-start step.")
@@ -315,6 +359,9 @@ class TrainConfig:
         _check(self.prompts_per_step >= 1, "train.prompts_per_step", self.prompts_per_step, ">= 1")
         _check(self.group_size >= 2, "train.group_size", self.group_size, ">= 2 (advantages need a group)")
         _check(self.sft_steps >= 0, "train.sft_steps", self.sft_steps, ">= 0")
+        _check(1 <= self.mini_batches <= self.prompts_per_step, "train.mini_batches", self.mini_batches,
+               f"an integer in [1, train.prompts_per_step={self.prompts_per_step}] (each needs a prompt)")
+        _check(self.epochs >= 1, "train.epochs", self.epochs, ">= 1")
         _check(self.sft_batch_size >= 1, "train.sft_batch_size", self.sft_batch_size, ">= 1")
         _check(self.sft_lr > 0, "train.sft_lr", self.sft_lr, "> 0")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "train.cpu_threads", self.cpu_threads,

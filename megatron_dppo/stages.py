@@ -1,6 +1,7 @@
 """The stages of one RL step, in the order of the data flow, and the plain data passed between them: prompt
-pruning, generation, rewards, completion pruning, the surviving batch with its fixed denominator, packing, the
-gradient audit, and the step's metrics."""
+pruning, generation, rewards, completion pruning, the surviving batch with its fixed denominator, the PPO
+mini-batches, packing, old/reference log-probs, rollout correction, the policy updates, the gradient audit, and the
+step's metrics."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ from typing import Any
 import torch
 
 from megatron_dppo import distributed as D
-from megatron_dppo.algo.losses import loss_denominator, sequence_token_weights
+from megatron_dppo.algo.losses import loss_denominator, rollout_correction_weights, sequence_token_weights
+from megatron_dppo.algo.minibatches import split_prompts
 from megatron_dppo.algo.pruning import (
     CPPOPruner,
     DPPOPruner,
@@ -192,9 +194,12 @@ def build_train_batch(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, 
 
 
 def denominator(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
-                total_cut: PruneResult, kept_lengths: list[int]) -> float:
+                total_cut: PruneResult, kept_lengths: list[int], subset: list[int] | None = None) -> float:
     """D of ALGORITHMS.md section 3: a constant of the full drawn batch (B prompts x G), independent of the draw.
-    CPPO instead averages over the kept completions (its authors' choice; biased by design)."""
+    CPPO instead averages over the kept completions (its authors' choice; biased by design).
+
+    ``subset``: the drawn-prompt indices of one PPO mini-batch; D is then that mini-batch's D_m, computed from its
+    own un-pruned units in the same way (B_m = len(subset) drawn prompts; ``kept_lengths`` its kept completions)."""
     agg, G, L_max = run.loss_cfg.aggregation, run.cfg.train.group_size, run.cfg.rollout.max_new_tokens
     if isinstance(run.pruner, CPPOPruner):
         kept = torch.tensor(kept_lengths, dtype=torch.float64).view(-1, 1)
@@ -203,7 +208,147 @@ def denominator(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rollou
     pi_q = None
     if isinstance(run.pruner, DPPOPruner):
         pi_q = prompt_cut.probabilities()[prompt_cut.keep].double()
-    return loss_denominator(agg, len(prompts), G, lengths.view(-1, G), pi_q, L_max)
+    num_prompts = len(prompts)
+    if subset is not None:  # the generated rows (kept prompts) that belong to this mini-batch
+        members = set(subset)
+        rows = [row for row, q in enumerate(prompt_cut.keep.nonzero().flatten().tolist()) if q in members]
+        lengths = lengths.view(-1, G)[rows]
+        pi_q = pi_q[rows] if pi_q is not None else None
+        num_prompts = len(subset)
+    return loss_denominator(agg, num_prompts, G, lengths.view(-1, G), pi_q, L_max)
+
+
+# ==============================================================================================================
+# Several updates per rollout: PPO mini-batches, old log-probs once, rollout correction, the updates
+# ==============================================================================================================
+def several_updates_per_rollout(cfg) -> bool:
+    """More than one optimizer update per rollout batch (train.mini_batches * train.epochs > 1): the PPO ratio is
+    live after the first update, so the old log-probs must come from the trainer, computed once per rollout
+    before the first update (whatever train.recompute_old_logprobs says)."""
+    return cfg.train.mini_batches * cfg.train.epochs > 1
+
+
+def split_mini_batches(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
+                       total_cut: PruneResult, batch: TrainBatch, step: int) -> list[TrainBatch]:
+    """The surviving batch split into train.mini_batches PPO mini-batches BY DRAWN PROMPT, the split drawn from
+    (train.seed, step) alone (``algo.minibatches``), each with its own draw-independent denominator D_m. One
+    mini-batch (the default) returns ``[batch]`` itself. A mini-batch whose units were all pruned is empty."""
+    M = run.cfg.train.mini_batches
+    if M == 1:
+        return [batch]
+    groups = split_prompts(len(prompts), M, make_generator(run.cfg.train.seed, step, "mini_batches"))
+    kept_rows = prompt_cut.keep.nonzero().flatten().tolist()
+    drawn = [kept_rows[row] for row, _ in batch.origin]  # drawn-prompt index of each surviving sequence
+    out = []
+    for group in groups:
+        members = set(group)
+        idx = [k for k, q in enumerate(drawn) if q in members]
+        lengths = [len(batch.token_ids[k]) - batch.prompt_lengths[k] for k in idx]
+        d = (denominator(run, prompts, prompt_cut, rollout, total_cut, lengths, subset=group) if idx else 1.0)
+        out.append(_select(batch, idx, d))
+    return out
+
+
+def _select(batch: TrainBatch, idx: list[int], denominator_m: float) -> TrainBatch:
+    """The sequences ``idx`` of ``batch`` (in order) with the denominator ``denominator_m``."""
+    t = torch.tensor(idx, dtype=torch.long)
+    return TrainBatch(token_ids=[batch.token_ids[k] for k in idx],
+                      prompt_lengths=[batch.prompt_lengths[k] for k in idx],
+                      advantages=batch.advantages[t], token_weights=batch.token_weights[t],
+                      seq_weights=batch.seq_weights[t], rewards=batch.rewards[t],
+                      origin=[batch.origin[k] for k in idx], denominator=denominator_m)
+
+
+def pack_mini_batches(run: Run, mini_batches: list[TrainBatch]) -> tuple[list[list], dict[str, float]]:
+    """Each mini-batch packed separately (``pack``: equal micro-batch count per DP rank), and the packing metrics
+    (one mini-batch: its own; several: mean density, summed micro-batches, worst fill and imbalance)."""
+    packed, stats = [], []
+    for mb in mini_batches:
+        micro_batches, s = pack(run, mb) if len(mb) else ([], None)
+        packed.append(micro_batches)
+        if s is not None:
+            stats.append(s)
+    if len(stats) == 1:
+        return packed, stats[0]
+    return packed, {"packing/density": sum(s["packing/density"] for s in stats) / len(stats),
+                    "packing/micro_batches": sum(s["packing/micro_batches"] for s in stats),
+                    "packing/max_bin_fill": max(s["packing/max_bin_fill"] for s in stats),
+                    "packing/rank_cost_imbalance": max(s["packing/rank_cost_imbalance"] for s in stats)}
+
+
+def fill_old_and_reference_logprobs(run: Run, packed: list[list]) -> None:
+    """Old-policy (and, with a KL term, reference) log-probs of every mini-batch, forward only, ONCE per rollout
+    and before the first update. The trainer's old log-probs are computed when train.recompute_old_logprobs asks,
+    with several updates per rollout, or for rollout correction; otherwise the ratio is 1 by construction."""
+    cfg = run.cfg
+    old = (cfg.train.recompute_old_logprobs or several_updates_per_rollout(cfg)
+           or run.loss_cfg.rollout_correction != "none")
+    if old or run.loss_cfg.kl_coef > 0:
+        run.engine.fill_logprobs([b for micro_batches in packed for b in micro_batches], old=old)
+
+
+def whole_batch_micro_batches(run: Run, batch: TrainBatch, packed: list[list]) -> list:
+    """This rank's micro-batches of the whole surviving batch (for the gradient audit, which measures pruning over
+    the step's batch): the single mini-batch's own, or the batch packed anew with its reference log-probs."""
+    if len(packed) == 1:
+        return packed[0]
+    micro_batches, _ = pack(run, batch)
+    if run.loss_cfg.kl_coef > 0:
+        run.engine.fill_logprobs(micro_batches, old=False)
+    return micro_batches
+
+
+def correct_rollout_mismatch(run: Run, rollout: Rollout, mini_batches: list[TrainBatch],
+                             packed: list[list]) -> dict[str, float]:
+    """loss.rollout_correction: set each micro-batch's per-token factor u' of the policy-gradient term from the
+    trainer's old log-probs and the rollout engine's (``algo.losses.rollout_correction_weights``); sequences
+    without engine log-probs get u' = 1. Returns the mismatch metrics over all DP ranks (rollout/is_ratio: mean u
+    before correction, rollout/is_corrected_fraction: tokens truncated or masked, rollout/kl_k1 and
+    rollout/kl_k3: KL(rollout || trainer) per token). No-op (no metrics) when off."""
+    if run.loss_cfg.rollout_correction == "none":
+        return {}
+    sums = torch.zeros(5, dtype=torch.float64)
+    for batch, micro_batches in zip(mini_batches, packed):
+        for mb in micro_batches:
+            if mb.is_dummy or mb.old_logprobs is None:
+                continue
+            engine_logp = _rollout_logprobs_in_place_of(mb, batch, rollout)
+            weight, m = rollout_correction_weights(mb.old_logprobs, engine_logp, mb.loss_mask, run.loss_cfg)
+            mb.rollout_weight = weight.to(mb.old_logprobs.dtype)
+            sums += torch.stack([m[k].double().cpu() for k in ("tokens", "ratio_sum", "corrected_tokens", "k1_sum",
+                                                             "k3_sum")])
+    tokens, ratio, corrected, k1, k3 = (sum(t) for t in zip(*D.all_gather_objects(sums.tolist())))
+    if not tokens:
+        return {}
+    return {"rollout/is_ratio": ratio / tokens, "rollout/is_corrected_fraction": corrected / tokens,
+            "rollout/kl_k1": k1 / tokens, "rollout/kl_k3": k3 / tokens}
+
+
+def _rollout_logprobs_in_place_of(mb, batch: TrainBatch, rollout: Rollout) -> torch.Tensor:
+    """A copy of ``mb.old_logprobs`` with the rollout engine's log-probs written at each sequence's completion
+    positions (where the engine returned them, with the right length)."""
+    out = mb.old_logprobs.detach().clone()
+    mask = mb.loss_mask > 0
+    bounds = mb.cu_seqlens_padded.tolist()
+    for sid, a, b in zip(mb.sample_ids.tolist(), bounds[:-1], bounds[1:]):
+        row, i = batch.origin[sid]
+        ref = rollout.policy_logprobs[row][i]
+        positions = mask[a:b].nonzero().flatten() + a
+        if ref is not None and len(ref) == positions.numel():
+            out[positions] = torch.tensor(ref, dtype=out.dtype, device=out.device)
+    return out
+
+
+def merge_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """The step's train/* metrics from its updates: one update's own, or over several the mean of each (sums of
+    tokens/sequences/micro_batches, min of update_ok) plus ``updates``, their count."""
+    if len(updates) == 1:
+        return updates[0]
+    summed, lowest = ("tokens", "sequences", "micro_batches"), ("update_ok",)
+    out = {k: (sum(u[k] for u in updates) if k in summed else min(u[k] for u in updates) if k in lowest
+               else sum(u[k] for u in updates) / len(updates)) for k in updates[0]}
+    out["updates"] = float(len(updates))
+    return out
 
 
 def pack(run: Run, batch: TrainBatch) -> tuple[list, dict[str, float]]:
@@ -274,10 +419,11 @@ def step_metrics(run: Run, prompt_cut: PruneResult, completion_cut: PruneResult 
     return m
 
 
-def logprob_mismatch(rollout: Rollout, batch: TrainBatch, micro_batches: list) -> dict[str, float]:
-    """Mean |rollout-engine log-prob - Megatron old log-prob| over completion tokens (weight-sync health check)."""
+def logprob_mismatch(rollout: Rollout, mini_batches: list[TrainBatch], packed: list[list]) -> dict[str, float]:
+    """Mean |rollout-engine log-prob - Megatron old log-prob| over completion tokens (weight-sync health check);
+    ``mini_batches`` and ``packed`` are the PPO mini-batches and their micro-batches (one of each by default)."""
     diff, count = 0.0, 0
-    for mb in micro_batches:
+    for mb, batch in ((mb, batch) for batch, micro_batches in zip(mini_batches, packed) for mb in micro_batches):
         if mb.old_logprobs is None or mb.is_dummy:
             continue
         for sid, values in zip(mb.sample_ids.tolist(), mb.completion_values(mb.old_logprobs)):

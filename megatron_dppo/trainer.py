@@ -4,15 +4,20 @@ reads exactly like the data flow of one step.
     prompts ─► prompt pruning (DPPO: history, pi_q; pruned prompts are never generated)
             ─► generate G completions (rollout engine)  ─► rewards  ─► advantages on the FULL groups
             ─► completion pruning (none | cppo | dppo): keep mask + weight, full-batch denominator D
-            ─► Dense Prompt Packing (THD micro-batches, equal count per DP rank)
-            ─► old/ref log-probs (forward only)  ─► policy update with the fixed D
+            ─► PPO mini-batches (split by drawn prompt, from the seed; each with its own fixed D_m)
+            ─► Dense Prompt Packing of each mini-batch (THD micro-batches, equal count per DP rank)
+            ─► old/ref log-probs (forward only, once per rollout)  ─► rollout correction (tis | mis)
+            ─► for epoch: for mini-batch: policy update with its fixed D_m
             ─► weight push (Megatron -> HF names -> rollout engine)  ─► eval  ─► metrics  ─► checkpoint
 
 What this file decides (and the simplifications it makes, stated once):
 
-* One optimizer update per rollout batch (on-policy). Old log-probs are recomputed by the Megatron engine
-  (``train.recompute_old_logprobs``), so the PPO ratio is exactly 1 at the update and clipping only matters
-  for train/inference mismatch; the rollout engine's own log-probs serve as a mismatch metric.
+* By default one optimizer update per rollout batch (on-policy). Old log-probs are recomputed by the Megatron
+  engine (``train.recompute_old_logprobs``), so the PPO ratio is exactly 1 at the update and clipping only
+  matters for train/inference mismatch; the rollout engine's own log-probs serve as a mismatch metric.
+  ``train.mini_batches`` / ``train.epochs`` give several updates per rollout: the old log-probs are then always
+  computed, once, before the first update, and the ratio is live afterwards (docs/algorithms.md, "Several
+  updates per rollout"); the learning rate is the RL step's for each of them.
 * Every process holds a rollout engine. Generation, reward scoring and evaluation are sharded over ranks
   (``distributed.map_sharded``) and gathered, so every rank sees the same full batch; advantages, the packing
   plan and the denominator are then computed identically everywhere, and every random pruning draw is made on
@@ -48,15 +53,20 @@ from megatron_dppo.metrics import PhaseTimer, plot_reward_curve
 from megatron_dppo.run import Run, push_weights, rl_learning_rate, set_learning_rate, setup, teardown
 from megatron_dppo.stages import (
     build_train_batch,
+    correct_rollout_mismatch,
+    fill_old_and_reference_logprobs,
     generate,
     gradient_audit,
     logprob_mismatch,
-    pack,
+    merge_update_metrics,
+    pack_mini_batches,
     prompts_to_draw,
     score,
     select_completions,
     select_prompts,
+    split_mini_batches,
     step_metrics,
+    whole_batch_micro_batches,
     write_audit,
 )
 from megatron_dppo.warm_start import finish_warm_start, sft_step
@@ -90,7 +100,8 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         rollout.rewards = score(run, run.scorer, rollout)
 
     # 5. Advantages on the FULL groups (never recomputed from survivors); remember mean |A| per prompt.
-    advantages = compute_advantages(rollout.rewards, run.estimator) if kept else torch.zeros(0, G)
+    advantages = compute_advantages(rollout.rewards, run.estimator, run.loss_cfg.advantage_eps) if kept \
+        else torch.zeros(0, G)
     if kept:
         run.history.update([p.id for p in kept], advantages)
 
@@ -103,30 +114,39 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 
     metrics: dict[str, float] = {}
     if len(batch):
-        # 8. Dense Prompt Packing: THD micro-batches, the same count on every DP rank.
+        # 8. PPO mini-batches: the drawn prompts split by prompt (from the seed, before pruning acts on the split)
+        #    into train.mini_batches parts, each with its own fixed denominator D_m (default: one, the batch).
+        mini_batches = split_mini_batches(run, prompts, prompt_cut, rollout, total_cut, batch, step)
+        # 9. Dense Prompt Packing of each mini-batch: THD micro-batches, the same count on every DP rank.
         with timer("pack"):
-            micro_batches, packing = pack(run, batch)
-        # 9. Old-policy (and reference) log-probs, forward only.
+            packed, packing = pack_mini_batches(run, mini_batches)
+        # 10. Old-policy (and reference) log-probs, forward only, once per rollout before the first update.
         with timer("logprob"):
-            if cfg.train.recompute_old_logprobs or run.loss_cfg.kl_coef > 0:
-                run.engine.fill_logprobs(micro_batches, old=cfg.train.recompute_old_logprobs)
+            fill_old_and_reference_logprobs(run, packed)
         # (every logging.audit_every steps: the pruned gradient against the full-batch one, at these weights)
         if cfg.logging.audit_every and step % cfg.logging.audit_every == 0:
-            metrics.update(gradient_audit(run, prompts, prompt_cut, rollout, advantages, batch, micro_batches))
-        # 10. Policy update with the fixed denominator D.
+            metrics.update(gradient_audit(run, prompts, prompt_cut, rollout, advantages, batch,
+                                          whole_batch_micro_batches(run, batch, packed)))
+        # 11. Rollout correction (loss.rollout_correction): trainer vs rollout-engine IS weights on the pg term.
+        metrics.update(correct_rollout_mismatch(run, rollout, mini_batches, packed))
+        # 12. Policy updates: for epoch: for mini-batch: one update with its fixed D_m (an empty one is skipped).
         with timer("train"):
             set_learning_rate(run.engine, rl_learning_rate(cfg, step))
-            update = run.engine.train_step(micro_batches, batch.denominator)
-        metrics.update({f"train/{k}": v for k, v in update.items()})
-        # 11. Weight push: Megatron -> HF names -> rollout engine.
+            updates = []
+            for _epoch in range(cfg.train.epochs):
+                for mini_batch, micro_batches in zip(mini_batches, packed):
+                    if len(mini_batch):
+                        updates.append(run.engine.train_step(micro_batches, mini_batch.denominator))
+        metrics.update({f"train/{k}": v for k, v in merge_update_metrics(updates).items()})
+        # 13. Weight push: Megatron -> HF names -> rollout engine.
         with timer("weight_sync"):
             push_weights(run)
         metrics.update(packing)
-        metrics.update(logprob_mismatch(rollout, batch, micro_batches))
+        metrics.update(logprob_mismatch(rollout, mini_batches, packed))
     else:  # nothing survived (e.g. every group had equal rewards and was dropped): no update this step
         metrics["train/skipped"] = 1.0
 
-    # 12. Metrics (ALGORITHMS.md section 5).
+    # 14. Metrics (ALGORITHMS.md section 5).
     metrics.update(step_metrics(run, prompt_cut, completion_cut, total_cut, rollout, batch))
     metrics.update(timer.as_metrics())
     metrics["throughput/tokens_per_s"] = metrics["tokens/trained_sequences"] / max(metrics["time/step"], 1e-9)

@@ -2,5 +2,7 @@
 
 advantages: group-relative advantage estimators (grpo, dr_grpo, rloo) with a registry.
 pruning:    DPPO (unbiased, reweighted) and CPPO (baseline) pruners, prompt history, zero-variance filter.
-losses:     PPO-clip / GSPO policy losses, KL estimators, aggregations with a fixed full-batch denominator.
+losses:     PPO-clip / GSPO policy losses, KL estimators, aggregations with a fixed full-batch denominator,
+            dual clip, rollout-correction (tis / mis) weights.
+minibatches: the split of a step's prompts into PPO mini-batches (several updates per rollout).
 """

@@ -13,16 +13,33 @@ Per-token objective (to MAXIMIZE):  s_t = pg_t - beta * KL_t, with
               term (the GSPO paper's objective). Under ``token_mean`` / ``seq_mean_token_sum_norm`` the sequence
               term is counted |o| times (length-weighted, like those aggregations weight every token).
 
+Dual clip (``clip_ratio_c`` = c > 1, off when None; Ye et al. 2019, verl's ``clip_ratio_c``): for tokens with
+A < 0 the clipped objective is bounded below, pg_t = max(pg_t, c * A), so a huge ratio on a negative-advantage
+token cannot blow up the update.
+
 KL estimators (registry ``KL_ESTIMATORS``), x = ref_logp - logp = log(pi_ref / pi_theta), tokens sampled from
-the policy; no clamping is applied:
+the policy; no clamping is applied unless ``kl_clamp`` is set (k3 only, k1/k2 ignore it; as verl's ``low_var_kl``:
+x clamped to [-20, 20], the estimate to [-kl_clamp, kl_clamp]):
     k1: -x = logp - ref_logp                     (unbiased, high variance)
     k2: x^2 / 2                                  (biased, low variance)
     k3: exp(x) - x - 1                           ("low_var_kl": unbiased, >= 0)
+
+Rollout correction (``rollout_correction``: none | tis | mis): the rollout engine samples from its own numerics,
+pi_rollout, not exactly from the trainer's old policy pi_old. Per token, with u_t = exp(old_logp_t -
+rollout_logp_t) (``rollout_correction_weights``), the policy-gradient term becomes u'_t * pg_t where
+    tis: u'_t = clamp(u_t, cap_low, cap)                    (truncated IS; verl token TIS, slime vanilla TIS)
+    mis: u'_t = u_t if cap_low <= u_t <= cap else 0          (masked IS; slime "icepop", verl token rejection)
+The KL term is not reweighted (as in verl, slime and TRL). u' is a fixed per-token factor (no gradient): it
+multiplies the per-token term and composes with the pruning weight w = 1/pi, which is per sequence and drawn
+independently of it.
 
 Aggregation (a per-token weight, ``sequence_token_weights``, times s_t, summed, divided by a constant D):
     seq_mean_token_mean:      token weight w/|o|,  D = B*G
     token_mean:               token weight w,      D = T (total completion tokens of the full batch)
     seq_mean_token_sum_norm:  token weight w,      D = B*G*L_max
+    seq_mean_token_sum:       token weight w,      D = B*G   (verl's "seq-mean-token-sum": per-sequence token sums,
+                                                              averaged over sequences)
+With several updates per rollout (mini-batches) B is the mini-batch's number of drawn prompts and T its tokens.
 w is the sequence's pruning weight (1 without pruning). The loss of a step is
     sum over micro-batches and DP ranks of loss_numerator(...)  /  loss_denominator(...)
 and ``loss_numerator`` returns -sum_t token_weight_t * mask_t * s_t (a quantity to MINIMIZE).
@@ -45,7 +62,8 @@ from ._checks import check_choice
 from .advantages import ADVANTAGE_ESTIMATORS
 from .registry import Registry
 
-AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 KLFn = Callable[[Tensor, Tensor], Tensor]
@@ -79,17 +97,33 @@ class LossConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k1"
     aggregation: str = "seq_mean_token_mean"
+    clip_ratio_c: float | None = None  # dual clip for A < 0 (None = off)
+    kl_clamp: float | None = None  # k3 only (ignored by k1/k2): clamp the estimate to [-kl_clamp, kl_clamp]
+    advantage_eps: float = 1e-6  # eps of the grpo estimator's std + eps (read by the trainer)
+    rollout_correction: str = "none"  # none | tis | mis
+    rollout_correction_cap: float = 2.0  # upper bound of the rollout IS weight
+    rollout_correction_cap_low: float = 0.0  # lower bound of the rollout IS weight
 
     def __post_init__(self) -> None:
         POLICY_LOSSES.check(self.policy_loss)
         KL_ESTIMATORS.check(self.kl_estimator)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
-        for name in ("eps_low", "eps_high", "kl_coef"):
+        check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        for name in ("eps_low", "eps_high", "kl_coef", "advantage_eps", "rollout_correction_cap",
+                     "rollout_correction_cap_low"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"LossConfig.{name} must be a finite number >= 0, got {value!r}")
         if self.eps_low >= 1:
             raise ValueError(f"LossConfig.eps_low must be < 1 (lower clip bound 1 - eps_low), got {self.eps_low}")
+        if self.clip_ratio_c is not None and not (math.isfinite(self.clip_ratio_c) and self.clip_ratio_c > 1):
+            raise ValueError(f"LossConfig.clip_ratio_c must be None (off) or a finite number > 1, got "
+                             f"{self.clip_ratio_c!r}")
+        if self.kl_clamp is not None and not (math.isfinite(self.kl_clamp) and self.kl_clamp > 0):
+            raise ValueError(f"LossConfig.kl_clamp must be None (off) or a finite number > 0, got {self.kl_clamp!r}")
+        if self.rollout_correction_cap <= self.rollout_correction_cap_low:
+            raise ValueError(f"LossConfig.rollout_correction_cap={self.rollout_correction_cap} must be > "
+                             f"rollout_correction_cap_low={self.rollout_correction_cap_low}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -111,12 +145,21 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(x) - x - 1.0
 
 
+def kl_k3_clamped(logp: Tensor, ref_logp: Tensor, clamp: float) -> Tensor:
+    """k3 with verl's ``low_var_kl`` clamps: x = ref_logp - logp clamped to [-20, 20], the estimate to
+    [-clamp, clamp] (``LossConfig.kl_clamp``; verl uses 10). Biased where a clamp is active, bounded always."""
+    x = torch.clamp(ref_logp - logp, min=-20.0, max=20.0)
+    return torch.clamp(torch.exp(x) - x - 1.0, min=-clamp, max=clamp)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Policy losses
 # --------------------------------------------------------------------------------------------------------------
 def _clipped_min(ratio: Tensor, advantages: Tensor, mask: Tensor, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     pg = torch.minimum(ratio * advantages, torch.clamp(ratio, lo, hi) * advantages)
+    if cfg.clip_ratio_c is not None:  # dual clip: for A < 0 the objective is bounded below by c * A
+        pg = torch.where(advantages < 0, torch.maximum(pg, cfg.clip_ratio_c * advantages), pg)
     with torch.no_grad():
         clip_high = mask & (advantages > 0) & (ratio > hi)  # the clipped branch is the active minimum
         clip_low = mask & (advantages < 0) & (ratio < lo)
@@ -172,15 +215,63 @@ def gspo(logp, old_logp, advantages, loss_mask, seq_index, cfg):
 # Presets
 # --------------------------------------------------------------------------------------------------------------
 #: name -> (LossConfig, advantage estimator). grpo follows DeepSeekMath (eps 0.2, beta 0.04 with the k3
-#: estimator, per-sequence mean); dapo: clip-higher 0.28, no KL, token_mean; gspo: the GSPO paper's clip range
-#: (3e-4, 4e-4) on the sequence ratio; dr_grpo: no std scaling, constant B*G*L_max normaliser, no KL.
+#: estimator, per-sequence mean); dapo: clip-higher 0.28, no KL, token_mean (the DAPO paper's loss; its dynamic
+#: sampling is algo.drop_zero_variance_groups, its overlong shaping is not reproduced); gspo: the GSPO paper's clip
+#: range (3e-4, 4e-4) on the sequence ratio; dr_grpo: no std scaling, constant B*G*L_max normaliser, no KL.
+#: The peers' shipped defaults, by name, so a user can switch and compare:
+#: verl_grpo: verl's actor defaults with its GRPO example (verl/trainer/config/actor/actor.yaml: clip_ratio 0.2,
+#:   clip_ratio_c 3.0, loss_agg_mode token-mean; examples/grpo_trainer: use_kl_loss, kl_loss_coef 0.001,
+#:   kl_loss_type low_var_kl, which verl clamps to [-10, 10]; advantage epsilon 1e-6);
+#: trl_grpo: TRL GRPOConfig defaults (epsilon 0.2, beta 0.0, loss_type "dapo" = token sum over the batch's
+#:   tokens, scale_rewards "group" with std + 1e-4).
 LOSS_PRESETS: dict[str, tuple[LossConfig, str]] = {
     "grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.04, "k3", "seq_mean_token_mean"), "grpo"),
     "dapo": (LossConfig("ppo_clip", 0.2, 0.28, 0.0, "k3", "token_mean"), "grpo"),
     "gspo": (LossConfig("gspo", 3e-4, 4e-4, 0.0, "k3", "seq_mean_token_mean"), "grpo"),
     "dr_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k3", "seq_mean_token_sum_norm"), "dr_grpo"),
+    "verl_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.001, "k3", "token_mean", clip_ratio_c=3.0, kl_clamp=10.0,
+                             advantage_eps=1e-6), "grpo"),
+    "trl_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k3", "token_mean", advantage_eps=1e-4), "grpo"),
 }
 assert all(est in ADVANTAGE_ESTIMATORS for _, est in LOSS_PRESETS.values())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rollout correction (rollout engine vs trainer numerics)
+# --------------------------------------------------------------------------------------------------------------
+def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor,
+                               cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token factor u'_t of the policy-gradient term (module docstring), 0 off the mask, no gradient.
+
+    u_t = exp(old_logp_t - rollout_logp_t) (the log-ratio is clamped to [-20, 20] before exp, as verl's
+    SAFETY_BOUND); ``tis`` truncates u_t to [cap_low, cap], ``mis`` zeroes tokens outside [cap_low, cap], ``none``
+    returns ones. Metrics (detached SUMS over masked tokens, they add up across micro-batches): tokens, ratio_sum
+    (u before truncation), corrected_tokens (tokens whose factor differs from u: truncated or masked),
+    k1_sum = sum(rollout_logp - old_logp) and k3_sum = sum(u - log u - 1), the KL(rollout || old) estimates verl
+    logs as ``kl`` / ``k3_kl``.
+    """
+    _check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp, loss_mask=loss_mask)
+    dtype = torch.promote_types(old_logp.dtype, torch.float32)
+    mask = loss_mask > 0
+    zero = torch.zeros(old_logp.shape, dtype=dtype, device=old_logp.device)
+    log_u = torch.where(mask, old_logp.to(dtype) - rollout_logp.to(dtype), zero).detach()
+    u = torch.exp(log_u.clamp(-20.0, 20.0))
+    lo, hi = cfg.rollout_correction_cap_low, cfg.rollout_correction_cap
+    if cfg.rollout_correction == "tis":
+        weight = u.clamp(min=lo, max=hi)
+    elif cfg.rollout_correction == "mis":
+        weight = torch.where((u >= lo) & (u <= hi), u, zero)
+    else:
+        weight = torch.ones_like(u)
+    weight = torch.where(mask, weight, zero)
+    metrics = {
+        "tokens": mask.sum().to(dtype),
+        "ratio_sum": torch.where(mask, u, zero).sum(),
+        "corrected_tokens": (mask & (weight != u)).sum().to(dtype),
+        "k1_sum": -log_u.sum(),
+        "k3_sum": torch.where(mask, u - log_u - 1.0, zero).sum(),
+    }
+    return weight, metrics
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -200,15 +291,17 @@ def per_token_objective(
     seq_index: Tensor | None,
     cfg: LossConfig,
     ref_logp: Tensor | None = None,
+    rollout_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """s_t = pg_t - beta * KL_t on masked tokens, exactly 0 elsewhere. Off-mask inputs are replaced by 0 with
+    """s_t = u_t * pg_t - beta * KL_t on masked tokens, exactly 0 elsewhere (u_t = ``rollout_weight``, the
+    rollout-correction factor, 1 when None). Off-mask inputs are replaced by 0 with
     torch.where before any arithmetic, so NaN/inf in padding reach neither the loss nor the gradient.
 
     Computed in at least float32 (bf16/fp16 inputs are upcast). Returns (s[T], metrics of detached sums:
     tokens, clipped_tokens, clip_high_tokens, clip_low_tokens, ratio_sum, pg_sum, kl_sum).
     """
     _check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask,
-                      seq_index=seq_index, ref_logp=ref_logp)
+                      seq_index=seq_index, ref_logp=ref_logp, rollout_weight=rollout_weight)
     dtype = torch.promote_types(logp.dtype, torch.float32)
     mask = loss_mask > 0
 
@@ -219,6 +312,8 @@ def per_token_objective(
     logp, old_logp, advantages = clean(logp), clean(old_logp), clean(advantages)
     pg, metrics = POLICY_LOSSES.get(cfg.policy_loss)(logp, old_logp, advantages, loss_mask, seq_index, cfg)
     zero = torch.zeros_like(pg)
+    if rollout_weight is not None:
+        pg = pg * clean(rollout_weight).detach()
     s = torch.where(mask, pg, zero)
     metrics = dict(metrics)
     metrics["tokens"] = mask.sum().to(dtype)
@@ -226,7 +321,10 @@ def per_token_objective(
     if cfg.kl_coef > 0:
         if ref_logp is None:
             raise ValueError(f"kl_coef = {cfg.kl_coef} > 0 needs ref_logp, got None")
-        kl = KL_ESTIMATORS.get(cfg.kl_estimator)(logp, clean(ref_logp))
+        if cfg.kl_clamp is not None and cfg.kl_estimator == "k3":
+            kl = kl_k3_clamped(logp, clean(ref_logp), cfg.kl_clamp)
+        else:
+            kl = KL_ESTIMATORS.get(cfg.kl_estimator)(logp, clean(ref_logp))
         kl = torch.where(mask, kl, zero)
         metrics["kl_sum"] = kl.detach().sum()
         s = s - cfg.kl_coef * kl
@@ -242,6 +340,7 @@ def loss_numerator(
     seq_index: Tensor | None,
     cfg: LossConfig,
     ref_logp: Tensor | None = None,
+    rollout_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """numerator = -sum_t token_weight_t * s_t over masked tokens (to MINIMIZE), plus metrics (sums).
 
@@ -249,13 +348,13 @@ def loss_numerator(
     step's loss is the sum of numerators over micro-batches and DP ranks divided ONCE by ``loss_denominator``.
     """
     _check_same_shape(logp=logp, token_weight=token_weight)
-    s, metrics = per_token_objective(logp, old_logp, advantages, loss_mask, seq_index, cfg, ref_logp)
+    s, metrics = per_token_objective(logp, old_logp, advantages, loss_mask, seq_index, cfg, ref_logp, rollout_weight)
     numerator = -(token_weight.to(s.dtype) * s).sum()
     return numerator, metrics
 
 
 def sequence_token_weights(aggregation: str, seq_weight: Tensor, completion_lengths: Tensor) -> Tensor:
-    """Per-token factor of each sequence [N]: w (token_mean, seq_mean_token_sum_norm) or w/|o|
+    """Per-token factor of each sequence [N]: w (token_mean, seq_mean_token_sum_norm, seq_mean_token_sum) or w/|o|
     (seq_mean_token_mean). Zero-length completions get 0 (they have no tokens)."""
     check_choice("aggregation", aggregation, AGGREGATIONS)
     if seq_weight.shape != completion_lengths.shape:
@@ -282,6 +381,7 @@ def loss_denominator(
     """D of the step, a constant of the FULL (un-pruned) batch (ALGORITHMS.md section 3).
 
     seq_mean_token_mean:     D = B*G, B = num_prompts DRAWN (before prompt pruning).
+    seq_mean_token_sum:      D = B*G (as seq_mean_token_mean; the tokens of a sequence are summed, not averaged).
     seq_mean_token_sum_norm: D = B*G*L_max (exactly unbiased under any pruning).
     token_mean:              D = T_full = sum of ``completion_lengths`` [B, G] when every prompt was rolled out
                              (``prompt_keep_prob`` None; completion pruning does not change T_full). With prompt
@@ -296,7 +396,7 @@ def loss_denominator(
     for name, value in (("num_prompts", num_prompts), ("group_size", group_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if aggregation == "seq_mean_token_mean":
+    if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum"):
         return float(num_prompts * group_size)
     if aggregation == "seq_mean_token_sum_norm":
         if isinstance(max_completion_len, bool) or not isinstance(max_completion_len, int) or max_completion_len < 1:
@@ -344,6 +444,7 @@ def reference_objective(
     ref_logp: Tensor | None = None,
     weight: Tensor | None = None,
     denominator: float | None = None,
+    rollout_weight: Tensor | None = None,
 ) -> Tensor:
     """J (to MAXIMIZE; the loss is -J) on padded tensors, written directly from ALGORITHMS.md section 1.
 
@@ -354,6 +455,9 @@ def reference_objective(
         seq_mean_token_mean:     J = 1/D sum_{q,i} w (P - beta K) / |o|     D = B*G
         token_mean:              J = 1/D sum_{q,i} w (P - beta K)           D = sum |o|
         seq_mean_token_sum_norm: J = 1/D sum_{q,i} w (P - beta K)           D = B*G*L
+        seq_mean_token_sum:      J = 1/D sum_{q,i} w (P - beta K)           D = B*G
+    Dual clip (A < 0): each term max(term, c A); ``kl_clamp``: k3 with x in [-20, 20], KL_t in [-c, c];
+    ``rollout_weight`` [B, G, L]: u_t multiplies each ppo_clip token term (the whole gspo term per token).
     ``denominator`` overrides D (e.g. the Horvitz-Thompson T_hat). Only the built-in losses/estimators.
     """
     if cfg.policy_loss not in ("ppo_clip", "gspo") or cfg.kl_estimator not in ("k1", "k2", "k3"):
@@ -369,16 +473,26 @@ def reference_objective(
         rho = torch.exp((logp - old_logp) * m)
         a_t = a[..., None]
         pg = torch.minimum(rho * a_t, torch.clamp(rho, lo, hi) * a_t)
-        p_seq = (pg * m).sum(-1)
+        if cfg.clip_ratio_c is not None:
+            pg = torch.where(a_t < 0, torch.maximum(pg, cfg.clip_ratio_c * a_t), pg)
     else:
         seq_ratio = torch.exp(((logp - old_logp) * m).sum(-1) / length.clamp(min=1))
-        p_seq = length * torch.minimum(seq_ratio * a, torch.clamp(seq_ratio, lo, hi) * a)
+        seq_pg = torch.minimum(seq_ratio * a, torch.clamp(seq_ratio, lo, hi) * a)
+        if cfg.clip_ratio_c is not None:
+            seq_pg = torch.where(a < 0, torch.maximum(seq_pg, cfg.clip_ratio_c * a), seq_pg)
+        pg = seq_pg[..., None].expand_as(logp)
+    if rollout_weight is not None:
+        pg = pg * rollout_weight.to(pg.dtype)
+    p_seq = (pg * m).sum(-1)
     k_seq = torch.zeros_like(p_seq)
     if cfg.kl_coef > 0:
         if ref_logp is None:
             raise ValueError(f"kl_coef = {cfg.kl_coef} > 0 needs ref_logp, got None")
         x = (ref_logp - logp) * m
         kl = {"k1": -x, "k2": 0.5 * x * x, "k3": torch.exp(x) - x - 1.0}[cfg.kl_estimator]
+        if cfg.kl_clamp is not None and cfg.kl_estimator == "k3":
+            xc = x.clamp(-20.0, 20.0)
+            kl = (torch.exp(xc) - xc - 1.0).clamp(-cfg.kl_clamp, cfg.kl_clamp)
         k_seq = (kl * m).sum(-1)
     per_seq = p_seq - cfg.kl_coef * k_seq
     if cfg.aggregation == "seq_mean_token_mean":
@@ -386,6 +500,8 @@ def reference_objective(
         default_d = float(b * g)
     elif cfg.aggregation == "token_mean":
         default_d = float(length.sum())
+    elif cfg.aggregation == "seq_mean_token_sum":
+        default_d = float(b * g)
     else:
         default_d = float(b * g * max_len)
     w = torch.ones_like(per_seq) if weight is None else weight.to(per_seq.dtype)

@@ -196,6 +196,7 @@ def pad_micro_batch(batch, length: int):
         cu_seqlens_padded=cu_padded,
         max_seqlen=max(int(batch.max_seqlen), int(cu_padded[-1] - cu_padded[-2])),
         old_logprobs=cat(batch.old_logprobs, 0.0), ref_logprobs=cat(batch.ref_logprobs, 0.0),
+        rollout_weight=cat(batch.rollout_weight, 0.0),
     )
 
 
@@ -419,8 +420,9 @@ class PolicyEngine:
                                  "call PolicyEngine.fill_logprobs first")
             else:
                 ref = batch.ref_logprobs.to(logp.device, torch.float32)
+        rollout_weight = batch.rollout_weight.to(logp.device) if batch.rollout_weight is not None else None
         numerator, m = loss_numerator(logp, old, batch.advantages, batch.token_weight, batch.loss_mask,
-                                      batch.seq_index, self.loss_cfg, ref)
+                                      batch.seq_index, self.loss_cfg, ref, rollout_weight)
         mask = batch.loss_mask > 0
         with torch.no_grad():
             zero = torch.zeros((), dtype=torch.float64, device=logp.device)
@@ -440,7 +442,8 @@ class PolicyEngine:
 
         Gradient = grad( sum over all DP ranks and micro-batches of loss_numerator ) / ``denominator``
         (module docstring). Each batch needs ``old_logprobs`` (or None: on-policy) and, with a KL term,
-        ``ref_logprobs``. Returns metrics identical on every rank:
+        ``ref_logprobs``; an optional ``rollout_weight`` multiplies its policy-gradient term per token (rollout
+        correction). Returns metrics identical on every rank:
             loss           sum of numerators / D (the step's objective, to minimize)
             grad_norm      global L2 norm of the gradient before clipping
             lr             learning rate used

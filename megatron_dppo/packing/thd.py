@@ -67,6 +67,7 @@ class ThdBatch:
     sample_ids: Tensor  # long [n], index of each sequence in the step's sequence list
     old_logprobs: Tensor | None = None  # float [T], filled by the engine
     ref_logprobs: Tensor | None = None  # float [T], filled by the engine
+    rollout_weight: Tensor | None = None  # float [T], rollout-correction factor of the pg term (stages.py), or None
 
     @property
     def num_tokens(self) -> int:

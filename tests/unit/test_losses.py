@@ -291,7 +291,7 @@ def test_loss_config_validation(kwargs, match):
 
 
 def test_presets():
-    assert set(LOSS_PRESETS) == {"grpo", "dapo", "gspo", "dr_grpo"}
+    assert set(LOSS_PRESETS) == {"grpo", "dapo", "gspo", "dr_grpo", "verl_grpo", "trl_grpo"}
     for name, (cfg, estimator) in LOSS_PRESETS.items():
         assert isinstance(cfg, LossConfig) and estimator in ADVANTAGE_ESTIMATORS
     assert LOSS_PRESETS["dapo"][0].eps_high > LOSS_PRESETS["dapo"][0].eps_low
@@ -299,6 +299,9 @@ def test_presets():
     assert LOSS_PRESETS["gspo"][0].policy_loss == "gspo"
     assert LOSS_PRESETS["dr_grpo"] [1] == "dr_grpo"
     assert LOSS_PRESETS["dr_grpo"][0].aggregation == "seq_mean_token_sum_norm"
+    verl, trl = LOSS_PRESETS["verl_grpo"][0], LOSS_PRESETS["trl_grpo"][0]
+    assert (verl.clip_ratio_c, verl.kl_clamp, verl.kl_coef, verl.aggregation) == (3.0, 10.0, 0.001, "token_mean")
+    assert (trl.advantage_eps, trl.kl_coef, trl.aggregation) == (1e-4, 0.0, "token_mean")
 
 
 def test_registry_new_policy_loss_is_one_function():
