@@ -13,12 +13,14 @@ other modes encode with the tokenizer's default special tokens (a BOS where the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 PLAIN_TEMPLATE = "Question: {prompt}\nAnswer:"
 TEMPLATE_MODES = ("chat", "plain", "raw")
+NORMALIZATION_SLACK = 4  # NFKC composes at most a few code points (a letter and its combining marks) into one
+_WHITESPACE = " \t\n\r\x0b\x0c\u00a0\u3000"
 
 
 @dataclass
@@ -29,6 +31,7 @@ class PromptFormatter:
     template: str = "chat"
     system_prompt: str | None = None
     instruction: str | None = None
+    _longest: int | None = field(default=None, init=False, repr=False)  # characters of the longest vocab entry
 
     def __post_init__(self):
         if self.template not in TEMPLATE_MODES and "{prompt}" not in self.template:
@@ -55,6 +58,16 @@ class PromptFormatter:
         pattern = PLAIN_TEMPLATE if self.template == "plain" else self.template
         return system + pattern.format(prompt=question)
 
+    def min_tokens(self, prompt: str) -> int:
+        """A lower bound on ``len(encode(prompt))``, computed without tokenizing (microseconds for a prompt that
+        would take minutes and gigabytes to tokenize): a token spells at most ``longest`` characters of the
+        vocabulary's longest token, Unicode normalization merges at most ``NORMALIZATION_SLACK`` characters into
+        one, and whitespace (which some tokenizers fold) is not counted."""
+        if self._longest is None:
+            self._longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+        visible = len(prompt) - sum(prompt.count(c) for c in _WHITESPACE)
+        return visible // (NORMALIZATION_SLACK * self._longest)
+
     def encode(self, prompt: str) -> list[int]:
         """Token ids of ``render(prompt)``."""
         text = self.render(prompt)
@@ -62,15 +75,18 @@ class PromptFormatter:
         return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
 
 
-def check_prompt_fits(prompt_tokens: int, max_new_tokens: int, context_length: int, prompt_id: Any = "") -> None:
-    """Raise ValueError unless prompt_tokens + max_new_tokens <= context_length, naming both lengths."""
+def check_prompt_fits(prompt_tokens: int, max_new_tokens: int, context_length: int, prompt_id: Any = "",
+                      at_least: bool = False) -> None:
+    """Raise ValueError unless prompt_tokens + max_new_tokens <= context_length, naming both lengths.
+    ``at_least``: ``prompt_tokens`` is a lower bound (:meth:`PromptFormatter.min_tokens`), not a count."""
     if max_new_tokens < 0 or context_length <= 0:
         raise ValueError(f"invalid lengths: max_new_tokens={max_new_tokens}, context_length={context_length}")
     if prompt_tokens + max_new_tokens > context_length:
         label = f"prompt {prompt_id!r}" if prompt_id != "" else "a prompt"
         room = context_length - max_new_tokens
         raise ValueError(
-            f"{label} is {prompt_tokens} tokens long but the context length is {context_length} tokens and "
+            f"{label} is {'at least ' if at_least else ''}{prompt_tokens} tokens long but the context length is "
+            f"{context_length} tokens and "
             f"{max_new_tokens} are reserved for the completion (max_new_tokens), so prompts may have at most {room} "
             "tokens; raise the context length, lower max_new_tokens, or drop long prompts from the dataset")
 
@@ -79,6 +95,7 @@ def encode_prompts(formatter: PromptFormatter, records, *, max_new_tokens: int, 
     """Token ids of each record's prompt, checking that every prompt leaves room for ``max_new_tokens``."""
     encoded = []
     for record in records:
+        check_prompt_fits(formatter.min_tokens(record.prompt), max_new_tokens, context_length, record.id, at_least=True)
         ids = formatter.encode(record.prompt)
         check_prompt_fits(len(ids), max_new_tokens, context_length, record.id)
         encoded.append(ids)

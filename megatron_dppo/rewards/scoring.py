@@ -76,8 +76,8 @@ class RewardScorer:
                  isolation: str = "auto", num_workers: int = 1, max_warnings: int = 5):
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"reward isolation {isolation!r} is not one of {ISOLATION_MODES}")
-        if not timeout_s > 0:
-            raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s < math.inf:
+            raise ValueError(f"reward timeout_s must be a finite number of seconds > 0, got {timeout_s}")
         if num_workers < 1:
             raise ValueError(f"reward num_workers must be >= 1, got {num_workers}")
         self.fn = build_reward(reward)
