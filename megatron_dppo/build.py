@@ -228,8 +228,9 @@ def encode_prompts(cfg: Config, records, tokenizer, arch) -> list[Prompt]:
     fmt = _formatter(cfg, tokenizer)
     out = []
     for r in records:  # the cheap lower bound first: an enormous row is refused without tokenizing it
-        check_prompt_fits(fmt.min_tokens(r.prompt), cfg.rollout.max_new_tokens, arch.max_position_embeddings, r.id,
-                          at_least=True)
+        room = arch.max_position_embeddings - cfg.rollout.max_new_tokens
+        if (at_least := fmt.too_long(r.prompt, room)) is not None:
+            check_prompt_fits(at_least, cfg.rollout.max_new_tokens, arch.max_position_embeddings, r.id, at_least=True)
         ids = fmt.encode(r.prompt)
         check_prompt_fits(len(ids), cfg.rollout.max_new_tokens, arch.max_position_embeddings, r.id)
         if len(ids) + cfg.rollout.max_new_tokens > cfg.packing.capacity:

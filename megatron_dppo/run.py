@@ -93,6 +93,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
 
     # 1. everything that can be wrong with the inputs fails here, before anything is written or overwritten
     check_output_dirs(cfg)
+    scorer = build_scorer(cfg, cfg.data.train_files)  # imports a user's reward module: before any write
     tokenizer = build_tokenizer(cfg)
     model_dir = resolve_model_dir(cfg)
     hf_config = build_hf_config(cfg, tokenizer, model_dir)
@@ -109,7 +110,6 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         raise ValueError("train.sft_steps > 0 needs gold completions: only data.task=arithmetic provides them "
                          "(set train.sft_steps=0)")
     eval_sets = load_eval_sets(cfg, tokenizer, arch) if (cfg.eval.every or need_eval) else {}
-    scorer = build_scorer(cfg, cfg.data.train_files)
     eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward) for name in eval_sets}
     found = find_resume_checkpoint(cfg) if resume else None
 
