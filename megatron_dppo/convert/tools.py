@@ -33,7 +33,8 @@ def _run(fn: Callable[[], object]) -> int:
     except ValueError as err:
         if os.environ.get("MEGATRON_DPPO_DEBUG"):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank meets the same error: rank 0 says it, once
+            print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
         if owned:  # tear down only the process groups this call created
