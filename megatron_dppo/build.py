@@ -285,7 +285,7 @@ def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None):
         spec = ("arithmetic" if cfg.data.task == "arithmetic" and (not files or "arithmetic" in names)
                 else "gsm8k" if "gsm8k" in names else "math")
     return RewardScorer(spec, timeout_s=cfg.reward.timeout_s, isolation=cfg.reward.isolation,
-                        num_workers=cfg.reward.num_workers)
+                        num_workers=cfg.reward.num_workers, budget_s=cfg.reward.step_budget_s)
 
 
 def eos_ids(tokenizer, hf_config: dict) -> list[int]:

@@ -181,3 +181,28 @@ def test_failing_reward_function_costs_samples_not_the_run(tmp_path):
     assert "flaky reward refuses" in proc.stderr and "non-finite reward nan" in proc.stderr
     assert all(0.0 <= r["reward/mean"] < 1.0 for r in rl)  # failed samples scored 0, the rest 1
     assert (out / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.slow
+def test_hanging_reward_function_costs_a_bounded_time_and_is_counted(tmp_path):
+    """A reward that hangs on about half the samples (2 steps x 32 samples; reward.timeout_s=30, 2 workers:
+    without a budget each step would score for ~8 minutes). With reward.step_budget_s=3 each step scores for
+    ~3 s, the hung samples score 0 and reward/timeouts counts them."""
+    import time
+
+    out = tmp_path / "run"
+    cfg = tiny_config(out, reward={"fn": "tests.e2e._rewards:hangs", "isolation": "process", "timeout_s": 30,
+                                   "num_workers": 2, "step_budget_s": 3},
+                      train={"steps": 2, "sft_steps": 0}, eval={"every": 0}, checkpoint={"every": 0})
+    start = time.perf_counter()
+    run_cli(write_config(tmp_path / "run.yaml", cfg))
+    elapsed = time.perf_counter() - start
+    rl = [r for r in read_metrics(out) if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == [0, 1]
+    for r in rl:
+        assert r["reward/timeouts"] >= 1 and r["reward/failed"] == r["reward/timeouts"]
+        assert r["time/reward"] < 3 + 10, r["time/reward"]  # the budget, plus (re)starting the reward workers
+        # a hung sample scores 0, the others 1: the mean is the fraction of samples that did not time out
+        assert r["reward/mean"] == pytest.approx(1 - r["reward/timeouts"] / 32)
+    print(f"\nhanging reward: {elapsed:.0f} s for 2 steps, timeouts {[r['reward/timeouts'] for r in rl]}, "
+          f"scoring {[round(r['time/reward'], 1) for r in rl]} s")
