@@ -274,9 +274,9 @@ def load_eval_sets(cfg: Config, tokenizer, arch) -> dict[str, list[Prompt]]:
     return sets
 
 
-def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None):
+def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None, *, step_budget: bool = True):
     """A RewardScorer for ``spec`` (default reward.fn); auto picks arithmetic / gsm8k / math from the task and the
-    file names."""
+    file names. ``step_budget``: apply reward.step_budget_s (RL steps; evaluation scores every sample)."""
     from megatron_dppo.rewards import RewardScorer
 
     spec = cfg.reward.fn if spec is None else spec
@@ -285,7 +285,7 @@ def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None):
         spec = ("arithmetic" if cfg.data.task == "arithmetic" and (not files or "arithmetic" in names)
                 else "gsm8k" if "gsm8k" in names else "math")
     return RewardScorer(spec, timeout_s=cfg.reward.timeout_s, isolation=cfg.reward.isolation,
-                        num_workers=cfg.reward.num_workers, budget_s=cfg.reward.step_budget_s)
+                        num_workers=cfg.reward.num_workers, budget_s=cfg.reward.step_budget_s if step_budget else None)
 
 
 def eos_ids(tokenizer, hf_config: dict) -> list[int]:

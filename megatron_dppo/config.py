@@ -158,10 +158,11 @@ class RewardConfig:
                 "(inline for built-ins, process for user functions).")
     num_workers: int = opt(2, "Reward worker processes per rank (process isolation).")
     step_budget_s: Optional[float] = opt(
-        120.0, "Wall-clock budget for scoring one step's completions on each rank (process isolation): samples "
-              "still unscored when it runs out score 0 and count in reward/timeouts, like samples past "
-              "reward.timeout_s. Every rank scores its own share of the step in parallel over reward.num_workers "
-              "workers. null = no budget (a step may then take up to samples x timeout_s / (ranks x workers)).")
+        120.0, "Wall-clock budget for scoring one RL step's completions on each rank (process isolation): "
+               "samples still unscored when it runs out score 0 and count in reward/timeouts, like samples past "
+               "reward.timeout_s. Every rank scores its own share of the step in parallel over reward.num_workers "
+               "workers. Evaluation is not budgeted (every sample is scored, each within reward.timeout_s). "
+               "null = no budget (a step may then take up to samples x timeout_s / (ranks x workers)).")
 
     def validate(self) -> None:
         _check(isinstance(self.fn, (str, dict)) and bool(self.fn), "reward.fn", self.fn,

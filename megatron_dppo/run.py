@@ -110,7 +110,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         raise ValueError("train.sft_steps > 0 needs gold completions: only data.task=arithmetic provides them "
                          "(set train.sft_steps=0)")
     eval_sets = load_eval_sets(cfg, tokenizer, arch) if (cfg.eval.every or need_eval) else {}
-    eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward) for name in eval_sets}
+    eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward, step_budget=False) for name in eval_sets}
     found = find_resume_checkpoint(cfg) if resume else None
 
     # 2. the engines
