@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Callable, Sequence
 
 import torch
 
+OTHER_RANKS_EXIT_DELAY_S = 5.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,7 +36,9 @@ def _run(fn: Callable[[], object]) -> int:
         if os.environ.get("MEGATRON_DPPO_DEBUG"):
             raise
         if _is_rank0():  # the checks are the same on every rank, so is the error: rank 0 says it, once
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every worker as soon as one exits: let rank 0 exit (and report) first
+            time.sleep(OTHER_RANKS_EXIT_DELAY_S)
         return 2
     finally:
         if owned:  # tear down only the process groups this call created
