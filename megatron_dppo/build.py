@@ -30,6 +30,27 @@ class Prompt:
     text: str
 
 
+def check_output_dirs(cfg: Config) -> None:
+    """Fail before anything is written when the run could not write its outputs: ``train.output_dir`` or the
+    checkpoint directory exists but is not a directory, lies under a file, or cannot be written."""
+    out = Path(cfg.train.output_dir)
+    ckpt = Path(cfg.checkpoint_dir)
+    ckpt_key = "checkpoint.dir" if cfg.checkpoint.dir else "the checkpoint directory (<train.output_dir>/checkpoints)"
+    for path, key in ((out, "train.output_dir"), (ckpt, ckpt_key), (ckpt / "hf", ckpt_key)):
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{key}: {str(path)!r} exists and is not a directory; remove it or choose another "
+                             f"{'train.output_dir' if key == 'train.output_dir' else 'checkpoint.dir'}")
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ValueError(f"{key}: cannot create {str(path)!r}: {str(existing)!r} is a file, not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            what = "" if existing == path else f" (its nearest existing folder {str(existing)!r})"
+            raise ValueError(f"{key}: {str(path)!r}{what} is not writable by this user; choose a writable "
+                             f"train.output_dir")
+
+
 def build_loss(cfg: Config) -> tuple[LossConfig, str]:
     """The loss preset with the config's per-field overrides, and the advantage estimator."""
     preset, estimator = LOSS_PRESETS[cfg.loss.preset]
@@ -96,6 +117,21 @@ def resolve_model_dir(cfg: Config) -> Path | None:
 def is_converted_checkpoint(path: Path) -> bool:
     """A folder written by ``megatron-dppo convert hf-to-megatron``: model/ (dist checkpoint) + hf/ (config)."""
     return (path / "model" / "metadata.json").is_file() and (path / "hf" / "config.json").is_file()
+
+
+def check_pretrained_weights(cfg: Config, model_dir: Path | None, arch) -> None:
+    """The pretrained HF weights fit ``arch`` (names and shapes from the safetensors headers; nothing is loaded).
+    Checked before anything is written, so a mismatch (e.g. a ``model.hf_config`` override that changes a shape)
+    leaves the output directory as it was. A converted Megatron checkpoint is checked when it is loaded."""
+    if model_dir is None or cfg.model.path is None or is_converted_checkpoint(model_dir.parent):
+        return
+    from megatron_dppo.convert.hf_io import HFCheckpoint
+    from megatron_dppo.convert.mapping import validate_hf_tensors
+
+    try:
+        validate_hf_tensors(HFCheckpoint(model_dir).shapes, arch)
+    except ValueError as err:
+        raise ValueError(f"model.path {str(model_dir)!r}: {err}") from None
 
 
 def package_path(spec: str) -> Path:
@@ -193,7 +229,10 @@ def encode_prompts(cfg: Config, records, tokenizer, arch) -> list[Prompt]:
 
     fmt = _formatter(cfg, tokenizer)
     out = []
-    for r in records:
+    for r in records:  # the cheap lower bound first: an enormous row is refused without tokenizing it
+        room = arch.max_position_embeddings - cfg.rollout.max_new_tokens
+        if (at_least := fmt.too_long(r.prompt, room)) is not None:
+            check_prompt_fits(at_least, cfg.rollout.max_new_tokens, arch.max_position_embeddings, r.id, at_least=True)
         ids = fmt.encode(r.prompt)
         check_prompt_fits(len(ids), cfg.rollout.max_new_tokens, arch.max_position_embeddings, r.id)
         if len(ids) + cfg.rollout.max_new_tokens > cfg.packing.capacity:
@@ -237,9 +276,9 @@ def load_eval_sets(cfg: Config, tokenizer, arch) -> dict[str, list[Prompt]]:
     return sets
 
 
-def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None):
+def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None, *, step_budget: bool = True):
     """A RewardScorer for ``spec`` (default reward.fn); auto picks arithmetic / gsm8k / math from the task and the
-    file names."""
+    file names. ``step_budget``: apply reward.step_budget_s (RL steps; evaluation scores every sample)."""
     from megatron_dppo.rewards import RewardScorer
 
     spec = cfg.reward.fn if spec is None else spec
@@ -248,7 +287,7 @@ def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None):
         spec = ("arithmetic" if cfg.data.task == "arithmetic" and (not files or "arithmetic" in names)
                 else "gsm8k" if "gsm8k" in names else "math")
     return RewardScorer(spec, timeout_s=cfg.reward.timeout_s, isolation=cfg.reward.isolation,
-                        num_workers=cfg.reward.num_workers)
+                        num_workers=cfg.reward.num_workers, budget_s=cfg.reward.step_budget_s if step_budget else None)
 
 
 def eos_ids(tokenizer, hf_config: dict) -> list[int]:

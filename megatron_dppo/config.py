@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -156,12 +157,24 @@ class RewardConfig:
         "auto", "Where rewards run: inline (this process), process (worker processes with a hard timeout), auto "
                 "(inline for built-ins, process for user functions).")
     num_workers: int = opt(2, "Reward worker processes per rank (process isolation).")
+    step_budget_s: Optional[float] = opt(
+        120.0, "Wall-clock budget for scoring one RL step's completions on each rank (process isolation): "
+               "samples still unscored when it runs out score 0 and count in reward/timeouts, like samples past "
+               "reward.timeout_s. Every rank scores its own share of the step in parallel over reward.num_workers "
+               "workers. Evaluation is not budgeted (every sample is scored, each within reward.timeout_s). "
+               "null = no budget (a step may then take up to samples x timeout_s / (ranks x workers)).")
 
     def validate(self) -> None:
         _check(isinstance(self.fn, (str, dict)) and bool(self.fn), "reward.fn", self.fn,
                "a reward name, an import path 'pkg.module:fn', or a mapping {name: weight}")
-        _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "> 0")
+        if isinstance(self.fn, dict):
+            for name, weight in self.fn.items():
+                _check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
+                       f"reward.fn.{name}", weight, "a finite number (the weight of this reward in the sum)")
+        _check(0 < self.timeout_s < math.inf, "reward.timeout_s", self.timeout_s, "a finite number of seconds > 0")
         _check(self.num_workers >= 1, "reward.num_workers", self.num_workers, ">= 1")
+        _check(self.step_budget_s is None or 0 < self.step_budget_s < math.inf, "reward.step_budget_s",
+               self.step_budget_s, "null or a finite number of seconds > 0")
 
 
 @dataclass
@@ -669,8 +682,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         p = Path(path)
         if not p.exists():
             raise ValueError(f"config file {str(p)!r} does not exist")
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} is a directory, not a YAML file")
+        raw = p.read_bytes()
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = raw.count(b"\n", 0, err.start) + 1
+            raise ValueError(f"config file {str(p)!r}: line {line} is not valid UTF-8 (byte 0x{raw[err.start]:02x} "
+                             f"at offset {err.start}); save the file as UTF-8") from None
+        try:
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:
             raise ValueError(f"config file {str(p)!r} is not valid YAML: {err}") from err
         _apply(cfg, data, "")

@@ -20,6 +20,8 @@ from megatron_dppo.build import (
     build_rollout,
     build_scorer,
     build_tokenizer,
+    check_output_dirs,
+    check_pretrained_weights,
     eos_ids,
     full_hf_config,
     is_converted_checkpoint,
@@ -90,11 +92,14 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     out_dir = Path(cfg.train.output_dir)
 
     # 1. everything that can be wrong with the inputs fails here, before anything is written or overwritten
+    check_output_dirs(cfg)
+    scorer = build_scorer(cfg, cfg.data.train_files)  # imports a user's reward module: before any write
     tokenizer = build_tokenizer(cfg)
     model_dir = resolve_model_dir(cfg)
     hf_config = build_hf_config(cfg, tokenizer, model_dir)
     arch = ModelArch.from_hf_config(hf_config)
     validate_parallel(arch, parallel, D.world_size())
+    check_pretrained_weights(cfg, model_dir, arch)
     if cfg.rollout.engine == "vllm" and cfg.parallel.pp > 1:
         raise ValueError("rollout.engine=vllm with parallel.pp > 1 is not supported (vLLM is colocated per TP "
                          "group); use parallel.pp=1 or rollout.engine=hf")
@@ -105,8 +110,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         raise ValueError("train.sft_steps > 0 needs gold completions: only data.task=arithmetic provides them "
                          "(set train.sft_steps=0)")
     eval_sets = load_eval_sets(cfg, tokenizer, arch) if (cfg.eval.every or need_eval) else {}
-    scorer = build_scorer(cfg, cfg.data.train_files)
-    eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward) for name in eval_sets}
+    eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward, step_budget=False) for name in eval_sets}
     found = find_resume_checkpoint(cfg) if resume else None
 
     # 2. the engines

@@ -23,6 +23,7 @@ from megatron_dppo.algo.pruning import (
     zero_variance_filter,
 )
 from megatron_dppo.build import Prompt
+from megatron_dppo.rewards.scoring import TIMED_OUT
 from megatron_dppo.run import Run, generation_shards
 
 
@@ -39,6 +40,8 @@ class Rollout:
     policy_logprobs: list[list[list[float] | None]]  # [Bk][G] temperature-1 log-probs from the rollout engine
     truncated: list[list[bool]]  # [Bk][G] finish_reason == "length"
     rewards: torch.Tensor | None = None  # [Bk, G] float32
+    reward_failures: int = 0  # samples scored 0 because the reward function failed (all ranks)
+    reward_timeouts: int = 0  # of which timed out (reward.timeout_s or reward.step_budget_s)
 
     @property
     def group_size(self) -> int:
@@ -121,11 +124,15 @@ def score(run: Run, scorer: Any, rollout: Rollout) -> torch.Tensor:
     items = [(text, p.gold, f"{p.id}#{i}") for p, texts in zip(rollout.prompts, rollout.texts)
              for i, text in enumerate(texts)]
 
-    def score_shard(shard: list[tuple], _index: int) -> list[float]:
+    def score_shard(shard: list[tuple], _index: int) -> list[tuple[float, str | None]]:
         result = scorer.score([t for t, _, _ in shard], [g for _, g, _ in shard], ids=[i for _, _, i in shard])
-        return list(result.rewards)
+        return list(zip(result.rewards, result.errors))
 
-    flat = D.map_sharded(score_shard, items)
+    scored = D.map_sharded(score_shard, items)
+    errors = [e for _, e in scored if e is not None]
+    rollout.reward_failures = len(errors)
+    rollout.reward_timeouts = sum(e.startswith(TIMED_OUT) for e in errors)
+    flat = [r for r, _ in scored]
     return torch.tensor(flat, dtype=torch.float32).view(len(rollout.prompts), rollout.group_size or 1) \
         if rollout.prompts else torch.zeros(0, run.cfg.train.group_size)
 
@@ -399,6 +406,8 @@ def step_metrics(run: Run, prompt_cut: PruneResult, completion_cut: PruneResult 
         m["reward/pass_rate"] = float((flat > 0).float().mean())
         m["reward/prompt_solve_rate"] = float((r > 0).any(dim=1).float().mean())
         m["reward/zero_variance_groups"] = float((r == r[:, :1]).all(dim=1).float().mean())
+        m["reward/failed"] = float(rollout.reward_failures)  # scored 0: the reward function raised, hung, ...
+        m["reward/timeouts"] = float(rollout.reward_timeouts)  # ... of which ran out of time
     if len(batch):
         m["reward/mean_kept"] = float(batch.rewards.mean())
         m["reward/pass_rate_kept"] = float((batch.rewards > 0).float().mean())

@@ -165,6 +165,30 @@ def save_model_dist_checkpoint(chunks: list, path: Path) -> None:
     dist_checkpointing.save(_model_sharded_state_dict(chunks), str(path))
 
 
+def check_dist_checkpoint_files(path: Path) -> None:
+    """Every file a torch_dist checkpoint's ``.metadata`` names exists and is long enough for the byte ranges
+    stored in it; ValueError naming the missing or truncated files (instead of a traceback deep in the load)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # noqa: BLE001 - an unreadable .metadata file, whatever the unpickling raised
+        raise ValueError(f"Megatron checkpoint {path}: its .metadata cannot be read ({type(err).__name__}: "
+                         f"{err}); the checkpoint is incomplete or corrupt") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing = sorted(name for name in needed if not (path / name).is_file())
+    short = sorted(name for name in needed if name not in missing and (path / name).stat().st_size < needed[name])
+    if missing or short:
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"truncated {', '.join(f'{n} ({(path / n).stat().st_size} of {needed[n]} bytes)' for n in short)}"]
+            if short else [])
+        raise ValueError(f"Megatron checkpoint {path} is incomplete: {'; '.join(parts)} (of the "
+                         f"{len(needed)} files its .metadata names)")
+
+
 @torch.no_grad()
 def load_model_dist_checkpoint(chunks: list, path: Path) -> None:
     """Collective: fill the model chunks from a Megatron dist checkpoint saved at any TP/PP (resharding)."""
@@ -172,6 +196,7 @@ def load_model_dist_checkpoint(chunks: list, path: Path) -> None:
 
     from megatron_dppo.convert.weights import unwrap_chunk
 
+    check_dist_checkpoint_files(path)
     loaded = dist_checkpointing.load(_model_sharded_state_dict(chunks), str(path))
     for key, chunk in zip(_chunk_keys(chunks), chunks):
         result = unwrap_chunk(chunk).load_state_dict(loaded[key], strict=False)

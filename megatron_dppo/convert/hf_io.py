@@ -47,22 +47,30 @@ class HFCheckpoint:
         self.config: dict[str, Any] = json.loads(config_path.read_text())
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{index}: not a safetensors index (a JSON object with a 'weight_map'): "
+                                 f"{type(err).__name__}: {err}") from None
             files = sorted(set(weight_map.values()))
+            absent = [name for name in files if not (self.folder / name).is_file()]
+            if absent:
+                raise ValueError(f"{index} names shard file(s) that do not exist: {', '.join(absent)} "
+                                 f"({sum(v in absent for v in weight_map.values())} tensors); the download or "
+                                 "copy is incomplete")
         else:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
         if not files:
             extra = " (found pytorch_model*.bin: re-save it with safe_serialization=True)" \
                 if list(self.folder.glob("pytorch_model*.bin")) else ""
             raise ValueError(f"no safetensors weights in {self.folder}{extra}")
-        from safetensors import safe_open
 
         self._file_of: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
         for name in files:
             path = self.folder / name
-            with safe_open(path, framework="pt") as f:
+            with _open_safetensors(path) as f:
                 for key in f.keys():
                     if key in self._file_of:
                         raise ValueError(f"tensor {key!r} appears in both {self._file_of[key].name} and {name}")
@@ -78,13 +86,23 @@ class HFCheckpoint:
             raise KeyError(name)
         path = self._file_of[name]
         if path not in self._open:
-            from safetensors import safe_open
-
-            self._open[path] = safe_open(path, framework="pt")
+            self._open[path] = _open_safetensors(path)
         return self._open[path].get_tensor(name)
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
+
+
+def _open_safetensors(path: Path):
+    """``safe_open(path)``; a truncated or corrupt file (safetensors checks that the header parses and that the
+    tensors' byte ranges cover the file exactly) is a ValueError naming it and its size."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} ({path.stat().st_size} bytes) is not a readable safetensors file: {err}; the "
+                         "file is truncated or corrupt (re-download or re-copy it)") from None
 
 
 def write_safetensors_shards(tensors: Iterable[tuple[str, Tensor]], folder: Path,

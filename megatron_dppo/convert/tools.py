@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Callable, Sequence
 
 import torch
 
+OTHER_RANKS_EXIT_DELAY_S = 5.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,14 +35,27 @@ def _run(fn: Callable[[], object]) -> int:
     except ValueError as err:
         if os.environ.get("MEGATRON_DPPO_DEBUG"):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        if _is_rank0():  # the checks are the same on every rank, so is the error: rank 0 says it, once
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every worker as soon as one exits: let rank 0 exit (and report) first
+            time.sleep(OTHER_RANKS_EXIT_DELAY_S)
         return 2
     finally:
         if owned:  # tear down only the process groups this call created
             _destroy()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _is_rank0():
         print(f"wrote {out}")
     return 0
+
+
+def _is_rank0() -> bool:
+    """Rank 0 of the job, whatever the launcher (torchrun, srun, mpirun), also before any process group."""
+    from megatron_dppo.launch import discover_launch
+
+    try:
+        return discover_launch(export=False, use_mpi4py=False).rank == 0
+    except ValueError:  # an inconsistent launch environment: let every process speak
+        return True
 
 
 def _destroy() -> None:

@@ -62,7 +62,7 @@ def check_megatron_model(cfg: Mapping[str, Any] | Any, arch: Any, model: Any) ->
         ("q_norm/k_norm (qk_layernorm)", bool(tc.qk_layernorm), hf.model_type == "qwen3"),
         ("tie_word_embeddings (share_embeddings_and_output_weights)",
          bool(model.share_embeddings_and_output_weights), bool(getattr(hf, "tie_word_embeddings", False))),
-        ("vocab_size", model.vocab_size, hf.vocab_size),
+        ("vocab_size", getattr(model, "unpadded_vocab_size", model.vocab_size), hf.vocab_size),
         ("position embedding (position_embedding_type)", model.position_embedding_type, "rope"),
         ("rope_theta (rotary_base)", float(model.rotary_base), theta),
         ("rope_scaling llama3 (rope_scaling)", bool(getattr(model, "rotary_scaling", False)), rope_type == "llama3"),

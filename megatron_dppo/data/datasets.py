@@ -116,8 +116,15 @@ def resolve_fields(fields: FieldSpec | str | None, path: str | Path) -> FieldSpe
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    with path.open("r", encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
+    offset = 0  # of the line in the file, in bytes
+    with path.open("rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte offset "
+                                   f"{offset + err.start} of the file); save the file as UTF-8") from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:

@@ -19,6 +19,8 @@ from typing import Any
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 PLAIN_TEMPLATE = "Question: {prompt}\nAnswer:"
 TEMPLATE_MODES = ("chat", "plain", "raw")
+PREFIX_CHARS_PER_TOKEN = 16  # text averages ~4 characters per token: such a prefix holds ~4x the allowed tokens
+PREFIX_MARGIN = 2
 
 
 @dataclass
@@ -55,6 +57,21 @@ class PromptFormatter:
         pattern = PLAIN_TEMPLATE if self.template == "plain" else self.template
         return system + pattern.format(prompt=question)
 
+    def too_long(self, prompt: str, max_tokens: int) -> int | None:
+        """A token count > ``max_tokens`` that ``encode(prompt)`` provably reaches, found by tokenizing only a
+        prefix of ``PREFIX_CHARS_PER_TOKEN * (max_tokens + 1)`` characters (cut at whitespace); None when the
+        prefix does not settle it (then encode the whole prompt). A 20 MB row is refused in milliseconds instead
+        of tokenized for half a minute with gigabytes of memory. Tokens of a prefix cut at whitespace are the
+        full text's first tokens, up to the last one or two (``PREFIX_MARGIN``)."""
+        limit = PREFIX_CHARS_PER_TOKEN * (max_tokens + 1)
+        if len(prompt) <= limit:
+            return None
+        prefix = prompt[:limit]
+        cut = max(prefix.rfind(" "), prefix.rfind("\n"))
+        prefix = prefix[:cut] if cut > limit // 2 else prefix
+        count = len(self.encode(prefix)) - PREFIX_MARGIN
+        return count if count > max_tokens else None
+
     def encode(self, prompt: str) -> list[int]:
         """Token ids of ``render(prompt)``."""
         text = self.render(prompt)
@@ -62,15 +79,18 @@ class PromptFormatter:
         return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
 
 
-def check_prompt_fits(prompt_tokens: int, max_new_tokens: int, context_length: int, prompt_id: Any = "") -> None:
-    """Raise ValueError unless prompt_tokens + max_new_tokens <= context_length, naming both lengths."""
+def check_prompt_fits(prompt_tokens: int, max_new_tokens: int, context_length: int, prompt_id: Any = "",
+                      at_least: bool = False) -> None:
+    """Raise ValueError unless prompt_tokens + max_new_tokens <= context_length, naming both lengths.
+    ``at_least``: ``prompt_tokens`` is a lower bound (:meth:`PromptFormatter.min_tokens`), not a count."""
     if max_new_tokens < 0 or context_length <= 0:
         raise ValueError(f"invalid lengths: max_new_tokens={max_new_tokens}, context_length={context_length}")
     if prompt_tokens + max_new_tokens > context_length:
         label = f"prompt {prompt_id!r}" if prompt_id != "" else "a prompt"
         room = context_length - max_new_tokens
         raise ValueError(
-            f"{label} is {prompt_tokens} tokens long but the context length is {context_length} tokens and "
+            f"{label} is {'at least ' if at_least else ''}{prompt_tokens} tokens long but the context length is "
+            f"{context_length} tokens and "
             f"{max_new_tokens} are reserved for the completion (max_new_tokens), so prompts may have at most {room} "
             "tokens; raise the context length, lower max_new_tokens, or drop long prompts from the dataset")
 
@@ -79,6 +99,8 @@ def encode_prompts(formatter: PromptFormatter, records, *, max_new_tokens: int, 
     """Token ids of each record's prompt, checking that every prompt leaves room for ``max_new_tokens``."""
     encoded = []
     for record in records:
+        if (at_least := formatter.too_long(record.prompt, context_length - max_new_tokens)) is not None:
+            check_prompt_fits(at_least, max_new_tokens, context_length, record.id, at_least=True)
         ids = formatter.encode(record.prompt)
         check_prompt_fits(len(ids), max_new_tokens, context_length, record.id)
         encoded.append(ids)

@@ -115,8 +115,21 @@ def forward_thd(model, batch) -> Tensor:
     position_ids = batch.position_ids.to(device).unsqueeze(0)
     out = model(tokens, position_ids, None, packed_seq_params=packed_seq_params(batch, device))
     if getattr(unwrapped, "post_process", True):
-        return out.squeeze(0)  # [1, T, V/tp] -> [T, V/tp]
+        return mask_vocab_padding(out.squeeze(0), getattr(unwrapped, "unpadded_vocab_size", None))  # [T, V/tp]
     return out
+
+
+def mask_vocab_padding(logits_shard: Tensor, vocab_size: int | None) -> Tensor:
+    """Logits of the padding rows (global ids >= ``vocab_size``, see ``model.padded_vocab_size``) set to a large
+    negative number: exactly zero probability, no gradient into those rows, finite log-probs and entropy."""
+    from megatron.core import parallel_state
+
+    width = logits_shard.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * width
+    if vocab_size is None or start + width <= vocab_size:
+        return logits_shard
+    pad = torch.arange(start, start + width, device=logits_shard.device) >= vocab_size
+    return logits_shard.masked_fill(pad, torch.finfo(logits_shard.dtype).min / 2)
 
 
 def thd_logprobs(model, batch, *, with_entropy: bool = True, entropy_grad: bool = False

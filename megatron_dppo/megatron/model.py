@@ -272,6 +272,20 @@ def build_layer_spec(arch: ModelArch, te: bool | None = None):
     return spec
 
 
+VOCAB_PAD_MULTIPLE = 128  # Megatron-LM's default make_vocab_size_divisible_by
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Rows of the Megatron embedding / output layer: ``vocab_size`` when tp divides it, else rounded up to a
+    multiple of lcm(128, tp) (the same padded size for every power-of-two tp <= 128, so such checkpoints
+    reshard between those TP sizes). The padding rows are zero, their logits are masked out
+    (``logprobs.forward_thd``) and conversion drops them."""
+    if vocab_size % tp == 0:
+        return vocab_size
+    multiple = math.lcm(VOCAB_PAD_MULTIPLE, tp)
+    return -(-vocab_size // multiple) * multiple
+
+
 def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtype | None = None,
                     pre_process: bool | None = None, post_process: bool | None = None,
                     vp_stage: int | None = None, *, te: bool | None = None, config=None, **config_overrides):
@@ -308,7 +322,7 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
     kwargs = dict(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=arch.vocab_size,
+        vocab_size=padded_vocab_size(arch.vocab_size, parallel.tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
@@ -328,7 +342,9 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
         required += ("rope_scaling", "rope_scaling_factor", "seq_len_interpolation_factor")
     if vp_stage is not None:
         required += ("vp_stage",)
-    return GPTModel(**compat.supported_kwargs(GPTModel.__init__, kwargs, required=required))
+    model = GPTModel(**compat.supported_kwargs(GPTModel.__init__, kwargs, required=required))
+    model.unpadded_vocab_size = arch.vocab_size  # logits of the padding rows are masked (logprobs.forward_thd)
+    return model
 
 
 def build_model_chunks(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtype | None = None,

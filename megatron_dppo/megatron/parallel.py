@@ -73,13 +73,19 @@ def validate_parallel(arch: "ModelArch", cfg: ParallelConfig, world_size: int) -
     problems = []
     if arch.num_attention_heads % cfg.tp:
         problems.append(f"num_attention_heads={arch.num_attention_heads} is not divisible by tp={cfg.tp}")
-    if arch.num_kv_heads % cfg.tp:
-        problems.append(f"num_kv_heads={arch.num_kv_heads} (query groups) is not divisible by tp={cfg.tp}")
+    kv = arch.num_kv_heads
+    if kv >= cfg.tp and kv % cfg.tp:
+        problems.append(f"num_kv_heads={kv} (query groups) is not divisible by tp={cfg.tp}")
+    if kv < cfg.tp:  # Megatron all-gathers the fused q/k/v rows over TP and takes its group's slice
+        qkv_rows = (arch.num_attention_heads + 2 * kv) * arch.head_dim
+        if cfg.tp % kv:
+            problems.append(f"tp={cfg.tp} is not a multiple of num_kv_heads={kv} (with fewer KV heads than TP "
+                            "ranks, each KV head serves tp / num_kv_heads ranks)")
+        elif qkv_rows % cfg.tp:
+            problems.append(f"the fused q/k/v projection has {qkv_rows} rows, not divisible by tp={cfg.tp}")
     if arch.ffn_hidden_size % cfg.tp:
         problems.append(f"ffn_hidden_size={arch.ffn_hidden_size} is not divisible by tp={cfg.tp}")
-    if arch.vocab_size % cfg.tp:
-        problems.append(f"vocab_size={arch.vocab_size} is not divisible by tp={cfg.tp} (the output layer and "
-                        "embedding are split over the vocabulary)")
+    # a vocabulary not divisible by tp is padded (model.padded_vocab_size) and its padding masked in the logits
     stages = cfg.pp * (cfg.vpp or 1)
     if arch.num_layers % stages:
         what = f"pp={cfg.pp}" if cfg.vpp is None else f"pp*vpp={cfg.pp}*{cfg.vpp}={stages}"

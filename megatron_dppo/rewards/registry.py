@@ -12,6 +12,7 @@ calling process; anything else runs in worker processes with a hard timeout (see
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,12 @@ def _import_path(spec: str) -> RewardFn:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"cannot import module {module_name!r} of reward {spec!r}: {err}") from err
+    except SyntaxError as err:  # the user's module does not parse: name the file and line
+        raise ValueError(f"reward {spec!r}: {err.filename}:{err.lineno}: syntax error ({err.msg})") from err
+    except Exception as err:  # noqa: BLE001 - any error while running the user's module body
+        where = _raising_frame(err, module_name)
+        raise ValueError(f"reward {spec!r}: importing module {module_name!r} raised {type(err).__name__}: {err}"
+                         f"{where}") from err
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -67,6 +74,14 @@ def _import_path(spec: str) -> RewardFn:
     if not callable(obj):
         raise ValueError(f"reward {spec!r} is a {type(obj).__name__}, not a function")
     return obj
+
+
+def _raising_frame(err: BaseException, module_name: str) -> str:
+    """`` (at file:line)`` of the innermost traceback frame outside the import machinery, or ``""``."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if "importlib" not in f.filename]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def get_reward(spec: str | RewardFn) -> RewardFn:
@@ -124,6 +139,9 @@ def build_reward(spec: str | RewardFn | Mapping[str, float]) -> RewardFn:
     if isinstance(spec, Mapping):
         if not spec:
             raise ValueError("reward weights mapping is empty; give at least one {name: weight}")
+        for name, weight in spec.items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ValueError(f"reward weight of {name!r} is {weight!r}: expected a finite number")
         return WeightedReward(tuple(spec.keys()), tuple(float(w) for w in spec.values()))
     if isinstance(spec, str) and spec in _REGISTRY:
         return _REGISTRY[spec].fn

@@ -2,7 +2,8 @@
 
 For every sample i the scorer returns r_i = reward_fn(completion_i, gold_i) when the call returns a finite float
 within ``timeout_s`` seconds, and r_i = 0 with a logged warning when it raises, returns NaN/inf or something that is
-not a number, runs past the timeout, or kills its process.
+not a number, runs past the timeout, or kills its process. With process isolation a batch also has a wall-clock
+``budget_s``: when it runs out, the samples not yet scored score 0 as timed out (``RewardResult.num_timed_out``).
 
 Two isolation modes:
 - ``"inline"``: calls run in the calling thread. Exceptions and non-finite values are caught; a hang is NOT
@@ -40,6 +41,9 @@ logger = logging.getLogger("megatron_dppo.rewards")
 ISOLATION_MODES = ("auto", "inline", "process")
 
 
+TIMED_OUT = "timed out"  # how the errors of samples past their time limit (or the batch budget) begin
+
+
 @dataclass
 class RewardResult:
     """Per-sample rewards of one batch; ``errors[i]`` is None when sample i was scored normally."""
@@ -51,6 +55,11 @@ class RewardResult:
     @property
     def num_failed(self) -> int:
         return sum(e is not None for e in self.errors)
+
+    @property
+    def num_timed_out(self) -> int:
+        """Samples past ``timeout_s`` or left unscored when the batch's ``budget_s`` ran out."""
+        return sum(e is not None and e.startswith(TIMED_OUT) for e in self.errors)
 
 
 @dataclass
@@ -70,16 +79,23 @@ class RewardScorer:
         isolation: "auto" | "inline" | "process".
         num_workers: worker processes for process isolation.
         max_warnings: failures logged one by one per batch; the rest are summarised in one line.
+        budget_s: wall-clock limit of one ``score`` call (process isolation only; None = none). When it runs out,
+            the samples still running or waiting score 0 as timed out, so a hanging reward function costs a step
+            at most ``budget_s`` instead of ``samples * timeout_s / num_workers``.
     """
 
     def __init__(self, reward: str | Callable | Mapping[str, float], *, timeout_s: float = 10.0,
-                 isolation: str = "auto", num_workers: int = 1, max_warnings: int = 5):
+                 isolation: str = "auto", num_workers: int = 1, max_warnings: int = 5,
+                 budget_s: float | None = None):
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"reward isolation {isolation!r} is not one of {ISOLATION_MODES}")
-        if not timeout_s > 0:
-            raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s < math.inf:
+            raise ValueError(f"reward timeout_s must be a finite number of seconds > 0, got {timeout_s}")
         if num_workers < 1:
             raise ValueError(f"reward num_workers must be >= 1, got {num_workers}")
+        if budget_s is not None and not 0 < budget_s < math.inf:
+            raise ValueError(f"reward budget_s must be None or a finite number of seconds > 0, got {budget_s}")
+        self.budget_s = None if budget_s is None else float(budget_s)
         self.fn = build_reward(reward)
         self.name = reward if isinstance(reward, str) else reward_name(self.fn)
         self.timeout_s = float(timeout_s)
@@ -144,7 +160,11 @@ class RewardScorer:
         errors: list[str | None] = [None] * n
         pending = deque(range(n))
         chunk = max(1, min(64, math.ceil(n / (4 * self.num_workers))))
+        budget_end = math.inf if self.budget_s is None else time.perf_counter() + self.budget_s
         while pending or any(w.queue for w in self._workers):
+            if time.perf_counter() >= budget_end:  # fail what is left; free the workers still running a sample
+                self._spend_budget(pending, errors)
+                break
             # 1. hand chunks to idle workers (starting workers as needed)
             while pending and (idle := self._idle_worker()) is not None:
                 if isinstance(idle, str):  # the worker could not load the reward function
@@ -165,7 +185,7 @@ class RewardScorer:
                 continue
             # 2. wait for replies until the earliest deadline
             now = time.perf_counter()
-            next_deadline = min(w.running_since + self.timeout_s for w in busy)
+            next_deadline = min(min(w.running_since + self.timeout_s for w in busy), budget_end)
             ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - now))
             for worker in busy:
                 if worker.conn in ready:
@@ -175,11 +195,25 @@ class RewardScorer:
             for worker in list(self._workers):
                 if worker.queue and now - worker.running_since > self.timeout_s:
                     index = worker.queue.popleft()
-                    errors[index] = f"timed out after {self.timeout_s:g}s"
+                    errors[index] = f"{TIMED_OUT} after {self.timeout_s:g}s (reward.timeout_s)"
                     pending.extendleft(reversed(worker.queue))
                     worker.queue.clear()
                     self._kill(worker)
         return rewards, errors
+
+    def _spend_budget(self, pending: deque, errors: list) -> None:
+        message = f"{TIMED_OUT}: the batch's scoring budget of {self.budget_s:g}s (reward.step_budget_s) ran out"
+        left = list(pending)
+        pending.clear()
+        for worker in [w for w in self._workers if w.queue]:
+            left.extend(worker.queue)
+            worker.queue.clear()
+            self._kill(worker)
+        for index in left:
+            errors[index] = message
+        logger.warning("reward %r: scoring budget of %gs spent, %d samples left unscored score 0 (raise "
+                       "reward.step_budget_s if the reward function is slow but working)", self.name,
+                       self.budget_s, len(left))
 
     def _drain(self, worker: _Worker, rewards, errors, pending) -> None:
         """Read every reply the worker has ready; on a dead worker fail its running sample, requeue the rest."""
@@ -279,8 +313,9 @@ def _shutdown_workers(workers: list[_Worker]) -> None:
 
 def score_batch(reward: str | Callable | Mapping[str, float], completions: Sequence[str], golds: Sequence[Any],
                 *, ids: Sequence[Any] | None = None, timeout_s: float = 10.0, isolation: str = "auto",
-                num_workers: int = 1) -> RewardResult:
+                num_workers: int = 1, budget_s: float | None = None) -> RewardResult:
     """One-shot ``RewardScorer(...).score(...)``. A trainer scoring every step should keep one RewardScorer alive
     instead, so process-isolated workers start once."""
-    with RewardScorer(reward, timeout_s=timeout_s, isolation=isolation, num_workers=num_workers) as scorer:
+    with RewardScorer(reward, timeout_s=timeout_s, isolation=isolation, num_workers=num_workers,
+                      budget_s=budget_s) as scorer:
         return scorer.score(completions, golds, ids)

@@ -23,6 +23,16 @@ TINY = {
     "qwen3_untied": dict(_COMMON, model_type="qwen3", tie_word_embeddings=False, head_dim=24, rope_theta=10_000.0),
 }
 
+# Shapes Megatron supports that need care at TP2: one KV head (fewer than the TP ranks: Megatron-Core all-gathers
+# the fused q/k/v rows and takes its group's slice) and a vocabulary of 127 rows (odd: padded to 128, the padding
+# logits masked). Kept out of TINY so the per-family parametrizations stay as they are.
+ODD_SHAPES = {
+    "qwen2_kv1_vocab127": dict(_COMMON, model_type="qwen2", vocab_size=127, num_key_value_heads=1,
+                               tie_word_embeddings=False, rope_theta=1_000_000.0),
+    "llama_tied_kv1_vocab127": dict(_COMMON, model_type="llama", vocab_size=127, num_key_value_heads=1,
+                                    tie_word_embeddings=True, rope_theta=10_000.0),
+}
+
 TOKENIZER_STUB = {"tokenizer_config.json": {"model_max_length": 256, "tokenizer_class": "PreTrainedTokenizerFast"},
                   "special_tokens_map.json": {"eos_token": "</s>"}}
 
@@ -32,7 +42,7 @@ def build_hf_model(name: str, seed: int = 0):
     around 0, all distinct), so a swapped or mis-laid tensor changes the logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(**TINY[name])
+    cfg = AutoConfig.for_model(**{**TINY, **ODD_SHAPES}[name])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -56,7 +66,7 @@ def save_hf_model(name: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def tokens(batch: int = 2, length: int = 13, vocab: int = 128, seed: int = 1) -> torch.Tensor:
+def tokens(batch: int = 2, length: int = 13, vocab: int = 127, seed: int = 1) -> torch.Tensor:  # every model's ids
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
@@ -94,8 +104,9 @@ def megatron_logits(chunks, ids: torch.Tensor) -> torch.Tensor | None:
             dist.send(out.contiguous(), dst=dist.get_global_rank(group, pp_rank + 1), group=group)
             return None
     tp = ps.get_tensor_model_parallel_world_size()
+    vocab = getattr(model, "unpadded_vocab_size", None)  # the padding rows (an odd vocabulary at TP > 1) dropped
     if tp == 1:
-        return out
+        return out[..., :vocab]
     shards = [torch.empty_like(out) for _ in range(tp)]
     dist.all_gather(shards, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-    return torch.cat(shards, dim=-1)
+    return torch.cat(shards, dim=-1)[..., :vocab]

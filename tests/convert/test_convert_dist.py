@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _hf_models import TINY, hf_logits, save_hf_model, tokens  # isort: first
+from _hf_models import ODD_SHAPES, TINY, hf_logits, save_hf_model, tokens  # isort: first
 from _dist import run_distributed
 from megatron_dppo.convert.hf_io import HFCheckpoint
 
@@ -77,6 +77,14 @@ def test_tp2_logits_export_and_reshard_qwen2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ODD_SHAPES))
+def test_tp2_one_kv_head_and_odd_vocabulary(name, tmp_path):
+    """One KV head at TP2 and a 127-row vocabulary (padded to 128 at TP2): logits equal transformers', the
+    TP-gathered export is bit-exact (padding dropped), and the TP2 checkpoint reads back at TP1 (127 rows)."""
+    _check(name, tmp_path, tp=2, pp=1, save=True)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(TINY) - {"qwen2_untied"}))
 def test_tp2_other_families(name, tmp_path):
     _check(name, tmp_path, tp=2, pp=1)
@@ -98,3 +106,36 @@ def test_tp2_pp2_qwen3_tied(tmp_path):
 def test_virtual_pipeline_export(tmp_path):
     """PP2 x VPP2: layer indices made global per chunk (stage 0 holds layers 0 and 2)."""
     _check("llama_untied", tmp_path, tp=1, pp=2, vpp=2, save=True)
+
+
+@pytest.mark.slow
+def test_torchrun_conversion_error_is_printed_once_and_every_rank_exits_2(tmp_path):
+    """A truncated safetensors file under torchrun (TP2): one `error:` line (rank 0's), and rank 0 exits with
+    status 2 first (the other ranks wait a few seconds, so torchrun, which stops every worker once one exits,
+    cannot kill rank 0 before it reports); torchrun itself then exits 1, as for any failed worker."""
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    src = save_hf_model("llama_tied", tmp_path / "hf")
+    data = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           "--master-addr=127.0.0.1", f"--master-port={port}",
+                           str(repo / "tools" / "convert_hf_to_megatron.py"), str(src), str(tmp_path / "out"),
+                           "--tp", "2"], cwd=repo, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    output = proc.stdout + proc.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output[-3000:]
+    assert "model.safetensors" in errors[0] and "truncated or corrupt" in errors[0]
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", output)
+    assert codes and set(codes) <= {"2", "-15"}, output[-3000:]
+    assert re.search(r"Root Cause.*?rank\s*:\s*0 .*?exitcode\s*:\s*2\b", output, re.S), output[-3000:]
+    assert "SafetensorError" not in output and str(repo / "megatron_dppo") not in output  # no worker traceback
+    assert not (tmp_path / "out").exists()

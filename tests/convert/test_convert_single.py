@@ -132,7 +132,27 @@ BAD_INPUTS = {
     "tp_heads": (lambda d: None, {"tp": 3}, "num_attention_heads=4 is not divisible by tp=3"),
     "pp_layers": (lambda d: None, {"pp": 3}, "num_layers=4 is not divisible by pp=3"),
     "world_size": (lambda d: None, {"tp": 2}, r"needs exactly tp\*pp=2 processes, this job has 1"),
+    # damaged downloads / copies: one clear error naming the file, never a safetensors or OS traceback
+    "truncated_data": (lambda d: _truncate(d / "model.safetensors", -1000), {},
+                       r"model.safetensors \(\d+ bytes\) is not a readable safetensors file.*truncated or corrupt"),
+    "truncated_header": (lambda d: _truncate(d / "model.safetensors", 20), {},
+                         r"model.safetensors \(20 bytes\) is not a readable safetensors file.*invalid header"),
+    "index_missing_shard": (lambda d: _split_with_missing_shard(d), {},
+                            r"index.json names shard file\(s\) that do not exist: model-00002-of-00002"),
 }
+
+
+def _truncate(path: Path, size: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:size])
+
+
+def _split_with_missing_shard(folder: Path) -> None:
+    """An index naming two shards, of which only the first was downloaded."""
+    names = sorted(load_file(folder / "model.safetensors"))
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    weight_map = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
@@ -158,6 +178,23 @@ def test_existing_output_is_refused_and_kept(tmp_path):
 def test_megatron_to_hf_errors(tmp_path):
     with pytest.raises(ValueError, match="no Megatron dist checkpoint"):
         convert_megatron_to_hf(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_megatron_checkpoint_with_a_damaged_distcp_file_is_a_clear_error(damage, tmp_path):
+    src = save_hf_model("llama_tied", tmp_path / "hf")
+    with single_process_world():
+        convert_hf_to_megatron(src, tmp_path / "meg")
+    shard = sorted((tmp_path / "meg" / "model").glob("*.distcp"))[0]
+    if damage == "missing":
+        shard.unlink()
+        message = rf"model is incomplete: missing {shard.name} \(of the \d+ files its .metadata names\)"
+    else:
+        _truncate(shard, shard.stat().st_size // 2)
+        message = rf"model is incomplete: truncated {shard.name} \(\d+ of \d+ bytes\)"
+    with single_process_world(), pytest.raises(ValueError, match=message):
+        convert_megatron_to_hf(tmp_path / "meg", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -15,3 +15,13 @@ def flaky(completion: str, gold) -> float:
     if len(completion) % 3 == 1:
         return math.nan
     return 1.0
+
+
+def hangs(completion: str, gold) -> float:
+    """Hangs (for a minute) on completions of even length: each such sample must cost at most its timeout, and
+    all of them together at most the step's scoring budget."""
+    if len(completion) % 2 == 0:
+        import time
+
+        time.sleep(60)
+    return 1.0

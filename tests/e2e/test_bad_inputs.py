@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -22,6 +25,20 @@ CASES = {
     "prompt_too_long": ["prompt 'long:1' is", "tokens long but the context length is 32 tokens",
                         "4 are reserved for the completion"],
     "no_chat_template": ["has no chat template", "'plain'"],
+    # hostile inputs that used to end in a traceback, or in an error that did not name the culprit
+    "output_dir_is_file": ["train.output_dir:", "metrics.jsonl' exists and is not a directory"],
+    "checkpoint_dir_is_file": ["checkpoint directory", "checkpoints' exists and is not a directory"],
+    "output_dir_not_writable": ["train.output_dir:", "is not writable"],
+    "config_is_directory": ["config file", "is a directory, not a YAML file"],
+    "reward_raises_on_import": ["reward 'dppo_raising_reward:score'", "raised RuntimeError: refuses to load",
+                                "dppo_raising_reward.py:1"],
+    "reward_syntax_error": ["reward 'dppo_syntax_reward:score'", "dppo_syntax_reward.py:1: syntax error"],
+    "reward_timeout_inf": ["reward.timeout_s=inf is invalid", "finite"],
+    "reward_weight_not_number": ["reward.fn.arithmetic='heavy' is invalid", "a finite number"],
+    "yaml_not_utf8": ["not_utf8.yaml': line 2 is not valid UTF-8", "byte 0xe9"],
+    "jsonl_not_utf8": ["latin1.jsonl:2: not valid UTF-8", "byte 0xe9 at byte offset"],
+    "enormous_line": ["prompt 'huge:1' is at least", "context length is 32 tokens"],
+    "weights_do_not_fit": ["model.path", "HF checkpoint does not match the qwen2 architecture"],
 }
 
 
@@ -39,6 +56,17 @@ def _fingerprint(directory):
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+def _make_read_only(directory):
+    """No one may write into ``directory``: chmod for a normal user; root ignores permission bits, so the
+    immutable attribute (chattr +i), which binds root too. Returns the undo function."""
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return lambda: directory.chmod(0o755)
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(directory)]).returncode != 0:
+        pytest.skip("running as root without chattr +i: no directory is unwritable for this process")
+    return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad_inputs")
@@ -49,6 +77,17 @@ def results(tmp_path_factory):
     (data / "empty.jsonl").write_text("\n")
     (data / "long.jsonl").write_text(json.dumps({"question": "What is 2 plus 3? " * 20, "answer": "5"}) + "\n")
     (data / "good.jsonl").write_text(json.dumps({"question": "What is 2 plus 3?", "answer": "5"}) + "\n")
+    (data / "latin1.jsonl").write_bytes(b'{"question": "What is 2 plus 3?", "answer": "5"}\n'
+                                        b'{"question": "Caf\xe9 au lait?", "answer": "5"}\n')
+    (data / "huge.jsonl").write_text(json.dumps({"question": "12 plus 3 " * 500_000, "answer": "5"}) + "\n")
+    modules = tmp / "modules"
+    modules.mkdir()
+    (modules / "dppo_raising_reward.py").write_text("raise RuntimeError('refuses to load')\n")
+    (modules / "dppo_syntax_reward.py").write_text("def score(completion, gold:\n    return 1.0\n")
+    sys.path.insert(0, str(REPO / "tests" / "convert"))
+    from _hf_models import save_hf_model
+
+    hf_model = save_hf_model("qwen2_tied", tmp / "hf_model")
     with_chat, without_chat = _tokenizer(tmp / "tok_chat", True), _tokenizer(tmp / "tok_plain", False)
 
     def files_case(name, train_file, tokenizer=with_chat, template="plain"):
@@ -67,6 +106,23 @@ def results(tmp_path_factory):
         "empty_dataset": (files_case("empty_dataset", data / "empty.jsonl"), []),
         "prompt_too_long": (files_case("prompt_too_long", data / "long.jsonl"), []),
         "no_chat_template": (files_case("no_chat_template", data / "good.jsonl", without_chat, "chat"), []),
+        "output_dir_is_file": (tiny_config(tmp / "output_dir_is_file" / "run" / "metrics.jsonl"), []),
+        "checkpoint_dir_is_file": (tiny_config(tmp / "checkpoint_dir_is_file" / "run"), []),
+        "output_dir_not_writable": (tiny_config(tmp / "output_dir_not_writable" / "run"), []),
+        "config_is_directory": (tiny_config(tmp / "config_is_directory" / "run"), []),
+        "reward_raises_on_import": (tiny_config(tmp / "reward_raises_on_import" / "run",
+                                                reward={"fn": "dppo_raising_reward:score", "isolation": "process"}), []),
+        "reward_syntax_error": (tiny_config(tmp / "reward_syntax_error" / "run",
+                                            reward={"fn": "dppo_syntax_reward:score", "isolation": "process"}), []),
+        "reward_timeout_inf": (tiny_config(tmp / "reward_timeout_inf" / "run"), ["reward.timeout_s=inf"]),
+        "reward_weight_not_number": (tiny_config(tmp / "reward_weight_not_number" / "run",
+                                                 reward={"fn": {"arithmetic": "heavy", "format": 0.1}}), []),
+        "yaml_not_utf8": (tiny_config(tmp / "yaml_not_utf8" / "run"), []),
+        "jsonl_not_utf8": (files_case("jsonl_not_utf8", data / "latin1.jsonl"), []),
+        "enormous_line": (files_case("enormous_line", data / "huge.jsonl"), []),
+        "weights_do_not_fit": (tiny_config(tmp / "weights_do_not_fit" / "run",
+                                           model={"path": str(hf_model), "tokenizer": with_chat,
+                                                  "hf_config": {"intermediate_size": 100}}), []),
     }
     argv, before = {}, {}
     for name, (cfg, overrides) in configs.items():
@@ -77,12 +133,25 @@ def results(tmp_path_factory):
         (out / "checkpoints" / "latest").write_text("step_00000003\n")
         (out / "metrics.jsonl").write_text('{"step": 0, "phase": "rl", "reward/mean": 0.5}\n')
         (out / "config.yaml").write_text("previous: run\n")
-        before[name] = _fingerprint(out)
-        argv[name] = ["train", "--config", str(write_config(tmp / f"{name}.yaml", cfg)), *overrides]
+        (out / "rollout_model").mkdir()
+        (out / "rollout_model" / "config.json").write_text('{"previous": "run"}\n')
+        config = write_config(tmp / f"{name}.yaml", cfg)
+        argv[name] = ["train", "--config", str(config), *overrides]
+    shutil.rmtree(tmp / "checkpoint_dir_is_file" / "run" / "checkpoints")
+    (tmp / "checkpoint_dir_is_file" / "run" / "checkpoints").write_text("a file where the checkpoints go\n")
+    argv["config_is_directory"][2] = str(tmp / "config_is_directory")
+    latin1 = tmp / "yaml_not_utf8.yaml"  # saved by an editor in Latin-1: the bad byte is on line 2
+    latin1.write_bytes(b"# the tiny run\n# Jos\xe9's settings\n" + latin1.read_bytes())
+    before = {name: _fingerprint(tmp / name / "run") for name in configs}
+    undo = _make_read_only(tmp / "output_dir_not_writable" / "run")
     (tmp / "cases.json").write_text(json.dumps(argv))
-    proc = subprocess.run([PY, str(REPO / "tests" / "e2e" / "_cli_cases.py"), str(tmp / "cases.json"),
-                           str(tmp / "results.json")], cwd=REPO, env=env(MASTER_PORT=str(free_port())),
-                          capture_output=True, text=True, timeout=600)
+    try:
+        proc = subprocess.run([PY, str(REPO / "tests" / "e2e" / "_cli_cases.py"), str(tmp / "cases.json"),
+                               str(tmp / "results.json")], cwd=REPO,
+                              env=env(MASTER_PORT=str(free_port()), PYTHONPATH=f"{modules}{os.pathsep}{REPO}"),
+                              capture_output=True, text=True, timeout=600)
+    finally:
+        undo()
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads((tmp / "results.json").read_text())
     for name in configs:
@@ -112,3 +181,28 @@ def test_failing_reward_function_costs_samples_not_the_run(tmp_path):
     assert "flaky reward refuses" in proc.stderr and "non-finite reward nan" in proc.stderr
     assert all(0.0 <= r["reward/mean"] < 1.0 for r in rl)  # failed samples scored 0, the rest 1
     assert (out / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.slow
+def test_hanging_reward_function_costs_a_bounded_time_and_is_counted(tmp_path):
+    """A reward that hangs on about half the samples (2 steps x 32 samples; reward.timeout_s=30, 2 workers:
+    without a budget each step would score for ~8 minutes). With reward.step_budget_s=3 each step scores for
+    ~3 s, the hung samples score 0 and reward/timeouts counts them."""
+    import time
+
+    out = tmp_path / "run"
+    cfg = tiny_config(out, reward={"fn": "tests.e2e._rewards:hangs", "isolation": "process", "timeout_s": 30,
+                                   "num_workers": 2, "step_budget_s": 3},
+                      train={"steps": 2, "sft_steps": 0}, eval={"every": 0}, checkpoint={"every": 0})
+    start = time.perf_counter()
+    run_cli(write_config(tmp_path / "run.yaml", cfg))
+    elapsed = time.perf_counter() - start
+    rl = [r for r in read_metrics(out) if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == [0, 1]
+    for r in rl:
+        assert r["reward/timeouts"] >= 1 and r["reward/failed"] == r["reward/timeouts"]
+        assert r["time/reward"] < 3 + 10, r["time/reward"]  # the budget, plus (re)starting the reward workers
+        # a hung sample scores 0, the others 1: the mean is the fraction of samples that did not time out
+        assert r["reward/mean"] == pytest.approx(1 - r["reward/timeouts"] / 32)
+    print(f"\nhanging reward: {elapsed:.0f} s for 2 steps, timeouts {[r['reward/timeouts'] for r in rl]}, "
+          f"scoring {[round(r['time/reward'], 1) for r in rl]} s")

@@ -2,6 +2,7 @@
 test_checkpoint*.py (engine-train). Workers are module-level so ``_dist.run_distributed`` can import them."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def per_sample_completion_logp(batches, logps) -> dict[int, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------------
 def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vpp=None,
                   distributed_optimizer: bool = False, save: bool = False, steps: int = 1,
-                  uneven: bool = False):
+                  uneven: bool = False, arch_changes: dict | None = None):
     """Load (or, with ``save``, create) the TP1 reference weights, fill old/ref log-probs (perturbed so ratios
     clip and the KL is non-zero), run ``steps`` train steps, then recompute log-probs. Returns per-sample
     completion log-probs before/after and the step metrics (rank 0's view; all ranks agree)."""
@@ -102,7 +103,7 @@ def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vp
     from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
     from megatron_dppo.packing import thd_pad_multiple
 
-    arch = tiny_arch()
+    arch = dataclasses.replace(tiny_arch(), **(arch_changes or {}))
     parallel = ParallelConfig(tp=tp, pp=pp, sp=sp, vpp=vpp)
     initialize_parallel(parallel, SEED, arch)
     loss_cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3",

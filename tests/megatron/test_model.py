@@ -84,7 +84,7 @@ def test_arch_rejects_unsupported(bad, match):
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cfg, world, expected", [
     (ParallelConfig(tp=3), 3, ["num_attention_heads=4 is not divisible by tp=3"]),
-    (ParallelConfig(tp=4), 4, ["num_kv_heads=2 (query groups) is not divisible by tp=4"]),
+    (ParallelConfig(tp=8), 8, ["num_attention_heads=4 is not divisible by tp=8"]),
     (ParallelConfig(pp=3), 3, ["num_layers=4 is not divisible by pp=3"]),
     (ParallelConfig(pp=2, vpp=3), 2, ["num_layers=4 is not divisible by pp*vpp=2*3=6"]),
     (ParallelConfig(tp=2, pp=2), 6, ["world size 6 is not divisible by tp*pp*cp = 2*2*1 = 4"]),
@@ -98,11 +98,35 @@ def test_validate_parallel_names_the_numbers(cfg, world, expected):
 
 
 def test_validate_parallel_vocab_and_ok_layouts():
+    """A vocabulary tp does not divide is padded; fewer KV heads than TP ranks are served as Megatron-Core does
+    (Qwen2.5-1.5B: 12 heads / 2 KV heads at TP4). Query heads must still divide over TP (Qwen2.5-7B's 28 heads
+    do not at TP8, in Megatron-Core too)."""
+    from megatron_dppo.megatron.model import padded_vocab_size
+
     arch = ModelArch.from_hf_config(dict(TINY_CONFIGS["llama"], vocab_size=250))
-    with pytest.raises(ValueError, match="vocab_size=250 is not divisible by tp=4"):
-        validate_parallel(arch, ParallelConfig(tp=4), 4)
+    assert validate_parallel(arch, ParallelConfig(tp=4), 4) == 1
+    assert [padded_vocab_size(250, tp) for tp in (1, 2, 4, 8)] == [250, 250, 256, 256]
+    assert [padded_vocab_size(257, tp) for tp in (1, 2, 4, 3)] == [257, 384, 384, 384]
+    assert padded_vocab_size(151936, 8) == 151936  # Qwen2.5: divisible, unpadded
     arch = ModelArch.from_hf_config(TINY_CONFIGS["qwen3"])
     assert validate_parallel(arch, ParallelConfig(tp=2, pp=2, vpp=2, sp=True), 8) == 2  # dp = 8 / 4
+    assert validate_parallel(arch, ParallelConfig(tp=4), 4) == 1  # 2 KV heads over 4 ranks
+    qwen25_15b = ModelArch.from_hf_config(dict(QWEN25_05B, hidden_size=1536, num_attention_heads=12,
+                                               num_key_value_heads=2, intermediate_size=8960))
+    assert validate_parallel(qwen25_15b, ParallelConfig(tp=4), 4) == 1
+    qwen25_7b = ModelArch.from_hf_config(dict(QWEN25_05B, hidden_size=3584, num_attention_heads=28,
+                                              num_key_value_heads=4, intermediate_size=18944))
+    with pytest.raises(ValueError, match="num_attention_heads=28 is not divisible by tp=8"):
+        validate_parallel(qwen25_7b, ParallelConfig(tp=8), 8)
+    assert validate_parallel(qwen25_7b, ParallelConfig(tp=4), 4) == 1
+    six_heads = ModelArch.from_hf_config(dict(TINY_CONFIGS["qwen2"], num_attention_heads=6, num_key_value_heads=2,
+                                              hidden_size=96))
+    with pytest.raises(ValueError, match="tp=3 is not a multiple of num_kv_heads=2"):
+        validate_parallel(six_heads, ParallelConfig(tp=3), 3)
+    with pytest.raises(ValueError, match="num_kv_heads=3 .query groups. is not divisible by tp=2"):
+        validate_parallel(ModelArch.from_hf_config(dict(TINY_CONFIGS["qwen2"], num_attention_heads=6,
+                                                        num_key_value_heads=3, hidden_size=96)),
+                          ParallelConfig(tp=2), 2)
 
 
 def _bad_init_worker(cfg_kwargs):

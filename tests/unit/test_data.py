@@ -10,6 +10,7 @@ from megatron_dppo.data import (
     DatasetFileNotFoundError,
     FieldSpec,
     PromptFormatter,
+    PromptRecord,
     PromptSampler,
     check_prompt_fits,
     encode_prompts,
@@ -275,3 +276,38 @@ def test_sentencepiece_tokenizer_drives_hf_generate(arithmetic_tokenizer_dir):
     assert int(out.max()) < len(tok)
     texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
     assert all(set(t) <= set("0123456789+-*=") for t in texts)  # only corpus characters, no <unk> text
+
+
+def _byte_level_bpe_tokenizer():
+    """A GPT-2/Qwen-style byte-level BPE tokenizer (trained here in milliseconds, no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    corpus = ["What is 12 plus 30? The answer is 42.", "Café, naïve, 東京, ﬁnance", "-" * 64, "    indented"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "sentencepiece_byte_fallback", "byte_level_bpe"])
+def test_prefix_bound_is_a_lower_bound_and_refuses_an_enormous_prompt_without_tokenizing(kind, arithmetic_tokenizer_dir):
+    import time
+
+    tokenizer = {"sentencepiece": lambda: load_tokenizer(arithmetic_tokenizer_dir),
+                 "sentencepiece_byte_fallback": lambda: train_sentencepiece_tokenizer(
+                     ["Question: what is 1+1?\nAnswer: 2", "Café ﬁ 東京 -----"] * 20, byte_fallback=True),
+                 "byte_level_bpe": _byte_level_bpe_tokenizer}[kind]()
+    formatter = PromptFormatter(tokenizer, template="raw")
+    texts = ["12+7*3=", "What is 12 plus 30?", "-" * 64 + "?", "Café, naïve, 東京, ﬁnance " * 9, "e\u0301" * 40,
+             "    " * 30 + "x", "a" * 500, "1234567890" * 40]
+    for text in texts:
+        for max_tokens in (1, 2, 4, 8):
+            bound = formatter.too_long(text, max_tokens)
+            assert bound is None or max_tokens < bound <= len(formatter.encode(text)), (text, max_tokens)
+    assert formatter.too_long("12 plus 3 " * 2000, 100) is not None  # a long prompt is settled by its prefix
+    huge = "12 plus 3 " * 2_000_000  # 20 MB: tokenizing it took ~35 s and 4 GB
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"prompt 'huge:1' is at least \d+ tokens long but the context length is 4096"):
+        encode_prompts(formatter, [PromptRecord("huge:1", huge, "5")], max_new_tokens=256, context_length=4096)
+    assert time.perf_counter() - start < 3.0

@@ -223,3 +223,38 @@ def test_scorer_survives_a_crash_and_keeps_scoring(user_rewards):
 def test_score_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="3 completions but 2 gold"):
         score_batch("arithmetic", ["1", "2", "3"], ["1", "2"])
+
+
+def test_step_budget_bounds_a_hanging_reward_and_counts_the_timeouts(user_rewards, caplog):
+    """Every sample hangs: without a budget this batch costs 12 x 30 s / 2 workers = 3 minutes; with budget_s=2 it
+    costs the budget (plus the worker starts), every sample scores 0 and counts as timed out."""
+    completions = ["hang"] * 12
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="megatron_dppo.rewards"):
+        result = score_batch(f"{user_rewards}:faulty", completions, ["ok"] * 12, timeout_s=30.0, num_workers=2,
+                             budget_s=2.0)
+    elapsed = time.perf_counter() - start
+    assert result.rewards == [0.0] * 12
+    assert result.num_timed_out == result.num_failed == 12
+    assert all("scoring budget of 2s (reward.step_budget_s) ran out" in e for e in result.errors)
+    assert 2.0 <= elapsed < 2.0 + 8.0, elapsed  # the budget, plus starting the workers on a loaded machine
+    assert any("scoring budget of 2s spent, 12 samples left unscored" in r.getMessage() for r in caplog.records)
+
+
+def test_step_budget_leaves_finished_samples_and_the_next_batch_alone(user_rewards):
+    """Samples scored before the budget ran out keep their rewards; the scorer (its hung worker killed) scores
+    the next batch normally; a per-sample timeout counts as a timeout too."""
+    with RewardScorer(f"{user_rewards}:faulty", timeout_s=1.0, num_workers=1, budget_s=60.0) as scorer:
+        first = scorer.score(["ok", "wrong", "hang", "ok"], ["ok"] * 4)  # ample budget: only the 1 s timeout
+        assert first.rewards == [1.0, 0.0, 0.0, 1.0]
+        assert first.num_timed_out == 1 and "reward.timeout_s" in first.errors[2]
+        scorer.budget_s = 3.0  # six hangs of >= 1 s each cannot all finish: the budget ends the batch
+        second = scorer.score(["ok", "hang", "hang", "hang", "hang", "hang", "hang", "ok"], ["ok"] * 8)
+        assert second.rewards == [1.0] + [0.0] * 7 and second.num_timed_out == 7
+        assert "scoring budget of 3s" in second.errors[-1]
+        scorer.budget_s = 60.0
+        assert scorer.score(["ok", "ok"], ["ok", "ok"]).rewards == [1.0, 1.0]
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        RewardScorer("math", timeout_s=float("inf"))
+    with pytest.raises(ValueError, match="budget_s must be None or a finite number"):
+        RewardScorer("math", budget_s=0)
