@@ -130,7 +130,8 @@ def initialize_parallel(cfg: ParallelConfig, seed: int, arch: "ModelArch | None"
     if not torch.distributed.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
         if device == "cuda":
-            torch.cuda.set_device(info.local_rank)
+            # a task may see only its own GPU (Slurm --gpus-per-task, CUDA_VISIBLE_DEVICES): index modulo the count
+            torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
         torch.distributed.init_process_group(
             backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes))
