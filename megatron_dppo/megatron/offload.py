@@ -35,18 +35,20 @@ def _inner_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
         yield from _inner_optimizers(inner)
 
 
-def train_state_tensors(model_chunks: Iterable, optimizer=None) -> Iterator[torch.Tensor]:
-    """Every tensor of the training state: parameters, main_grad / grad, DDP buffers, optimizer params + state."""
+def train_state_tensors(model_chunks: Iterable, optimizer=None, *, grads: bool = True) -> Iterator[torch.Tensor]:
+    """Every tensor of the training state: parameters, DDP buffers, optimizer params (fp32 master weights) and
+    state (Adam moments), and with ``grads`` the gradients (main_grad / grad / DDP grad buffers)."""
+    buffer_fields = ("param_data", "grad_data") if grads else ("param_data",)
     for chunk in model_chunks:
         for buffer in list(getattr(chunk, "buffers", None) or []) + list(getattr(chunk, "expert_parallel_buffers",
                                                                                 None) or []):
-            for name in ("param_data", "grad_data"):
+            for name in buffer_fields:
                 tensor = getattr(buffer, name, None)
                 if isinstance(tensor, torch.Tensor):
                     yield tensor
         for param in chunk.parameters():
             yield param.data
-            for name in ("main_grad", "grad"):
+            for name in ("main_grad", "grad") if grads else ():
                 tensor = getattr(param, name, None)
                 if isinstance(tensor, torch.Tensor):
                     yield tensor
@@ -54,7 +56,7 @@ def train_state_tensors(model_chunks: Iterable, optimizer=None) -> Iterator[torc
         for group in inner.param_groups:
             for param in group["params"]:
                 yield param.data
-                if param.grad is not None:
+                if grads and param.grad is not None:
                     yield param.grad
         for state in inner.state.values():
             for value in state.values():

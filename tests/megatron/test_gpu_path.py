@@ -229,3 +229,35 @@ def test_train_state_offload_round_trip_is_bit_exact(world):
     assert m1["loss"] == m2["loss"] and m1["grad_norm"] == m2["grad_norm"]
     for p, q in zip(engine.modules[0].parameters(), twin.modules[0].parameters()):
         assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Checkpoints across layer specs
+# ------------------------------------------------------------------------------------------------------------
+class _TEStyleModule(torch.nn.Module):
+    """State-dict names of a TE layer: fused layer-norm weight, an ``_extra_state`` entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear_qkv = torch.nn.Linear(2, 2)
+        self.linear_qkv.layer_norm_weight = torch.nn.Parameter(torch.ones(2))
+
+    def get_extra_state(self):
+        return None
+
+
+def test_checkpoint_across_layer_specs_fails_with_a_clear_message():
+    from types import SimpleNamespace
+
+    from megatron_dppo.megatron.checkpoint import check_layer_spec, layer_spec_of
+
+    local = SimpleNamespace(modules=[torch.nn.Sequential(torch.nn.Linear(2, 2))])
+    te = SimpleNamespace(modules=[_TEStyleModule()])
+    assert layer_spec_of(local.modules) == "local" and layer_spec_of(te.modules) == "te"
+    check_layer_spec({"layer_spec": "local"}, local, "ckpt")
+    check_layer_spec({}, local, "ckpt")  # checkpoints written before the field: local spec
+    with pytest.raises(ValueError, match=r"ckpt: the checkpoint was written with the Transformer Engine layer spec "
+                                         r".*this run builds the local layer spec.*convert megatron-to-hf"):
+        check_layer_spec({"layer_spec": "te"}, local, "ckpt")
+    with pytest.raises(ValueError, match="written with the local layer spec"):
+        check_layer_spec({"layer_spec": "local"}, te, "ckpt")
