@@ -79,3 +79,20 @@ def test_training_state_is_resident_outside_generation():
     assert ("sleep",) not in log and log[-2][0] == "onload" and not h.train_state_away
     with pytest.raises(ValueError, match="both offload and onload"):
         MemoryHandover(RecordingEngine([]), lambda: iter([]), offload=lambda: None)
+
+
+def test_hf_engine_uses_the_current_cuda_device_when_there_is_one(tmp_path):
+    import json
+
+    import torch
+
+    from megatron_dppo.rollout import HFRolloutEngine
+    from megatron_dppo.rollout.hf_engine import default_device
+
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert default_device() == expected
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)))
+    engine = HFRolloutEngine.from_pretrained(tmp_path)  # no device given
+    assert next(engine.model.parameters()).device == expected
