@@ -235,6 +235,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
     if kernel is None:
         from torch.nn.attention.varlen import varlen_attn as kernel
     params = _kernel_parameters(kernel)
+    # FlashAttention needs unit stride in the head dimension (Megatron's q/k/v are views of the fused QKV output)
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     kwargs: dict = {}
     heads, kv_heads, head_dim = query.size(1), key.size(1), query.size(2)
     if kv_heads != heads:
