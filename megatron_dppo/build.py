@@ -184,7 +184,8 @@ def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenize
                              max_batch_size=cfg.rollout.batch_size)
     return create_engine("vllm", directory, tensor_parallel_size=cfg.parallel.tp, dtype=cfg.model.dtype,
                          load_format="dummy", gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                         seed=cfg.train.seed, enforce_eager=cfg.rollout.enforce_eager)
+                         seed=cfg.train.seed, enforce_eager=cfg.rollout.enforce_eager,
+                         sleep_level=cfg.rollout.sleep_level)
 
 
 def full_hf_config(hf_config: dict) -> dict:

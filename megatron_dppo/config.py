@@ -62,6 +62,11 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "Parameter/compute dtype of the policy "
                                                                       "(CPU runs use float32).")
     init_seed: int = opt(1234, "Seed of the random initialization of a from-scratch model.")
+    attention_backend: Literal["auto", "te", "varlen", "sdpa"] = opt(
+        "auto", "Core attention of packed (THD) micro-batches: te (Transformer Engine fused attention, GPU), varlen "
+                "(torch's FlashAttention varlen kernels, GPU, no TE needed), sdpa (per-sequence "
+                "scaled_dot_product_attention, any device), auto (te when it imports and works on CUDA, else varlen "
+                "on CUDA, else sdpa). An explicit choice that cannot work is an error, never a silent fallback.")
 
     def validate(self) -> None:
         if self.path is None:
@@ -80,7 +85,8 @@ class ParallelConfig:
     pp: int = opt(1, "Pipeline-parallel size.")
     vpp: Optional[int] = opt(None, "Virtual pipeline stages per pipeline rank (interleaved schedule); null = off.")
     sp: bool = opt(False, "Sequence parallelism (needs tp > 1).")
-    cp: int = opt(1, "Context-parallel size.")
+    cp: int = opt(1, "Context-parallel size; only 1 is supported (packed sequences are not partitioned over CP "
+                     "ranks yet).")
 
     def validate(self) -> None:
         for name in ("tp", "pp", "cp"):
@@ -88,6 +94,8 @@ class ParallelConfig:
         _check(self.vpp is None or self.vpp >= 1, "parallel.vpp", self.vpp, "null or an integer >= 1")
         _check(not (self.vpp and self.pp == 1), "parallel.vpp", self.vpp, "null when parallel.pp == 1")
         _check(not (self.sp and self.tp == 1), "parallel.sp", self.sp, "false when parallel.tp == 1")
+        _check(self.cp == 1, "parallel.cp", self.cp, "1 (context parallelism is not supported yet: packed sequences "
+                                                     "are not partitioned over CP ranks)")
 
 
 @dataclass
@@ -192,6 +200,11 @@ class RolloutConfig:
     enforce_eager: bool = opt(False, "vLLM: disable CUDA graphs.")
     sleep_between_steps: bool = opt(True, "vLLM on GPU: release rollout memory while training (sleep/wake).")
     weight_bucket_mb: int = opt(256, "Weight push: bucket size (MiB) of the streaming Megatron->HF export.")
+    offload_train_state: bool = opt(False, "vLLM on GPU: move the Megatron parameters, gradients, fp32 master "
+                                           "weights and Adam state to CPU while vLLM generates (after the weight "
+                                           "push, before the KV cache wakes), and back before training.")
+    sleep_level: int = opt(2, "vLLM sleep level: 2 discards the rollout weights while asleep (they are pushed "
+                              "again before every generation); 1 keeps a CPU copy.")
 
     def validate(self) -> None:
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, ">= 1")
@@ -202,6 +215,7 @@ class RolloutConfig:
         _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
                self.gpu_memory_utilization, "in (0, 1]")
         _check(self.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", self.weight_bucket_mb, ">= 1")
+        _check(self.sleep_level in (1, 2), "rollout.sleep_level", self.sleep_level, "1 or 2")
 
 
 @dataclass

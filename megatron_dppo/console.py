@@ -47,11 +47,18 @@ def print_step(run: Run, step: int, m: dict) -> None:
         print(line, flush=True)
 
 
+def attention_backend_name(cfg) -> str:
+    """The attention backend the engine was built with (model.attention_backend resolved: te | varlen | sdpa)."""
+    from megatron_dppo.megatron.model import resolve_backend
+
+    return resolve_backend(cfg.model.attention_backend)
+
+
 def print_banner(run: Run, found: Path | None) -> None:
     cfg, arch = run.cfg, run.arch
     print(f"megatron-dppo: {arch.family} {arch.num_parameters / 1e6:.2f}M params | world {D.world_size()} "
           f"(tp {cfg.parallel.tp}, pp {cfg.parallel.pp}, dp {run.dp_size}) | {len(run.train_prompts)} train prompts"
           f" | pruner {cfg.algo.pruner} | loss {cfg.loss.preset} ({run.loss_cfg.aggregation}, "
-          f"estimator {run.estimator}) | output {cfg.train.output_dir}"
+          f"estimator {run.estimator}) | attention {attention_backend_name(cfg)} | output {cfg.train.output_dir}"
           + (f" | resuming {found.name}" if found else ""), flush=True)
 

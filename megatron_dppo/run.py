@@ -3,6 +3,7 @@ pruner, and the restored state, gathered in one :class:`Run`; plus the plumbing 
 to the rollout engine, generation shards, the learning-rate schedule the trainer owns across phases)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class Run:
     eos_ids: list[int] = field(default_factory=list)
     pad_id: int = 0
     audit: Any = None  # open file (rank 0, logging.audit_log)
+    handover: Any = None  # rollout.handover.MemoryHandover (GPU memory order around weight pushes)
 
     @property
     def dp_rank(self) -> int:
@@ -118,7 +120,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         lr=cfg.optim.lr, min_lr=0.0, lr_schedule="constant", warmup_steps=0, weight_decay=cfg.optim.weight_decay,
         adam_beta1=cfg.optim.adam_beta1, adam_beta2=cfg.optim.adam_beta2, adam_eps=cfg.optim.adam_eps,
         clip_grad=cfg.optim.grad_clip, use_distributed_optimizer=cfg.optim.distributed_optimizer), loss_cfg,
-        dtype=torch_dtype(cfg.model.dtype))
+        dtype=torch_dtype(cfg.model.dtype), attention_backend=cfg.model.attention_backend)
     rollout = build_rollout(cfg, hf_config, model_dir, tokenizer)
 
     pruner: DPPOPruner | CPPOPruner | None = None
@@ -135,7 +137,8 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
               sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
               pruner=pruner, history=PromptHistory(cfg.algo.history_ema), loss_cfg=loss_cfg, estimator=estimator,
               sink=sink, sft_pairs=sft_pairs, eos_ids=eos_ids(tokenizer, hf_config),
-              pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0))
+              pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
+              handover=build_handover(cfg, engine, rollout, arch))
 
     # 3. state: a checkpoint, or pretrained weights, or the fresh initialization
     if found is not None:
@@ -224,17 +227,41 @@ def _strip_stop(ids: list[int], stops: list[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stops else ids
 
 
-def push_weights(run: Run) -> int:
-    """Stream the policy's weights (gathered over TP/PP, HF names) into this rank's rollout engine. vLLM wakes its
-    weights first and its KV cache only after the push, which keeps the peak memory low."""
-    from megatron_dppo.convert import export_hf_weights
+def build_handover(cfg: Config, engine, rollout, arch):
+    """The GPU memory handover of this run (``rollout.handover``): weights pushed as a streaming export; with
+    ``rollout.offload_train_state`` (vLLM on CUDA) the training state leaves the GPU while vLLM generates."""
+    import torch
 
-    stream = export_hf_weights(run.engine.model_chunks, run.arch, run.cfg.rollout.weight_bucket_mb << 20)
-    if run.cfg.rollout.engine == "vllm":
-        run.rollout.wake_up(["weights"])
-    count = run.rollout.load_weights(stream)
-    run.rollout.wake_up()
-    return count
+    from megatron_dppo.convert import export_hf_weights
+    from megatron_dppo.rollout.handover import MemoryHandover
+
+    def weights():
+        return export_hf_weights(engine.model_chunks, arch, cfg.rollout.weight_bucket_mb << 20)
+
+    if cfg.rollout.offload_train_state and cfg.rollout.engine == "vllm" and torch.cuda.is_available():
+        from megatron_dppo.megatron.offload import engine_offloader
+
+        offloader = engine_offloader(engine)
+        return MemoryHandover(rollout, weights, offload=offloader.offload, onload=offloader.onload)
+    return MemoryHandover(rollout, weights)
+
+
+def push_weights(run: Run) -> int:
+    """Stream the policy's weights (gathered over TP/PP, HF names) into this rank's rollout engine, in the memory
+    order of ``rollout.handover.MemoryHandover``: empty the cache, wake the rollout weights, push (the KV cache
+    wakes right before the next generation)."""
+    return run.handover.push()
+
+
+@contextlib.contextmanager
+def generation_window(run: Run):
+    """Around every generation: (offload the training state,) wake the KV cache; afterwards the rollout engine
+    sleeps (``rollout.sleep_between_steps``) and the training state returns."""
+    run.handover.before_generation()
+    try:
+        yield
+    finally:
+        run.handover.after_generation(sleep=run.cfg.rollout.sleep_between_steps)
 
 
 

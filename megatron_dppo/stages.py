@@ -24,7 +24,7 @@ from megatron_dppo.algo.pruning import (
 )
 from megatron_dppo.build import Prompt
 from megatron_dppo.rewards.scoring import TIMED_OUT
-from megatron_dppo.run import Run, generation_shards
+from megatron_dppo.run import Run, generation_shards, generation_window
 
 
 # ==============================================================================================================
@@ -112,9 +112,9 @@ def generate(run: Run, prompts: list[Prompt], n: int, step: int, temperature: fl
                         [c.finish_reason == "length" for c in comps]))
         return out
 
-    run.rollout.wake_up()  # after a sleep (vLLM on GPU); a no-op when awake
     shard_index, num_shards = generation_shards(run)
-    results = D.map_sharded(generate_shard, prompts, shard_index, num_shards)
+    with generation_window(run):  # wakes the rollout engine (GPU memory handover), sleeps it afterwards
+        results = D.map_sharded(generate_shard, prompts, shard_index, num_shards)
     return Rollout(prompts=list(prompts), completions=[r[0] for r in results], texts=[r[1] for r in results],
                    policy_logprobs=[r[2] for r in results], truncated=[r[3] for r in results])
 

@@ -91,9 +91,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     # 3. Generate G completions for every kept prompt (sharded over ranks, gathered on all); then the rollout
     #    engine releases its accelerator memory for training (vLLM sleep mode; a no-op on CPU).
     with timer("generate"):
-        rollout = generate(run, kept, G, step, temperature=cfg.rollout.temperature)
-        if cfg.rollout.sleep_between_steps:
-            run.rollout.sleep()
+        rollout = generate(run, kept, G, step, temperature=cfg.rollout.temperature)  # sleeps the engine after
 
     # 4. Rewards (a failing reward function costs its sample a 0 and a warning).
     with timer("reward"):
@@ -149,6 +147,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     # 14. Metrics (ALGORITHMS.md section 5).
     metrics.update(step_metrics(run, prompt_cut, completion_cut, total_cut, rollout, batch))
     metrics.update(timer.as_metrics())
+    metrics.update(run.handover.take_metrics())  # GPU memory per handover phase (none on CPU)
     metrics["throughput/tokens_per_s"] = metrics["tokens/trained_sequences"] / max(metrics["time/step"], 1e-9)
     write_audit(run, step, prompts, prompt_cut, rollout, advantages, total_cut)
     return metrics

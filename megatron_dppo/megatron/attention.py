@@ -17,10 +17,18 @@ Engine, which handles them, needs CUDA. ``SDPACoreAttention`` is the local-spec 
 
 Grouped-query attention: each of the ``ng`` key/value heads serves ``np/ng`` consecutive query heads.
 ``torch.nn.attention.flex_attention`` is not used: it has no CPU backward.
+
+``VarlenCoreAttention`` (CUDA) is the same module with its ``thd`` path on torch's own FlashAttention varlen
+kernels (``torch.nn.attention.varlen``; ``varlen_attention`` is the one shim over its changing signature): fused
+packed attention without Transformer Engine. ``resolve_attention_backend`` picks the backend for
+``model.attention_backend`` (auto | te | varlen | sdpa); ``model.build_layer_spec`` builds it.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,6 +42,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+logger = logging.getLogger(__name__)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -155,3 +165,209 @@ class SDPACoreAttention(MegatronModule):
             out = self._sdpa(q, k, v, None, is_causal=self._causal(attn_mask_type))
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.num_heads * self.head_dim)
+
+
+# ==========================================================================================================
+# Fused THD attention without Transformer Engine: torch.nn.attention.varlen (FlashAttention inside torch)
+# ==========================================================================================================
+class VarlenCoreAttention(SDPACoreAttention):
+    """The SDPA twin with its packed (``thd``) path on ``torch.nn.attention.varlen.varlen_attn``: one fused
+    FlashAttention varlen call per micro-batch (forward and backward), causal, GQA, bf16/fp16, CUDA only.
+
+    Sequence i is the segment ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])`` (real tokens first, then
+    padding), exactly as in ``SDPACoreAttention``: the kernel gets the padded offsets as its ``cu_seq_q/k``, so
+    padding after a sequence's real tokens is causally invisible to them and never needs TE's
+    padding-between-sequences path. Positions after the last segment are zero. The ``sbhd`` layout (no packed
+    params) is the SDPA twin's.
+    """
+
+    kernel = None  # None = torch.nn.attention.varlen.varlen_attn; tests put a CPU reference with its signature here
+
+    def __init__(self, config: TransformerConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if self.dropout_p:
+            raise ValueError(f"attention_dropout={self.dropout_p}: the varlen backend has no dropout (RL "
+                             "fine-tuning runs with 0); use model.attention_backend=sdpa or te")
+
+    def _forward_thd(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        if cu is None:
+            raise ValueError("packed_seq_params with qkv_format='thd' needs cu_seqlens_q (and/or _padded)")
+        cu_kv = packed_seq_params.cu_seqlens_kv_padded
+        if cu_kv is None:
+            cu_kv = packed_seq_params.cu_seqlens_kv
+        if cu_kv is not None and not torch.equal(cu_kv.to(cu.device), cu):
+            raise ValueError("VarlenCoreAttention (self-attention) needs equal q and kv cu_seqlens")
+        total = query.size(0)
+        end = int(cu[-1])
+        if end > total:
+            raise ValueError(f"cu_seqlens ends at {end} but the packed batch has {total} positions")
+        max_len = packed_seq_params.max_seqlen_q
+        if max_len is None:
+            max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        out = varlen_attention(query[:end], key[:end], value[:end], cu.to(query.device, torch.int32), int(max_len),
+                               causal=self._causal(), scale=self.softmax_scale, kernel=self.kernel)
+        if end < total:
+            out = torch.cat([out, query.new_zeros(total - end, *out.shape[1:])], dim=0)
+        return out.reshape(total, self.num_heads * self.head_dim)
+
+
+def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_seqlen: int, *,
+                     causal: bool, scale: float, kernel=None) -> Tensor:
+    """Self-attention of packed sequences: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` (GQA when
+    ``ng < np``), ``cu_seqlens`` int32 ``[n+1]`` over exactly ``t`` positions -> ``[t, np, hn]``.
+
+    The one compat shim for ``torch.nn.attention.varlen.varlen_attn``, whose signature changed between releases
+    (read from the installed function, never from a version table):
+
+    * torch 2.10: ``varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None)``:
+      causal as a flag, no ``scale`` (always ``1/sqrt(hn)``), key/value heads must equal query heads;
+    * torch 2.11: ``(..., *, return_aux=None, scale=None, window_size=(-1, -1))``: causal is
+      ``window_size=(-1, 0)``; still no GQA flag;
+    * torch 2.12-2.13: adds ``enable_gqa`` (and KV-cache arguments we do not use).
+
+    Without ``enable_gqa`` the key/value heads are repeated (``repeat_interleave``, Megatron's head grouping);
+    without ``scale`` the query is pre-scaled so that the kernel's ``1/sqrt(hn)`` yields ``scale``. ``kernel``
+    replaces ``varlen_attn`` (tests use a reference with one of these signatures on CPU).
+    """
+    if kernel is None:
+        from torch.nn.attention.varlen import varlen_attn as kernel
+    params = _kernel_parameters(kernel)
+    # FlashAttention needs unit stride in the head dimension (Megatron's q/k/v are views of the fused QKV output)
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    kwargs: dict = {}
+    heads, kv_heads, head_dim = query.size(1), key.size(1), query.size(2)
+    if kv_heads != heads:
+        if heads % kv_heads:
+            raise ValueError(f"query heads {heads} are not a multiple of key/value heads {kv_heads}")
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            key = key.repeat_interleave(heads // kv_heads, dim=1)
+            value = value.repeat_interleave(heads // kv_heads, dim=1)
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif not math.isclose(scale, 1.0 / math.sqrt(head_dim), rel_tol=1e-12):
+        query = query * (scale * math.sqrt(head_dim))
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif "is_causal" in params:
+        kwargs["is_causal"] = causal
+    elif causal:
+        raise RuntimeError(f"torch {torch.__version__}: varlen_attn takes neither window_size nor is_causal; "
+                           "cannot request causal attention (use model.attention_backend=sdpa)")
+    return kernel(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
+
+def _kernel_parameters(kernel) -> frozenset:
+    import inspect
+
+    return frozenset(inspect.signature(kernel).parameters)
+
+
+# ==========================================================================================================
+# Backend selection: model.attention_backend = auto | te | varlen | sdpa
+# ==========================================================================================================
+ATTENTION_BACKENDS = ("auto", "te", "varlen", "sdpa")
+# what the banner prints for each resolved backend
+BACKEND_DESCRIPTIONS = {
+    "te": "Transformer Engine fused attention (TE layer spec)",
+    "varlen": "torch varlen FlashAttention (local spec, no TE)",
+    "sdpa": "SDPA twin (local spec, per-sequence scaled_dot_product_attention)",
+}
+
+
+@dataclass(frozen=True)
+class BackendProbe:
+    """What the machine offers: ``te``/``varlen`` are None when usable, else the reason they are not."""
+
+    cuda: bool
+    te: Optional[str]
+    varlen: Optional[str]
+
+
+def probe_backends() -> BackendProbe:
+    """Probe this process's machine (cached: TE's smoke test runs a kernel once)."""
+    return _probe_cached()
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_cached() -> BackendProbe:
+    cuda = torch.cuda.is_available()
+    return BackendProbe(cuda=cuda, te=_te_problem(cuda), varlen=_varlen_problem(cuda))
+
+
+def _te_problem(cuda: bool) -> Optional[str]:
+    from . import compat
+
+    if not cuda:
+        return "no CUDA device (Transformer Engine is GPU only)"
+    if compat.detect_gpu_extras().transformer_engine is None:
+        return "transformer_engine is not installed"
+    if not compat.have_transformer_engine():
+        return "transformer_engine is installed but does not import"
+    try:  # "imports" is not "works": a TE built for another CUDA/torch fails at its first kernel
+        import transformer_engine.pytorch as te
+
+        layer = te.Linear(16, 16, params_dtype=torch.bfloat16, device="cuda")
+        layer(torch.ones(16, 16, dtype=torch.bfloat16, device="cuda"))
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001 - any failure means "not usable", reported verbatim
+        return f"transformer_engine imports but its smoke test failed ({type(err).__name__}: {err})"
+    return None
+
+
+def _varlen_problem(cuda: bool) -> Optional[str]:
+    if not cuda:
+        return "no CUDA device (torch's varlen FlashAttention kernels are CUDA only)"
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"FlashAttention needs compute capability >= 8.0 (this GPU: {torch.cuda.get_device_capability()})"
+    return None
+
+
+def resolve_attention_backend(requested: str = "auto", probe: Optional[BackendProbe] = None) -> str:
+    """The backend to build: ``te``, ``varlen`` or ``sdpa``.
+
+    ``auto``: TE when it imports and works on CUDA, else varlen on CUDA, else the SDPA twin (CPU, or a GPU
+    where neither fused path works). An explicit choice that cannot work raises ``ValueError`` naming why;
+    it never falls back silently. ``sdpa`` works everywhere.
+    """
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"model.attention_backend={requested!r} is invalid: expected one of {ATTENTION_BACKENDS}")
+    if requested == "sdpa":
+        return "sdpa"
+    probe = probe or probe_backends()
+    if requested == "te":
+        if probe.te is not None:
+            raise ValueError(f"model.attention_backend=te cannot be used: {probe.te}. Use auto, varlen (CUDA) "
+                             "or sdpa")
+        return "te"
+    if requested == "varlen":
+        if probe.varlen is not None:
+            raise ValueError(f"model.attention_backend=varlen cannot be used: {probe.varlen}. Use auto, te "
+                             "(CUDA + Transformer Engine) or sdpa")
+        return "varlen"
+    if probe.te is None:
+        return "te"
+    if probe.varlen is None:
+        return "varlen"
+    if probe.cuda:
+        logger.warning("model.attention_backend=auto on CUDA: neither TE (%s) nor varlen (%s) is usable; using "
+                       "the SDPA twin (correct, slower)", probe.te, probe.varlen)
+    return "sdpa"
+
+
+def core_attention_class(backend: str):
+    """The ``core_attention`` module of the local layer spec for a resolved non-TE backend."""
+    if backend == "varlen":
+        return VarlenCoreAttention
+    if backend == "sdpa":
+        return SDPACoreAttention
+    raise ValueError(f"backend={backend!r} has no local-spec core attention (expected 'varlen' or 'sdpa')")

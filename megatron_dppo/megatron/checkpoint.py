@@ -288,8 +288,33 @@ def _flat_model_sd(sd: dict) -> dict:
     return flat
 
 
+def layer_spec_of(modules) -> str:
+    """"te" when the model was built with the Transformer Engine layer spec (fused norm+linear names, TE
+    ``_extra_state`` entries), "local" for the local spec (SDPA twin or varlen attention: identical state dicts)."""
+    for module in modules:
+        for name in module.state_dict(keep_vars=True):
+            if name.endswith("_extra_state") or name.endswith("linear_qkv.layer_norm_weight"):
+                return "te"
+    return "local"
+
+
+def check_layer_spec(meta: dict, engine, path) -> None:
+    """A checkpoint written with one layer spec cannot be loaded into the other: parameter names differ (TE fuses
+    the norms into ``linear_qkv``/``linear_fc1`` and adds ``_extra_state``). Raise naming both and the way out."""
+    saved = meta.get("layer_spec", "local")  # checkpoints before this field: CPU runs, local spec
+    here = layer_spec_of(engine.modules)
+    if saved != here:
+        name = {"te": "the Transformer Engine layer spec (model.attention_backend=te)",
+                "local": "the local layer spec (model.attention_backend=varlen or sdpa)"}
+        raise ValueError(f"{path}: the checkpoint was written with {name[saved]}, but this run builds "
+                         f"{name[here]}; their parameter names differ. Resume with the same attention backend, "
+                         "or export the weights (megatron-dppo convert megatron-to-hf) and start from them "
+                         "(model.path)")
+
+
 def _engine_meta(engine) -> dict:
     return {
+        "layer_spec": layer_spec_of(engine.modules),
         "format_version": FORMAT_VERSION,
         "step": int(engine.step),
         "arch": asdict(engine.arch),
@@ -401,6 +426,7 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
     if meta["arch"] != asdict(engine.arch):
         diff = {k: (meta["arch"].get(k), v) for k, v in asdict(engine.arch).items() if meta["arch"].get(k) != v}
         raise ValueError(f"{path}: model architecture differs from the engine's (checkpoint, engine): {diff}")
+    check_layer_spec(meta, engine, path)
     saved, here = meta["layout"], _layout(engine)
 
     # -- what can be restored

@@ -65,14 +65,22 @@ def check_mcore_version() -> tuple[int, int, int]:
 # ----------------------------------------------------------------------------------------------------------
 _DROPPED_LOGGED: set[tuple[str, str]] = set()
 
+# Keywords whose loss would silently change what is trained (precision, fp32 master weights, the distributed
+# optimizer, THD pipeline shapes): never dropped, whichever call passes them; a release lacking one is an error.
+MUST_HONOUR = frozenset({
+    "bf16", "fp16", "params_dtype", "pipeline_dtype", "main_params_dtype", "main_grads_dtype",
+    "use_distributed_optimizer", "variable_seq_lengths", "grad_reduce_in_fp32", "calculate_per_token_loss",
+    "context_parallel_size",
+})
+
 
 def supported_kwargs(target: Callable | type, kwargs: dict[str, Any], required: Iterable[str] = ()) -> dict[str, Any]:
     """Keep the keyword arguments ``target`` accepts (a function, class or dataclass).
 
     A dropped keyword is logged once (at INFO) so that a silently ignored option can be traced; a keyword in
     ``required`` (one that changes the model's meaning, e.g. ``qk_layernorm``) that ``target`` does not take
-    raises ``RuntimeError`` naming the installed Megatron-Core version instead. Functions taking ``**kwargs``
-    accept everything.
+    raises ``RuntimeError`` naming the installed Megatron-Core version instead, and so does any keyword of
+    ``MUST_HONOUR`` whatever ``required`` says. Functions taking ``**kwargs`` accept everything.
     """
     if dataclasses.is_dataclass(target):
         names = {f.name for f in dataclasses.fields(target) if f.init}
@@ -84,7 +92,7 @@ def supported_kwargs(target: Callable | type, kwargs: dict[str, Any], required: 
     kept = {k: v for k, v in kwargs.items() if k in names}
     target_name = getattr(target, "__qualname__", repr(target))
     version = ".".join(map(str, mcore_version()))
-    missing = sorted(set(required) & (kwargs.keys() - kept.keys()))
+    missing = sorted((set(required) | MUST_HONOUR) & (kwargs.keys() - kept.keys()))
     if missing:
         raise RuntimeError(f"megatron-core {version}: {target_name} does not take {missing}; this release is not "
                            f"supported (tested: {SUPPORTED_MCORE_MIN[0]}.{SUPPORTED_MCORE_MIN[1]}-"

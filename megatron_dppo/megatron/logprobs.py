@@ -14,8 +14,12 @@ Gradients: ``d(-log p(y))/dz_v = p_v - 1[v = y]`` (Megatron's backward, per shar
 ``dH/dz_v = -p_v (z_v - E_p[z])`` (autograd through local ops; the all-reduce has an identity backward since
 every TP rank computes the same replicated value, Megatron's convention).
 
-Memory: the log-prob path holds one fp32 copy of the local logit shard (Megatron works in place on it; we never
-mutate the caller's logits). The entropy is a metric by default (no autograd graph, no extra saved tensors).
+Memory: both are computed in chunks of tokens (``chunk_tokens``; default: ``LOGPROB_CHUNK_BYTES`` of fp32 per
+chunk), so the fp32 temporaries are ``[chunk, V/tp]`` instead of ``[T, V/tp]``. The log-prob's autograd function
+saves only the caller's logits and one fp32 ``log Z`` per token, and recomputes ``p`` chunk by chunk in the
+backward. The entropy is a metric by default: computed under ``no_grad``, and only when asked for
+(``with_entropy``). ``chunk_tokens=0`` selects the unchunked reference path (Megatron's
+``vocab_parallel_cross_entropy`` on one fp32 copy; the entropy with autograd when ``entropy_grad``).
 
 THD: ``packed_seq_params(batch)`` turns a ``packing.ThdBatch`` into Megatron's ``PackedSeqParams``;
 ``forward_thd(model, batch)`` runs the ``GPTModel`` on it (input ``[1, T]``); ``compute_logprobs`` runs the
@@ -40,60 +44,140 @@ def _tp_group():
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def vocab_parallel_entropy(logits_shard: Tensor, *, grad: bool = False) -> Tensor:
+LOGPROB_CHUNK_BYTES = 256 << 20  # fp32 bytes of one [chunk, V/tp] temporary
+
+
+def _chunk_rows(chunk_tokens: int | None, vocab_local: int) -> int:
+    if chunk_tokens is None:
+        return max(1, LOGPROB_CHUNK_BYTES // (4 * max(1, vocab_local)))
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 0 (0 = unchunked, None = automatic)")
+    return chunk_tokens
+
+
+def vocab_parallel_entropy(logits_shard: Tensor, *, grad: bool = False, chunk_tokens: int | None = None) -> Tensor:
     """Entropy ``H = -sum_v p_v log p_v`` of ``softmax(z)`` over the FULL vocabulary from this rank's shard
     ``logits_shard[..., V/tp]``; fp32, shape ``logits_shard.shape[:-1]``. With ``grad=False`` (default) the
-    result carries no autograd graph."""
+    result carries no autograd graph and is computed in chunks of ``chunk_tokens`` tokens (None = automatic);
+    ``grad=True`` uses the unchunked autograd path."""
+    rows = _chunk_rows(chunk_tokens, logits_shard.shape[-1])
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        if torch.is_grad_enabled() or rows == 0:
+            return _entropy_unchunked(logits_shard)
+        flat = logits_shard.reshape(-1, logits_shard.shape[-1])
+        parts = [_entropy_unchunked(flat[i:i + rows]) for i in range(0, flat.shape[0], rows)]
+        out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+        return out.reshape(logits_shard.shape[:-1])
+
+
+def _entropy_unchunked(logits_shard: Tensor) -> Tensor:
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-        z = logits_shard.float()
-        m = z.detach().max(dim=-1).values
-        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=_tp_group())
-        shifted = z - m.unsqueeze(-1)
-        exp = shifted.exp()
-        sums = torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])  # one all-reduce for both
-        sums = reduce_from_tensor_model_parallel_region(sums)
-        sum_exp, sum_exp_z = sums[0], sums[1]
-        return sum_exp.log() - sum_exp_z / sum_exp
+    z = logits_shard.float()
+    m = z.detach().max(dim=-1).values
+    torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=_tp_group())
+    shifted = z - m.unsqueeze(-1)
+    exp = shifted.exp()
+    sums = torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])  # one all-reduce for both
+    sums = reduce_from_tensor_model_parallel_region(sums)
+    sum_exp, sum_exp_z = sums[0], sums[1]
+    return sum_exp.log() - sum_exp_z / sum_exp
 
 
 def vocab_parallel_logprobs(logits_shard: Tensor, labels: Tensor, *, with_entropy: bool = True,
-                            entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+                            entropy_grad: bool = False, chunk_tokens: int | None = None
+                            ) -> tuple[Tensor, Tensor | None]:
     """``(log p(labels), entropy)`` from vocab-sharded logits, never gathering the vocabulary.
 
     ``logits_shard``: ``[..., V/tp]`` (this TP rank's slice, any float dtype); ``labels``: ``[...]`` global
     token ids in ``[0, V)``. Returns fp32 tensors of shape ``labels.shape``; the log-probs are differentiable
     w.r.t. the logits (Megatron's vocab-parallel cross entropy), the entropy only with ``entropy_grad``.
-    ``entropy`` is None when ``with_entropy`` is False. Every TP rank gets the same values.
+    ``entropy`` is None when ``with_entropy`` is False. Every TP rank gets the same values. ``chunk_tokens``:
+    tokens per chunk (None = automatic, 0 = unchunked; see the module docstring).
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     if logits_shard.shape[:-1] != labels.shape:
         raise ValueError(f"logits_shard has shape {tuple(logits_shard.shape)}, labels {tuple(labels.shape)}: "
                          "labels must match every logits dimension but the vocabulary")
-    entropy = vocab_parallel_entropy(logits_shard, grad=entropy_grad) if with_entropy else None
+    entropy = (vocab_parallel_entropy(logits_shard, grad=entropy_grad, chunk_tokens=chunk_tokens)
+               if with_entropy else None)
+    rows = _chunk_rows(chunk_tokens, logits_shard.shape[-1])
+    if rows > 0:
+        from megatron.core import parallel_state
+
+        vocab_start = parallel_state.get_tensor_model_parallel_rank() * logits_shard.shape[-1]
+        flat = logits_shard.reshape(-1, logits_shard.shape[-1])
+        logp = _ChunkedLogprob.apply(flat, labels.reshape(-1).long(), rows, vocab_start)
+        return logp.reshape(labels.shape), entropy
     # Megatron's cross entropy subtracts the max and exponentiates IN PLACE on an fp32 input: hand it a copy.
     logits_fp32 = logits_shard.float() if logits_shard.dtype != torch.float32 else logits_shard.clone()
     logp = -vocab_parallel_cross_entropy(logits_fp32, labels.long())
     return logp, entropy
 
 
+class _ChunkedLogprob(torch.autograd.Function):
+    """``log p(y)`` from vocab-sharded logits ``[N, V/tp]`` in chunks of rows; backward
+    ``d log p(y) / dz_v = 1[v = y] - p_v`` recomputed per chunk from the saved ``log Z``."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, rows: int, vocab_start: int) -> Tensor:
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        n, vocab_local = logits.shape
+        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        log_z = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for i in range(0, n, rows):
+            z = logits[i:i + rows].to(torch.float32, copy=True)
+            m = z.max(dim=-1).values
+            torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=_tp_group())
+            z -= m.unsqueeze(-1)
+            local, inside = _local_labels(labels[i:i + rows], vocab_start, vocab_local)
+            z_y = torch.where(inside, z.gather(1, local.unsqueeze(1)).squeeze(1), torch.zeros_like(m))
+            sums = reduce_from_tensor_model_parallel_region(torch.stack([z.exp_().sum(dim=-1), z_y]))
+            logp[i:i + rows] = sums[1] - sums[0].log()
+            log_z[i:i + rows] = m + sums[0].log()
+        ctx.save_for_backward(logits, labels, log_z)
+        ctx.rows, ctx.vocab_start = rows, vocab_start
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor):
+        logits, labels, log_z = ctx.saved_tensors
+        n, vocab_local = logits.shape
+        grad = torch.empty_like(logits)
+        for i in range(0, n, ctx.rows):
+            g = grad_logp[i:i + ctx.rows].float()
+            p = (logits[i:i + ctx.rows].float() - log_z[i:i + ctx.rows].unsqueeze(-1)).exp_()
+            chunk = p.mul_(-g.unsqueeze(-1))
+            local, inside = _local_labels(labels[i:i + ctx.rows], ctx.vocab_start, vocab_local)
+            chunk.scatter_add_(1, local.unsqueeze(1), torch.where(inside, g, torch.zeros_like(g)).unsqueeze(1))
+            grad[i:i + ctx.rows] = chunk
+        return grad, None, None, None
+
+
+def _local_labels(labels: Tensor, vocab_start: int, vocab_local: int) -> tuple[Tensor, Tensor]:
+    local = labels - vocab_start
+    inside = (local >= 0) & (local < vocab_local)
+    return local.clamp(0, vocab_local - 1), inside
+
+
 # ----------------------------------------------------------------------------------------------------------
 # THD batches through the GPTModel
 # ----------------------------------------------------------------------------------------------------------
 def packed_seq_params(batch, device: torch.device | str | None = None) -> "PackedSeqParams":  # noqa: F821
-    """Megatron ``PackedSeqParams`` (``qkv_format='thd'``) of a ``ThdBatch``: true lengths in
-    ``cu_seqlens_q/kv``, tensor offsets in ``cu_seqlens_q/kv_padded``, ``max_seqlen`` = longest padded one.
-    Tensors go to ``device`` (default: the batch's)."""
+    """Megatron ``PackedSeqParams`` (``qkv_format='thd'``) of a ``ThdBatch``: the PADDED offsets as both
+    ``cu_seqlens_q/kv`` and ``cu_seqlens_q/kv_padded`` (as NeMo-RL and verl do), ``max_seqlen`` = the longest
+    padded sequence. Each padded segment is one causal sequence whose padding comes after its real tokens, so no
+    real token attends to padding and the padding positions are masked in the loss (``loss_mask``); TE never takes
+    its padding-between-sequences path. Tensors go to ``device`` (default: the batch's)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     device = batch.tokens.device if device is None else device
-    cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
     cu_padded = batch.cu_seqlens_padded.to(device=device, dtype=torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
-                           cu_seqlens_kv_padded=cu_padded, max_seqlen_q=int(batch.max_seqlen),
-                           max_seqlen_kv=int(batch.max_seqlen))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_padded, cu_seqlens_kv=cu_padded,
+                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                           max_seqlen_q=int(batch.max_seqlen), max_seqlen_kv=int(batch.max_seqlen))
 
 
 def forward_thd(model, batch) -> Tensor:

@@ -16,9 +16,11 @@ qwen3      False                 True (and an explicit ``head_dim``)
 ``rope_scaling`` type), ``build_transformer_config`` makes the Megatron ``TransformerConfig``, and
 ``build_gpt_model`` builds the (TP/PP-local) ``GPTModel``:
 
-* GPU with Transformer Engine importable: Megatron's TE layer spec (fused norm+linear, THD fused attention).
-* otherwise: Megatron's local spec with ``attention.SDPACoreAttention`` at
-  ``submodules.self_attention.submodules.core_attention`` (packed THD batches work on any device).
+* ``attention_backend`` (``model.attention_backend``, resolved by ``attention.resolve_attention_backend``):
+  ``te``: Megatron's TE layer spec (fused norm+linear, THD fused attention); ``varlen``: Megatron's local spec with
+  ``attention.VarlenCoreAttention`` (torch's FlashAttention varlen kernels, CUDA, no TE); ``sdpa``: the local spec
+  with ``attention.SDPACoreAttention`` (any device). ``auto``: te, else varlen on CUDA, else sdpa.
+* Fusion flags (RoPE, bias-activation, masked softmax) follow the spec actually built: on for the TE spec only.
 
 Precision: bf16 parameters on GPU, fp32 on CPU (``default_dtype``). On a CUDA-less machine the CPU backend
 (``megatron_dppo.megatron.cpu``) is applied automatically.
@@ -191,8 +193,18 @@ def default_dtype() -> torch.dtype:
 
 
 def use_transformer_engine() -> bool:
-    """True when the TE layer spec is used: CUDA present and Transformer Engine importable."""
-    return torch.cuda.is_available() and compat.have_transformer_engine()
+    """True when ``attention_backend=auto`` builds the TE layer spec (CUDA, TE imports and works)."""
+    return resolve_backend("auto") == "te"
+
+
+def resolve_backend(attention_backend: str | None = None, te: bool | None = None) -> str:
+    """``te`` | ``varlen`` | ``sdpa`` for a requested ``attention_backend`` (None = auto); the legacy ``te`` flag
+    (True = "te", False = "sdpa") is accepted when no backend is named."""
+    from .attention import resolve_attention_backend
+
+    if attention_backend is None and te is not None:
+        attention_backend = "te" if te else "sdpa"
+    return resolve_attention_backend(attention_backend or "auto")
 
 
 # TransformerConfig fields that define the model (an installed Megatron-Core lacking one is unsupported);
@@ -200,20 +212,26 @@ def use_transformer_engine() -> bool:
 _ARCH_CONFIG_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                        "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
                        "add_bias_linear", "add_qkv_bias", "qk_layernorm", "tensor_model_parallel_size",
-                       "pipeline_model_parallel_size", "sequence_parallel", "params_dtype", "bf16", "fp16")
+                       "pipeline_model_parallel_size", "sequence_parallel", "params_dtype", "bf16", "fp16",
+                       # training semantics Megatron must honour (never dropped by version filtering)
+                       "pipeline_dtype", "variable_seq_lengths", "context_parallel_size",
+                       "calculate_per_token_loss")
 
 
 def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtype | None = None,
-                             **overrides) -> "TransformerConfig":  # noqa: F821
+                             *, attention_backend: str | None = None, **overrides) -> "TransformerConfig":  # noqa: F821
     """Megatron ``TransformerConfig`` for ``arch`` under ``parallel``. ``overrides`` replace any field
-    (e.g. ``recompute_granularity="full"``); fields unknown to the installed Megatron-Core are dropped."""
+    (e.g. ``recompute_granularity="full"``); performance fields unknown to the installed Megatron-Core are
+    dropped, fields that change the model or its training (``_ARCH_CONFIG_FIELDS``) raise instead.
+    ``attention_backend`` (resolved: te | varlen | sdpa; None = auto) sets the fusion flags: TE kernels are
+    used by the TE spec only."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     device = ensure_device_backend()
     dtype = dtype or default_dtype()
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype={dtype}; supported: torch.float32, torch.bfloat16, torch.float16")
-    te = device == "cuda" and compat.have_transformer_engine()
+    te = device == "cuda" and resolve_backend(attention_backend) == "te"
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -245,7 +263,7 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
         variable_seq_lengths=parallel.pp > 1,
         # no experts here, but 0.16 rejects variable_seq_lengths with the default "allgather" MoE dispatcher
         moe_token_dispatcher_type="alltoall",
-        # fusions: TE kernels on GPU only; gradient-accumulation fusion needs DDP main_grad buffers and
+        # fusions: TE kernels with the TE spec only; gradient-accumulation fusion needs DDP main_grad buffers and
         # TE/Apex, it is a training-loop choice (override it there)
         gradient_accumulation_fusion=False,
         apply_rope_fusion=te,
@@ -259,16 +277,17 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
     return TransformerConfig(**compat.supported_kwargs(TransformerConfig, kwargs, required=_ARCH_CONFIG_FIELDS))
 
 
-def build_layer_spec(arch: ModelArch, te: bool | None = None):
-    """The transformer-layer ``ModuleSpec``: TE spec, or the local spec with ``SDPACoreAttention``."""
-    te = use_transformer_engine() if te is None else te
-    if te:
+def build_layer_spec(arch: ModelArch, te: bool | None = None, *, attention_backend: str | None = None):
+    """The transformer-layer ``ModuleSpec`` of a backend (see the module docstring): the TE spec, or the local
+    spec with ``VarlenCoreAttention`` / ``SDPACoreAttention``."""
+    backend = resolve_backend(attention_backend, te)
+    if backend == "te":
         return compat.gpt_te_layer_spec(qk_layernorm=arch.qk_norm)
-    from .attention import SDPACoreAttention
+    from .attention import core_attention_class
 
     allow_sequence_parallel_torch_norm()
     spec = copy.deepcopy(compat.gpt_local_layer_spec(qk_layernorm=arch.qk_norm))
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
     return spec
 
 
@@ -288,13 +307,15 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 
 def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtype | None = None,
                     pre_process: bool | None = None, post_process: bool | None = None,
-                    vp_stage: int | None = None, *, te: bool | None = None, config=None, **config_overrides):
+                    vp_stage: int | None = None, *, te: bool | None = None, attention_backend: str | None = None,
+                    config=None, **config_overrides):
     """The local ``GPTModel`` chunk of this rank (model-parallel state must be initialized).
 
     ``pre_process``/``post_process`` default to "this is the first/last pipeline stage" (for ``vp_stage``).
     The output layer is vocab-parallel (``parallel_output=True``): logits come back as the local vocab shard
     ``[b, s, vocab/tp]``; see ``logprobs.vocab_parallel_logprobs``. ``config`` (a ``TransformerConfig``)
-    replaces the one built from ``arch``.
+    replaces the one built from ``arch``. ``attention_backend``: auto (None) | te | varlen | sdpa; ``te`` is the
+    older boolean form (True = te, False = sdpa).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -317,8 +338,12 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    config = config or build_transformer_config(arch, parallel, dtype, **config_overrides)
-    spec = build_layer_spec(arch, te)
+    backend = resolve_backend(attention_backend, te)
+    config = config or build_transformer_config(arch, parallel, dtype, attention_backend=backend, **config_overrides)
+    spec = build_layer_spec(arch, attention_backend=backend)
+    if backend != "te" and getattr(config, "apply_rope_fusion", False):
+        raise ValueError(f"attention backend {backend!r} builds the local spec, but the config has "
+                         "apply_rope_fusion=True (a TE kernel); set it False")
     kwargs = dict(
         config=config,
         transformer_layer_spec=spec,

@@ -32,10 +32,20 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
+# Context parallelism is refused until it is verifiable: Megatron splits a THD micro-batch over CP ranks only when
+# the caller hands each rank its own 2*cp load-balanced chunks of every sequence (Megatron-LM's
+# get_batch_on_this_cp_rank, verl's preprocess_packed_seqs); accepting cp > 1 without that partition would run
+# every rank on the whole sequence and train on wrong attention silently.
+CP_REFUSAL = ("context parallelism (parallel.cp > 1) is not supported yet: packed sequences are not partitioned "
+              "over CP ranks, so it would train wrong silently; use parallel.cp=1 (tp/pp/dp cover models that fit "
+              "this codebase's targets)")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """tp: tensor parallel, pp: pipeline parallel, vpp: virtual pipeline stages per rank (interleaved
-    schedule) or None, sp: sequence parallel (needs tp > 1 to matter), cp: context parallel (GPU, TE only)."""
+    schedule) or None, sp: sequence parallel (needs tp > 1 to matter), cp: context parallel (1 only, see
+    ``CP_REFUSAL``)."""
 
     tp: int = 1
     pp: int = 1
@@ -53,6 +63,8 @@ class ParallelConfig:
                 raise ValueError(f"vpp={self.vpp!r} must be None or an integer >= 1")
             if self.pp < 2:
                 raise ValueError(f"vpp={self.vpp} (interleaved pipeline) needs pp >= 2, got pp={self.pp}")
+        if self.cp != 1:
+            raise ValueError(f"cp={self.cp}: {CP_REFUSAL}")
 
     @property
     def model_parallel_size(self) -> int:
@@ -90,11 +102,8 @@ def validate_parallel(arch: "ModelArch", cfg: ParallelConfig, world_size: int) -
     if arch.num_layers % stages:
         what = f"pp={cfg.pp}" if cfg.vpp is None else f"pp*vpp={cfg.pp}*{cfg.vpp}={stages}"
         problems.append(f"num_layers={arch.num_layers} is not divisible by {what}")
-    if cfg.cp > 1:
-        from .model import use_transformer_engine
-
-        if not use_transformer_engine():
-            problems.append(f"cp={cfg.cp}: context parallelism needs Transformer Engine on GPU (not found)")
+    if cfg.cp != 1:  # ParallelConfig refuses it already; kept for configs built with object.__setattr__
+        problems.append(f"cp={cfg.cp}: {CP_REFUSAL}")
     if problems:
         raise ValueError("cannot shard the model: " + "; ".join(problems))
     return dp
@@ -127,7 +136,8 @@ def initialize_parallel(cfg: ParallelConfig, seed: int, arch: "ModelArch | None"
     if not torch.distributed.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
         if device == "cuda":
-            torch.cuda.set_device(info.local_rank)
+            # a task may see only its own GPU (Slurm --gpus-per-task, CUDA_VISIBLE_DEVICES): index modulo the count
+            torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
         torch.distributed.init_process_group(
             backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes))

@@ -65,6 +65,11 @@ class _StepLogprobRecorder:
         return torch.stack(steps, dim=1)
 
 
+def default_device() -> torch.device:
+    """The current CUDA device (set per rank from LOCAL_RANK by the launcher) when CUDA is available, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _as_id_list(value) -> list[int]:
     if value is None:
         return []
@@ -112,8 +117,9 @@ class HFRolloutEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, load_weights: bool = False, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", **kwargs) -> HFRolloutEngine:
-        """An engine for the HF model directory ``path`` (config.json; weights optional).
+                        device: str | torch.device | None = None, **kwargs) -> HFRolloutEngine:
+        """An engine for the HF model directory ``path`` (config.json; weights optional), on ``device`` (None = this
+        process's current CUDA device when there is one, else the CPU).
 
         ``load_weights=False`` builds the architecture with random weights (the trainer pushes its own weights with
         ``load_weights`` before the first rollout); True also reads the checkpoint in ``path``."""
@@ -127,7 +133,7 @@ class HFRolloutEngine:
         else:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        return cls(model.to(device), **kwargs)
+        return cls(model.to(default_device() if device is None else device), **kwargs)
 
     # ------------------------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[CompletionGroup]:

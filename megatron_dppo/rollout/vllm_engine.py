@@ -22,9 +22,11 @@ Stop tokens. The engine runs without a tokenizer (``skip_tokenizer_init``; promp
 never needed), so the EOS ids are read from the model's config.json / generation_config.json and passed as
 ``stop_token_ids`` together with the caller's. Token ids include the stop token.
 
-Sleep mode (GPU only): ``sleep()`` offloads (level 1) or discards (level 2) weights and drops the KV cache;
-``wake_up(["weights"])`` before a weight push and ``wake_up(["kv_cache"])`` after it keep peak memory low
-(``wake_up()`` restores both). On CPU, sleep/wake are no-ops.
+Sleep mode (GPU only): ``sleep()`` offloads (level 1) or discards (level 2, the default: the trainer pushes
+weights before every generation) weights and drops the KV cache; ``wake_up(["weights"])`` before a weight push
+and ``wake_up(["kv_cache"])`` after it keep peak memory low (``wake_up()`` restores both; the order around a push
+is ``rollout.handover.MemoryHandover``'s). After a level-2 sleep ``needs_weights`` is True and generate() refuses
+until a complete ``load_weights``. On CPU, sleep/wake are no-ops.
 
 vLLM is optional: it is imported when an engine is created, with a clear error when missing.
 """
@@ -105,7 +107,7 @@ class VLLMRolloutEngine:
         load_format: "dummy" builds random weights (the trainer pushes real ones before the first rollout).
         gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache), colocated with training.
         enable_sleep_mode: None = on when CUDA is available (sleep mode is GPU only).
-        sleep_level: 1 keeps a CPU copy of the weights while asleep; 2 discards them (use when every wake-up is
+        sleep_level: 1 keeps a CPU copy of the weights while asleep; 2 (default) discards them (every wake-up is
             followed by a full weight push).
         seed: engine seed; per-request seeds come from ``SamplingParams.seed``.
         **llm_kwargs: passed to ``vllm.LLM`` (e.g. max_model_len, enforce_eager, max_num_seqs).
@@ -113,7 +115,7 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_path: str | Path, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  load_format: str = "dummy", gpu_memory_utilization: float = 0.5,
-                 enable_sleep_mode: bool | None = None, sleep_level: int = 1, seed: int = 0, **llm_kwargs: Any):
+                 enable_sleep_mode: bool | None = None, sleep_level: int = 2, seed: int = 0, **llm_kwargs: Any):
         vllm = import_vllm()
         self.model_path = str(model_path)
         if not (Path(model_path) / "config.json").is_file():
@@ -211,7 +213,14 @@ class VLLMRolloutEngine:
         """Free accelerator memory (GPU sleep mode); generate() and load_weights() need a wake_up() first."""
         if self.sleep_enabled and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
+            if self.sleep_level == 2:
+                self._weights_incomplete = True  # discarded: only a full push makes them valid again
         self._asleep = {"weights", "kv_cache"}
+
+    @property
+    def needs_weights(self) -> bool:
+        """True when the engine holds no valid weights (after a level-2 sleep or a failed push)."""
+        return self._weights_incomplete
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Restore ``tags`` ("weights", "kv_cache"; None = both). Generation needs both awake."""

@@ -59,6 +59,33 @@ def test_entropy_is_a_metric_by_default(world):
     assert bf16.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_equal_unchunked_values_and_grads(world, dtype):
+    """Chunks of 1, 4 (uneven: 21 = 5*4 + 1) and automatic give the unchunked (Megatron) values and gradients."""
+    from megatron_dppo.megatron.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+
+    logits, labels, w_logp, _ = _random_problem(seed=4)
+    logits = logits.to(dtype)
+    x0 = logits.clone().requires_grad_(True)
+    ref_logp, ref_entropy = vocab_parallel_logprobs(x0, labels, chunk_tokens=0)
+    (ref_logp * w_logp).sum().backward()
+    for chunk in (1, 4, None):
+        x = logits.clone().requires_grad_(True)
+        logp, entropy = vocab_parallel_logprobs(x, labels, chunk_tokens=chunk)
+        (logp * w_logp).sum().backward()
+        torch.testing.assert_close(logp, ref_logp, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(entropy, ref_entropy, atol=1e-6, rtol=1e-6)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(x.grad.float(), x0.grad.float(), atol=tol, rtol=tol)
+        assert x.grad.dtype == dtype and torch.equal(x.detach(), logits)  # caller's logits untouched
+        assert not entropy.requires_grad
+    # the entropy under no_grad by default, with autograd only when asked
+    assert not vocab_parallel_entropy(logits.clone().requires_grad_(True), chunk_tokens=2).requires_grad
+    assert vocab_parallel_entropy(logits.float().requires_grad_(True), grad=True).requires_grad
+    with pytest.raises(ValueError, match="chunk_tokens=-1"):
+        vocab_parallel_logprobs(logits, labels, chunk_tokens=-1)
+
+
 def _tp2_worker(seed):
     """Each rank holds one half of the vocabulary of the same logits."""
     from megatron.core import parallel_state
@@ -72,8 +99,13 @@ def _tp2_worker(seed):
     shard = logits.chunk(2, dim=-1)[rank].clone().requires_grad_(True)
     logp, entropy = vocab_parallel_logprobs(shard, labels, entropy_grad=True)
     ((logp * w_logp).sum() + (entropy * w_ent).sum()).backward()
+    chunked_shard = shard.detach().clone().requires_grad_(True)  # chunks of 2 tokens: labels on either rank
+    chunked_logp, chunked_entropy = vocab_parallel_logprobs(chunked_shard, labels, chunk_tokens=2)
+    (chunked_logp * w_logp).sum().backward()
     destroy_parallel()
-    return {"logp": logp.detach(), "entropy": entropy.detach(), "grad": shard.grad}
+    return {"logp": logp.detach(), "entropy": entropy.detach(), "grad": shard.grad,
+            "chunked_logp": chunked_logp.detach(), "chunked_entropy": chunked_entropy,
+            "chunked_logp_grad": chunked_shard.grad}
 
 
 @pytest.mark.multiproc
@@ -88,6 +120,14 @@ def test_tp2_vocab_parallel_equals_full_vocabulary():
         torch.testing.assert_close(res["entropy"].double(), ref_entropy, atol=1e-5, rtol=1e-5)
     grad = torch.cat([results[0]["grad"], results[1]["grad"]], dim=-1)
     torch.testing.assert_close(grad.double(), ref_x.grad, atol=1e-5, rtol=1e-4)
+    # chunked log-probs under TP: same values; the log-prob gradient alone against the reference's
+    ref_x2 = logits.double().requires_grad_(True)
+    (_reference(ref_x2, labels)[0] * w_logp).sum().backward()
+    chunked_grad = torch.cat([results[0]["chunked_logp_grad"], results[1]["chunked_logp_grad"]], dim=-1)
+    torch.testing.assert_close(chunked_grad.double(), ref_x2.grad, atol=1e-5, rtol=1e-4)
+    for res in results:
+        torch.testing.assert_close(res["chunked_logp"].double(), ref_logp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(res["chunked_entropy"].double(), ref_entropy, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------------------

