@@ -165,7 +165,8 @@ def arithmetic_task(cfg: Config):
 
     d = cfg.data
     return ArithmeticTask(min_terms=d.arithmetic_min_terms, max_terms=d.arithmetic_max_terms,
-                          max_operand=d.arithmetic_max_operand, operators=d.arithmetic_ops, seed=cfg.train.seed)
+                          max_operand=d.arithmetic_max_operand, operators=d.arithmetic_ops, seed=cfg.train.seed,
+                          worked=d.arithmetic_worked)
 
 
 def _formatter(cfg: Config, tokenizer):
@@ -213,8 +214,8 @@ def load_train_prompts(cfg: Config, tokenizer, arch) -> tuple[list[Prompt], list
     prompts = encode_prompts(cfg, records, tokenizer, arch)
     pairs: list[tuple[list[int], list[int]]] = []
     if cfg.data.task == "arithmetic" and cfg.train.sft_steps:
-        for p in prompts:
-            gold = list(tokenizer(str(p.gold), add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        for p, r in zip(prompts, records):  # the gold completion: the answer, or the worked running totals
+            gold = list(tokenizer(r.raw["solution"], add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
             pairs.append((p.token_ids, gold))
     return prompts, pairs
 
@@ -243,7 +244,8 @@ def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None):
     spec = cfg.reward.fn if spec is None else spec
     if spec == "auto":
         names = " ".join(Path(f).stem.lower() for f in files)
-        spec = ("arithmetic" if cfg.data.task == "arithmetic" and (not files or "arithmetic" in names)
+        arithmetic = "arithmetic_worked" if cfg.data.arithmetic_worked else "arithmetic"
+        spec = (arithmetic if cfg.data.task == "arithmetic" and (not files or "arithmetic" in names)
                 else "gsm8k" if "gsm8k" in names else "math")
     return RewardScorer(spec, timeout_s=cfg.reward.timeout_s, isolation=cfg.reward.isolation,
                         num_workers=cfg.reward.num_workers)

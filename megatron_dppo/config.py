@@ -123,6 +123,9 @@ class DataConfig:
         "test", "Arithmetic evaluation prompts: test = the held-out expressions (disjoint from training); train = "
                 "fresh draws from the training distribution (for small problem spaces, e.g. single-digit operands, "
                 "where no held-out fact can be inferred from the others).")
+    arithmetic_worked: bool = opt(False, "Worked answers: the gold completion lists the running totals left to right "
+                                         "('3+4-2=' -> '7,5'; operators + and - only) and the reward is "
+                                         "arithmetic_worked (last integer == answer).")
 
     def validate(self) -> None:
         if self.task == "files":
@@ -140,6 +143,8 @@ class DataConfig:
         _check(self.arithmetic_max_operand >= 1, "data.arithmetic_max_operand", self.arithmetic_max_operand, ">= 1")
         _check(bool(self.arithmetic_ops) and set(self.arithmetic_ops) <= set("+-*"), "data.arithmetic_ops",
                self.arithmetic_ops, "a non-empty subset of '+-*'")
+        _check(not self.arithmetic_worked or set(self.arithmetic_ops) <= set("+-"), "data.arithmetic_ops",
+               self.arithmetic_ops, "a subset of '+-' with data.arithmetic_worked=true")
 
 
 @dataclass

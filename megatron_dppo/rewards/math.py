@@ -14,6 +14,8 @@ Every reward here has the signature ``reward(completion: str, gold) -> float`` a
 - ``format_reward``: 1.0 when the completion states a final answer where the graders look for it (a ``\\boxed{}``
   or a ``#### `` line), else 0.0. Meant as a small additive bonus next to a correctness reward.
 - ``arithmetic_reward``: exact match of the stripped completion with the integer gold (the quickstart task).
+- ``arithmetic_worked_reward``: a worked arithmetic answer "7,5,11" (comma-separated integers) whose last
+  integer is the gold.
 """
 from __future__ import annotations
 
@@ -189,3 +191,13 @@ def arithmetic_reward(completion: str, gold: Any) -> float:
     """1.0 when the stripped completion is exactly the integer ``gold`` (e.g. "33" for "12+7*3="), else 0.0."""
     text = completion.strip()
     return float(bool(_INTEGER_RE.fullmatch(text)) and int(text) == int(str(gold).strip()))
+
+
+_WORKED_RE = re.compile(r"-?\d+(,-?\d+)*")
+
+
+def arithmetic_worked_reward(completion: str, gold: Any) -> float:
+    """1.0 when the stripped completion is comma-separated integers ("7,5,11") whose last one is ``gold``; the
+    intermediate totals are the model's working and are not scored."""
+    text = completion.strip()
+    return float(bool(_WORKED_RE.fullmatch(text)) and int(text.rsplit(",", 1)[-1]) == int(str(gold).strip()))
