@@ -15,3 +15,9 @@ def flaky(completion: str, gold) -> float:
     if len(completion) % 3 == 1:
         return math.nan
     return 1.0
+
+
+def solved_or_parity(completion: str, gold) -> float:
+    """1 for every completion of a prompt whose gold is a multiple of 3 (a group with one reward for all: zero
+    advantage, so DPPO's prompt history marks it prunable on its next visit), ``parity`` otherwise."""
+    return 1.0 if int(str(gold)) % 3 == 0 else parity(completion, gold)
