@@ -49,6 +49,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, machine, write_json  # noqa: E402
 
+from megatron_dppo.config import load_config  # noqa: E402
+
 METHODS = {
     "grpo": ["algo.pruner=none"],
     "dppo-0.5": ["algo.pruner=dppo", "algo.r_q=0.5", "algo.r_o=0.5"],
@@ -346,6 +348,8 @@ def main(argv=None):
     ap.add_argument("--work-dir", type=Path, default=REPO / "runs" / "time_to_accuracy")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--reuse", action="store_true", help="do not train: re-analyse the runs in --work-dir")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue an interrupted study in --work-dir: keep finished warm starts and runs")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None, help="default: <work-dir>/time_to_accuracy.png")
     args = ap.parse_args(argv)
@@ -355,24 +359,42 @@ def main(argv=None):
     process: dict = {}
     t_start = time.time()
     if not args.reuse:
-        if work.exists():
+        if work.exists() and not args.resume:
             shutil.rmtree(work)
-        work.mkdir(parents=True)
+        work.mkdir(parents=True, exist_ok=True)
+        if args.resume and (work / "process.json").exists():
+            saved = json.loads((work / "process.json").read_text())
+            process.update({(int(k.split(":")[0]), k.split(":")[1]): v for k, v in saved.items()})
+
+        def finished(path: Path) -> bool:
+            if not (path / "metrics.jsonl").exists():
+                return False
+            return read_run(path)["steps"] >= load_config(args.config, common).train.steps
 
         def warm(seed):
+            if args.resume and (seed, "warm") in process:
+                return
             print(f"[{time.strftime('%H:%M:%S')}] warm start seed {seed}", flush=True)
+            if (work / f"warm{seed}").exists():
+                shutil.rmtree(work / f"warm{seed}")
             process[(seed, "warm")] = cli(args.config, common + [f"train.seed={seed}", "train.steps=0",
                                                                  "eval.every=0", f"train.output_dir={work / f'warm{seed}'}"],
                                           work / f"warm{seed}.log", args.timeout)
+            (work / "process.json").write_text(json.dumps({f"{k[0]}:{k[1]}": v for k, v in process.items()}))
 
         def train(job):
             seed, m = job
             out = work / f"{m}_s{seed}"
+            if args.resume and job in process and finished(out):
+                return
+            if out.exists():
+                shutil.rmtree(out)
             shutil.copytree(work / f"warm{seed}", out)
             print(f"[{time.strftime('%H:%M:%S')}] {m} seed {seed}", flush=True)
             process[job] = cli(args.config, common + METHODS[m] + [f"train.seed={seed}", "checkpoint.resume=must",
                                                                     f"train.output_dir={out}"],
                                work / f"{m}_s{seed}.log", args.timeout)
+            (work / "process.json").write_text(json.dumps({f"{k[0]}:{k[1]}": v for k, v in process.items()}))
             r = read_run(out)
             print(f"[{time.strftime('%H:%M:%S')}]   {m} seed {seed}: {r['steps']} steps, {r['s_per_step']:.2f} s/step, "
                   f"pass@1 {r['evals'][0]['pass@1']:.3f} -> {r['evals'][-1]['pass@1']:.3f}", flush=True)
@@ -398,8 +420,6 @@ def main(argv=None):
         best = max(statistics.fmean(runs[(s, m)]["evals"][-1]["pass@1"] for s in args.seeds if (s, m) in runs)
                    for m in args.methods)
         args.levels = [round(start + (best - start) * f, 2) for f in (0.25, 0.5, 0.75)]
-    from megatron_dppo.config import load_config
-
     cfg = load_config(args.config, common)
     rep = {"config": {"config": str(args.config.relative_to(REPO)) if args.config.is_relative_to(REPO) else str(args.config),
                       "methods": {m: METHODS[m] for m in args.methods}, "common": common, "seeds": args.seeds,
