@@ -198,7 +198,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    """Pruning (ALGORITHMS.md section 2)."""
+    """Pruning (docs/algorithms.md, "Pruning")."""
 
     pruner: Literal["none", "cppo", "dppo"] = opt("dppo", "none = plain GRPO family; cppo = keep the largest-|A| "
                                                           "completions (biased baseline); dppo = unbiased "
@@ -233,7 +233,7 @@ LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")
 
 @dataclass
 class LossConfig:
-    """Policy loss: a preset (ALGORITHMS.md section 1) plus optional per-field overrides (null = preset value)."""
+    """Policy loss: a preset (docs/algorithms.md) plus optional per-field overrides (null = preset value)."""
 
     preset: Literal["grpo", "dapo", "gspo", "dr_grpo"] = opt("grpo", "Loss preset: grpo (PPO clip, seq-mean-"
                                                                      "token-mean, std-normalized A), dapo (clip-"
@@ -285,7 +285,7 @@ class OptimConfig:
 
 @dataclass
 class PackingConfig:
-    """Dense Prompt Packing (ALGORITHMS.md section 4)."""
+    """Dense Prompt Packing (docs/algorithms.md)."""
 
     capacity: int = opt(4096, "Token capacity C of one THD micro-batch (>= the longest prompt+completion).")
     window: int = opt(64, "Window-greedy packing window W (sequences considered together).")
@@ -392,7 +392,7 @@ class LoggingConfig:
 
 @dataclass
 class Config:
-    """The whole run. Sections mirror the data flow of one step (ARCHITECTURE.md)."""
+    """The whole run. Sections mirror the data flow of one step (docs/architecture.md)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -193,7 +193,7 @@ def build_train_batch(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, 
 
 def denominator(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
                 total_cut: PruneResult, kept_lengths: list[int]) -> float:
-    """D of ALGORITHMS.md section 3: a constant of the full drawn batch (B prompts x G), independent of the draw.
+    """D (docs/algorithms.md, "Denominators"): a constant of the full drawn batch (B x G), independent of the draw.
     CPPO instead averages over the kept completions (its authors' choice; biased by design)."""
     agg, G, L_max = run.loss_cfg.aggregation, run.cfg.train.group_size, run.cfg.rollout.max_new_tokens
     if isinstance(run.pruner, CPPOPruner):
