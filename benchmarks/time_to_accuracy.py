@@ -369,10 +369,20 @@ def main(argv=None):
         def finished(path: Path) -> bool:
             if not (path / "metrics.jsonl").exists():
                 return False
-            return read_run(path)["steps"] >= load_config(args.config, common).train.steps
+            with open(path / "metrics.jsonl", encoding="utf-8") as f:
+                steps = sum(json.loads(line).get("phase") == "rl" for line in f if line.strip())
+            return steps >= load_config(args.config, common).train.steps
+
+        def warm_done(seed: int) -> bool:  # a stop signal also leaves a checkpoint: check the step count too
+            path = work / f"warm{seed}"
+            if not (path / "checkpoints" / "latest").exists():
+                return False
+            with open(path / "metrics.jsonl", encoding="utf-8") as f:
+                steps = sum(json.loads(line).get("phase") == "sft" for line in f if line.strip())
+            return steps >= load_config(args.config, common).train.sft_steps
 
         def warm(seed):
-            if args.resume and (seed, "warm") in process:
+            if args.resume and warm_done(seed):
                 return
             print(f"[{time.strftime('%H:%M:%S')}] warm start seed {seed}", flush=True)
             if (work / f"warm{seed}").exists():
@@ -385,7 +395,7 @@ def main(argv=None):
         def train(job):
             seed, m = job
             out = work / f"{m}_s{seed}"
-            if args.resume and job in process and finished(out):
+            if args.resume and finished(out):
                 return
             if out.exists():
                 shutil.rmtree(out)
@@ -400,7 +410,7 @@ def main(argv=None):
                   f"pass@1 {r['evals'][0]['pass@1']:.3f} -> {r['evals'][-1]['pass@1']:.3f}", flush=True)
 
         failed = run_pool(args.seeds, warm, args.parallel)
-        warmed = [s for s in args.seeds if (s, "warm") in process]
+        warmed = [s for s in args.seeds if warm_done(s)]
         failed += run_pool(schedule(warmed, args.methods), train, args.parallel)
         if failed:
             print(f"{len(failed)} run(s) failed: {[job for job, _ in failed]} (left out of the analysis)", flush=True)
