@@ -221,7 +221,7 @@ def load_train_prompts(cfg: Config, tokenizer, arch) -> tuple[list[Prompt], list
 
 
 def load_eval_sets(cfg: Config, tokenizer, arch) -> dict[str, list[Prompt]]:
-    """Held-out sets: eval.files (preset by file name), or the arithmetic test split."""
+    """Held-out sets: eval.files (preset by file name) or the arithmetic test split, and the eval.suite benchmarks."""
     from megatron_dppo.data import load_prompt_dataset
 
     sets: dict[str, list[Prompt]] = {}
@@ -233,6 +233,12 @@ def load_eval_sets(cfg: Config, tokenizer, arch) -> dict[str, list[Prompt]]:
     for f in cfg.eval.files:
         records = list(load_prompt_dataset([f], None, cfg.eval.max_prompts))
         sets[Path(f).stem] = encode_prompts(cfg, records, tokenizer, arch)
+    if cfg.eval.suite:  # the papers' benchmarks by name (data/suites.py); the set name picks the reward
+        from megatron_dppo.data.suites import suite_files
+
+        for name, path in suite_files(cfg.eval.suite, cfg.eval.data_dir):
+            records = list(load_prompt_dataset([path], None, cfg.eval.max_prompts))
+            sets[name] = encode_prompts(cfg, records, tokenizer, arch)
     return sets
 
 

@@ -339,6 +339,12 @@ class EvalConfig:
     temperature: float = opt(1.0, "Sampling temperature of evaluation.")
     reward: Any = opt("auto", "Correctness check of evaluation (same forms as reward.fn); auto = per file: gsm8k "
                               "for GSM8K files, arithmetic for the arithmetic task, math (math-verify) otherwise.")
+    suite: Optional[Literal["math6", "math8"]] = opt(None, "A named benchmark suite evaluated in addition to eval.files: math6 (GSM8K, "
+                                     "MATH-500, AIME24, AMC23, Minerva Math, OlympiadBench) or math8 (math6 + SVAMP, "
+                                     "ASDiv); megatron-dppo eval prints one table with their average. For the papers' "
+                                     "protocol raise eval.max_prompts to cover every prompt.")
+    data_dir: str = opt("../shared/data/math", "Folder of the suite's files (gsm8k_test.jsonl, math500_test.jsonl, "
+                                               "qwen25math/*.jsonl).")
 
     def validate(self) -> None:
         _check(self.every >= 0, "eval.every", self.every, ">= 0")
