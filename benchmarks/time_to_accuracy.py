@@ -183,8 +183,12 @@ def ratio_ci(nums: list[float], dens: list[float]) -> tuple[float, float, float]
     return math.exp(m), math.exp(m - h), math.exp(m + h)
 
 
-def time_to_level(run: dict, level: float) -> tuple[float | None, int | None]:
-    hit = next((e for e in run["evals"] if e["pass@1"] >= level), None)
+def time_to_level(run: dict, level: float, gain: bool = False) -> tuple[float | None, int | None]:
+    """(RL seconds, steps) to the first evaluation at or above ``level`` (with ``gain``: at or above the run's own
+    pre-RL accuracy + ``level``, i.e. a gain over the warm start, which differs from seed to seed)."""
+    target = level + (run["evals"][0]["pass@1"] if gain else 0.0)
+    hit = next((e for e in run["evals"][1:] if e["pass@1"] >= target - 1e-12), None) if gain else \
+        next((e for e in run["evals"] if e["pass@1"] >= target), None)
     return (None, None) if hit is None else (hit["seconds"], hit["step"])
 
 
@@ -194,9 +198,9 @@ def accuracy_at(run: dict, t: float) -> float:
     return ev[-1]["pass@1"] if ev else float("nan")
 
 
-def analyse(runs: dict, methods: list[str], seeds: list[int], levels: list[float]) -> dict:
+def analyse(runs: dict, methods: list[str], seeds: list[int], levels: list[float], gain: bool = False) -> dict:
     base = "grpo" if "grpo" in methods else methods[0]
-    out = {"methods": {}, "levels": levels, "baseline": base}
+    out = {"methods": {}, "levels": levels, "baseline": base, "levels_are_gains": gain}
     for m in methods:
         rs = [runs[(s, m)] for s in seeds if (s, m) in runs and (s, base) in runs]
         bs = [runs[(s, base)] for s in seeds if (s, m) in runs and (s, base) in runs]
@@ -205,12 +209,15 @@ def analyse(runs: dict, methods: list[str], seeds: list[int], levels: list[float
         steps = [e["step"] for e in rs[0]["evals"]]
         acc_by_step = [ci([r["evals"][i]["pass@1"] for r in rs if i < len(r["evals"])]) for i in range(len(steps))]
         final = [r["evals"][-1]["pass@1"] for r in rs]
+        gain_final = [r["evals"][-1]["pass@1"] - r["evals"][0]["pass@1"] for r in rs]
+        last_half = [statistics.fmean(e["pass@1"] for e in r["evals"][len(r["evals"]) // 2:]) for r in rs]
+        base_last_half = [statistics.fmean(e["pass@1"] for e in b["evals"][len(b["evals"]) // 2:]) for b in bs]
         diff = [r["evals"][-1]["pass@1"] - b["evals"][-1]["pass@1"] for r, b in zip(rs, bs)]
         reach = {}
         for level in levels:
-            secs = [time_to_level(r, level)[0] for r in rs]
-            stp = [time_to_level(r, level)[1] for r in rs]
-            base_secs = [time_to_level(b, level)[0] for b in bs]
+            secs = [time_to_level(r, level, gain)[0] for r in rs]
+            stp = [time_to_level(r, level, gain)[1] for r in rs]
+            base_secs = [time_to_level(b, level, gain)[0] for b in bs]
             paired = [(b, s) for b, s in zip(base_secs, secs) if b is not None and s is not None]
             reach[str(level)] = {"reached": sum(s is not None for s in secs), "of": len(rs),
                                  "seconds": ci([s for s in secs if s is not None]),
@@ -218,7 +225,9 @@ def analyse(runs: dict, methods: list[str], seeds: list[int], levels: list[float
                                  "speedup_vs_base": ratio_ci([b for b, _ in paired], [s for _, s in paired])}
         out["methods"][m] = {
             "seeds": len(rs), "eval_steps": steps, "accuracy_by_step": acc_by_step,
-            "final_accuracy": ci(final), "final_accuracy_minus_base": ci(diff),
+            "final_accuracy": ci(final), "final_accuracy_minus_base": ci(diff), "final_gain": ci(gain_final),
+            "second_half_accuracy": ci(last_half),
+            "second_half_minus_base": ci([a - b for a, b in zip(last_half, base_last_half)]),
             "wins_vs_base_at_equal_steps": sum(d > 0 for d in diff),
             "s_per_step": ci([r["s_per_step"] for r in rs]),
             "end_to_end_speedup": ratio_ci([b["s_per_step"] for b in bs], [r["s_per_step"] for r in rs]),
@@ -268,21 +277,23 @@ def markdown(rep: dict) -> str:
              f"{c['eval_samples']} samples every {c['eval_every']} steps. ± = 95% t-interval over seeds; speed-ups "
              f"are paired per seed vs {base} (geometric mean [95% CI]).", "",
              "**Accuracy at equal steps and the cost of a step**", "",
-             "| method | pass@1 before RL | final pass@1 | final - grpo | seeds better than grpo | s/step | "
-             "end-to-end speed-up | generate speed-up (bound) | train-phase speed-up (bound) | kept prompts | "
-             "kept units | ESS | zero-var groups |", "|---" * 13 + "|"]
+             "| method | pass@1 before RL | final pass@1 | final - before | final - grpo | seeds better than grpo | "
+             "mean pass@1 over the 2nd half - grpo | s/step | end-to-end speed-up | generate speed-up (bound) | "
+             "train-phase speed-up (bound) | kept prompts | kept units | ESS | zero-var groups |", "|---" * 15 + "|"]
     for m, r in a["methods"].items():
         lines.append(
-            f"| {m} | {_pm(r['accuracy_by_step'][0])} | {_pm(r['final_accuracy'])} | "
+            f"| {m} | {_pm(r['accuracy_by_step'][0])} | {_pm(r['final_accuracy'])} | {_pm(r['final_gain'], '{:+.3f}')} | "
             f"{_pm(r['final_accuracy_minus_base'], '{:+.3f}')} | {r['wins_vs_base_at_equal_steps']}/{r['seeds']} | "
+            f"{_pm(r['second_half_minus_base'], '{:+.3f}')} | "
             f"{_pm(r['s_per_step'], '{:.2f}')} | {_ratio(r['end_to_end_speedup'])} | "
             f"{_ratio(r['generate_speedup'])} ({r['generate_bound'][0]:.2f}x) | {_ratio(r['train_phase_speedup'])} "
             f"({r['train_phase_bound'][0]:.2f}x) | {_pm(r['prompt_kept_fraction'], '{:.2f}')} | "
             f"{_pm(r['total_kept_fraction'], '{:.2f}')} | {_pm(r['total_ess'], '{:.0f}')} | "
             f"{_pm(r['zero_variance_groups'], '{:.2f}')} |")
+    what = "gain over the warm start >= +{}" if a.get("levels_are_gains") else "pass@1 >= {}"
     lines += ["", "**Time to reach a held-out accuracy level** (RL seconds, eval excluded; n/N = seeds that reached "
               "it within the budget; speed-up = paired ratio to grpo over the seeds where both reached it)", "",
-              "| method | " + " | ".join(f"pass@1 >= {lv}: s | steps | speed-up" for lv in a["levels"]) + " |",
+              "| method | " + " | ".join(what.format(lv) + ": s | steps | speed-up" for lv in a["levels"]) + " |",
               "|---" * (1 + 3 * len(a["levels"])) + "|"]
     for m, r in a["methods"].items():
         cells = []
@@ -343,6 +354,8 @@ def main(argv=None):
     ap.add_argument("--levels", type=float, nargs="+", default=None,
                     help="held-out pass@1 levels for time-to-accuracy (default: 3 levels between the warm start's "
                          "accuracy and the best final one)")
+    ap.add_argument("--gains", action="store_true",
+                    help="--levels are gains over each seed's own pre-RL accuracy (the warm starts differ by seed)")
     ap.add_argument("--parallel", type=int, default=2, help="CLI processes at a time")
     ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run, e.g. eval.max_prompts=64")
     ap.add_argument("--work-dir", type=Path, default=REPO / "runs" / "time_to_accuracy")
@@ -436,10 +449,10 @@ def main(argv=None):
                       "steps": cfg.train.steps, "prompts_per_step": cfg.train.prompts_per_step,
                       "group_size": cfg.train.group_size, "eval_prompts": cfg.eval.max_prompts,
                       "eval_samples": cfg.eval.samples, "eval_every": cfg.eval.every, "parallel": args.parallel,
-                      "levels": args.levels},
+                      "levels": args.levels, "levels_are_gains": args.gains},
            "machine": machine(), "study_wall_s": None if args.reuse else time.time() - t_start,
            "runs": {f"{m}_s{s}": r for (s, m), r in runs.items()},
-           "analysis": analyse(runs, args.methods, args.seeds, args.levels)}
+           "analysis": analyse(runs, args.methods, args.seeds, args.levels, args.gains)}
     png = args.png or work / "time_to_accuracy.png"
     plot(rep, png)
     rep["png"] = str(png)
