@@ -41,10 +41,12 @@ def _as_completion(benchmark: str, answer: str) -> str:
 
 
 def _wrong(gold: str) -> str:
-    """A different answer: a number plus 1, anything else with 1 added to it."""
+    """A different answer: a numeric gold plus 1; for any other gold (expressions, tuples, intervals, text) a number
+    no benchmark has as its answer. (Appending "+1" to an expression is not reliably a different answer for
+    math-verify: for "$(a, b)$+1" it reads the first math span.)"""
     if re.fullmatch(r"\s*-?[\d,]*\.?\d+\s*", gold):
         return format_number(parse_number(gold) + 1)
-    return f"{gold}+1"
+    return "-98765"
 
 
 @pytest.mark.parametrize("benchmark", list(BENCHMARKS))
