@@ -208,6 +208,9 @@ def analyse(runs: dict, methods: list[str], seeds: list[int], levels: list[float
             continue
         steps = [e["step"] for e in rs[0]["evals"]]
         acc_by_step = [ci([r["evals"][i]["pass@1"] for r in rs if i < len(r["evals"])]) for i in range(len(steps))]
+        # the same minus each seed's own pre-RL accuracy: removes the warm starts' seed-to-seed spread
+        gain_by_step = [ci([r["evals"][i]["pass@1"] - r["evals"][0]["pass@1"] for r in rs if i < len(r["evals"])])
+                        for i in range(len(steps))]
         final = [r["evals"][-1]["pass@1"] for r in rs]
         gain_final = [r["evals"][-1]["pass@1"] - r["evals"][0]["pass@1"] for r in rs]
         last_half = [statistics.fmean(e["pass@1"] for e in r["evals"][len(r["evals"]) // 2:]) for r in rs]
@@ -224,7 +227,7 @@ def analyse(runs: dict, methods: list[str], seeds: list[int], levels: list[float
                                  "steps": ci([s for s in stp if s is not None]),
                                  "speedup_vs_base": ratio_ci([b for b, _ in paired], [s for _, s in paired])}
         out["methods"][m] = {
-            "seeds": len(rs), "eval_steps": steps, "accuracy_by_step": acc_by_step,
+            "seeds": len(rs), "eval_steps": steps, "accuracy_by_step": acc_by_step, "gain_by_step": gain_by_step,
             "final_accuracy": ci(final), "final_accuracy_minus_base": ci(diff), "final_gain": ci(gain_final),
             "second_half_accuracy": ci(last_half),
             "second_half_minus_base": ci([a - b for a, b in zip(last_half, base_last_half)]),
@@ -250,7 +253,9 @@ def analyse(runs: dict, methods: list[str], seeds: list[int], levels: list[float
         horizon = min(r["rl_seconds"] for r in rs)
         grid = [horizon * i / 40 for i in range(41)]
         out["methods"][m]["accuracy_by_time"] = {"seconds": grid,
-                                                  "acc": [ci([accuracy_at(r, t) for r in rs]) for t in grid]}
+                                                  "acc": [ci([accuracy_at(r, t) for r in rs]) for t in grid],
+                                                  "gain": [ci([accuracy_at(r, t) - r["evals"][0]["pass@1"]
+                                                               for r in rs]) for t in grid]}
     return out
 
 
@@ -316,24 +321,27 @@ def plot(rep: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     a = rep["analysis"]
+    gain = a.get("levels_are_gains", False)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
     for m, r in a["methods"].items():
         xs = r["eval_steps"]
-        ys = [x[0] for x in r["accuracy_by_step"]]
-        hs = [0.0 if math.isnan(x[1]) else x[1] for x in r["accuracy_by_step"]]
+        by_step = r["gain_by_step"] if gain else r["accuracy_by_step"]
+        ys = [x[0] for x in by_step]
+        hs = [0.0 if math.isnan(x[1]) else x[1] for x in by_step]
         (line,) = axes[0].plot(xs, ys, marker="o", ms=3, label=m)
         axes[0].fill_between(xs, [y - h for y, h in zip(ys, hs)], [y + h for y, h in zip(ys, hs)],
                              color=line.get_color(), alpha=0.15)
         t = r["accuracy_by_time"]
-        ys = [x[0] for x in t["acc"]]
-        hs = [0.0 if math.isnan(x[1]) else x[1] for x in t["acc"]]
+        ys = [x[0] for x in t["gain" if gain else "acc"]]
+        hs = [0.0 if math.isnan(x[1]) else x[1] for x in t["gain" if gain else "acc"]]
         axes[1].step(t["seconds"], ys, where="post", color=line.get_color(), label=m)
         axes[1].fill_between(t["seconds"], [y - h for y, h in zip(ys, hs)], [y + h for y, h in zip(ys, hs)],
                              step="post", color=line.get_color(), alpha=0.15)
     axes[0].set_xlabel("RL step")
     axes[1].set_xlabel("RL wall-clock seconds (generation + training; eval excluded)")
     for ax in axes:
-        ax.set_ylabel("held-out pass@1 (mean, 95% CI over seeds)")
+        ax.set_ylabel(("held-out pass@1 - the seed's pre-RL pass@1" if gain else "held-out pass@1")
+                      + "\n(mean, 95% CI over seeds)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     c = rep["config"]
