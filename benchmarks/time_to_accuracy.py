@@ -69,7 +69,7 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
 def cli(config: Path, overrides: list[str], log: Path, timeout: float) -> dict:
     """One CLI process; returns its wall seconds and CPU seconds (user + sys, from wait4)."""
     cmd = [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", str(config), *overrides]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), MASTER_PORT=str(free_port()))
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
@@ -88,6 +88,15 @@ def cli(config: Path, overrides: list[str], log: Path, timeout: float) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed with exit {proc.returncode}; log {log}:\n{log.read_text()[-3000:]}")
     return {"wall_s": time.perf_counter() - t0, "cpu_s": usage.ru_utime + usage.ru_stime}
+
+
+def free_port() -> int:
+    """A free TCP port for the run's (single-process) rendezvous: parallel runs must not share one."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def schedule(seeds: list[int], methods: list[str]) -> list[tuple[int, str]]:
