@@ -17,7 +17,7 @@ Each pruner is drawn K times (seeded generators); every draw's gradient g_k is a
 the packed kept sequences. Reported: cosine(mean_k g_k, g); rel. error |mean_k g_k - g| / |g|; its Monte-Carlo
 standard error ``se = sqrt(tr S / K) / |g|`` (S = sample covariance of the g_k); ``z = rel / se`` (about 1
 when unbiased: E|mean - g|^2 = tr Var / K; >> 1 = bias); the mean single-draw cosine; the empirical total
-variance tr S vs the ALGORITHMS.md 2.1 formula (bernoulli mode, draw-independent D):
+variance tr S vs the docs/algorithms.md "Pruning / DPPO / Variance" formula (bernoulli mode, draw-independent D):
 
     tr Var = sum_q [ (1/pi_q - 1) |g_q|^2 + sum_i (1/pi_{i|q} - 1) |g_qi|^2 / pi_q ],  g_q = sum_i g_qi,
 

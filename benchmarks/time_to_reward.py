@@ -1,15 +1,21 @@
-"""Time to reward on the CPU quickstart task: GRPO vs CPPO vs DPPO from the same warm-started policy.
+"""Time to held-out accuracy on the CPU quickstart task: GRPO vs CPPO vs DPPO from the same warm-started policy
+(one seed; the multi-seed study is benchmarks/time_to_accuracy.py).
 
 1. One supervised warm start (``train.sft_steps`` of ``--config``, default examples/quickstart.yaml) through the
    CLI with ``train.steps=0``: it saves a checkpoint (policy, optimizer, RNG, data cursor) and the tokenizer.
 2. For each pruner (``algo.pruner=none|cppo|dppo``, plus any ``--extra`` overrides) that directory is copied and
    the CLI resumes from it (``checkpoint.resume=must``), so every run starts from the same weights, optimizer
    state, tokenizer and data order; the RL steps, their seeds and evaluation prompts are identical.
-3. From each run's ``metrics.jsonl``: training reward per step (``reward/mean``, smoothed over ``--smooth``
-   steps), cumulative wall-clock of the RL steps (``time/step``: generate + reward + prune + pack + logprob +
-   train + weight sync; evaluation and start-up excluded), steps and seconds until the smoothed reward first
-   reaches ``--target``, the held-out pass@1 of the last evaluation (``eval/*/pass@1``), and the whole process
-   wall-clock. A PNG shows the curves against steps and against seconds.
+3. From each run's ``metrics.jsonl``: the held-out pass@1 at every evaluation (``eval/*/pass@1``, every
+   ``eval.every`` steps), cumulative wall-clock of the RL steps (``time/step``: generate + reward + prune + pack +
+   logprob + train + weight sync; evaluation and start-up excluded), steps and seconds until the held-out pass@1
+   first reaches ``--eval-target``, and the whole process wall-clock. A PNG shows held-out pass@1 against steps
+   and against seconds.
+
+Methods are compared on HELD-OUT accuracy only. The training reward (``reward/mean``, the Horvitz-Thompson
+estimate over all drawn prompts for a pruned run) is printed as a diagnostic, never as the comparison: it is
+measured on different prompts for each method and, for DPPO, is an estimate from the generated prompts. One
+seed per method: for a comparison with confidence intervals use ``benchmarks/time_to_accuracy.py``.
 
 Run (one run after the other; each run is the CLI in its own process):
     .venv/bin/python benchmarks/time_to_reward.py [--quick] [--out results.json] [--png curves.png]
@@ -50,69 +56,46 @@ def read_metrics(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def smooth(xs: list[float], k: int) -> list[float]:
-    return [sum(xs[max(0, i - k + 1): i + 1]) / len(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
-
-
-def summarize(name: str, records: list[dict], target: float, k: int, process_s: float,
-              eval_target: float | None = None) -> dict:
+def summarize(name: str, records: list[dict], process_s: float, eval_target: float) -> dict:
     rl = [r for r in records if r.get("phase") == "rl" and "reward/mean" in r]
     ev = [r for r in records if r.get("phase") == "eval"]
-    rewards = [r["reward/mean"] for r in rl]
-    smoothed = smooth(rewards, k)
     seconds, total = [], 0.0
     for r in rl:
         total += r.get("time/step", 0.0)
         seconds.append(total)
-    hit = next((i for i, v in enumerate(smoothed) if v >= target), None)
-    evals = [(r["step"], {key: v for key, v in r.items() if key.endswith("pass@1")}) for r in ev]
-    final = evals[-1][1] if evals else {}
-    # held-out: first evaluation whose pass@1 (first eval set) reaches eval_target; seconds = RL time up to it
-    eval_hit = None
-    if eval_target is not None:
-        for step, e in evals:
-            v = next(iter(e.values()), float("nan"))
-            if v >= eval_target:
-                eval_hit = (step + 1, seconds[min(step, len(seconds) - 1)] if seconds else float("nan"))
-                break
-    kept = [r.get("prune/total_kept_fraction", r.get("prune/kept_fraction_total", 1.0)) for r in rl]
-    tokens = [r.get("tokens/trained_sequences", 0.0) for r in rl]
-    return {"name": name, "steps": len(rl), "steps_to_target": None if hit is None else hit + 1,
-            "seconds_to_target": None if hit is None else seconds[hit], "rl_seconds": total,
-            "eval_steps_to_target": None if eval_hit is None else eval_hit[0],
-            "eval_seconds_to_target": None if eval_hit is None else eval_hit[1],
-            "process_seconds": process_s, "final_reward_smoothed": smoothed[-1] if smoothed else float("nan"),
-            "final_eval_pass@1": final, "evals": evals, "mean_kept_fraction": sum(kept) / max(1, len(kept)),
-            "tokens_trained": sum(tokens), "rewards": rewards, "smoothed": smoothed, "seconds": seconds,
+    # an evaluation logged at step s follows RL step s (step -1: before the first RL step)
+    evals = [(r["step"] + 1, seconds[r["step"]] if 0 <= r["step"] < len(seconds) else 0.0,
+              next((v for k, v in r.items() if k.endswith("pass@1")), float("nan"))) for r in ev]
+    hit = next(((step, sec) for step, sec, acc in evals if acc >= eval_target), None)
+    kept = [r.get("prune/total_kept_fraction", 1.0) for r in rl]
+    tail = [r["reward/mean"] for r in rl[-5:]]
+    return {"name": name, "steps": len(rl), "eval_steps_to_target": None if hit is None else hit[0],
+            "eval_seconds_to_target": None if hit is None else hit[1], "rl_seconds": total,
+            "process_seconds": process_s, "evals": evals,
+            "final_eval_pass@1": evals[-1][2] if evals else float("nan"),
+            "train_reward_last5": sum(tail) / max(1, len(tail)), "mean_kept_fraction": sum(kept) / max(1, len(kept)),
+            "tokens_trained": sum(r.get("tokens/trained_sequences", 0.0) for r in rl), "seconds": seconds,
             "train_s": sum(r.get("time/train", 0.0) for r in rl), "logprob_s": sum(r.get("time/logprob", 0.0) for r in rl),
             "generate_s": sum(r.get("time/generate", 0.0) for r in rl)}
 
 
-def plot(results: list[dict], target: float, png: Path) -> None:
+def plot(results: list[dict], eval_target: float, png: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in results:
-        steps = list(range(1, len(r["smoothed"]) + 1))
-        axes[0].plot(steps, r["smoothed"], label=r["name"])
-        axes[1].plot(r["seconds"], r["smoothed"], label=r["name"])
-        if r["evals"]:
-            xs = [s + 1 for s, _ in r["evals"]]
-            ys = [next(iter(e.values()), float("nan")) for _, e in r["evals"]]
-            axes[2].plot(xs, ys, marker="o", label=r["name"])
-    for ax in axes[:2]:
-        ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
-        ax.set_ylabel("training reward (smoothed)")
+        axes[0].plot([e[0] for e in r["evals"]], [e[2] for e in r["evals"]], marker="o", label=r["name"])
+        axes[1].plot([e[1] for e in r["evals"]], [e[2] for e in r["evals"]], marker="o", label=r["name"])
     axes[0].set_xlabel("RL step")
     axes[1].set_xlabel("RL wall-clock (s, excl. eval)")
-    axes[2].set_xlabel("RL step")
-    axes[2].set_ylabel("held-out pass@1")
     for ax in axes:
+        ax.axhline(eval_target, color="gray", linestyle="--", linewidth=0.8)
+        ax.set_ylabel("held-out pass@1")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("CPU quickstart: GRPO vs CPPO vs DPPO from the same warm start")
+    fig.suptitle("CPU quickstart, one seed: held-out accuracy of GRPO vs CPPO vs DPPO from the same warm start")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -121,22 +104,19 @@ def plot(results: list[dict], target: float, png: Path) -> None:
 
 def markdown(rep: dict) -> str:
     c = rep["config"]
-    lines = [f"config {c['config']} + {' '.join(rep['common'])}; target smoothed training reward >= {c['target']} "
-             f"(moving average over {c['smooth']} steps). Seconds = sum of RL step times (eval / start-up excluded).",
-             f"Held-out target: pass@1 >= {c['eval_target']} at an evaluation (every eval.every steps; the fair "
-             "comparison: DPPO's training reward is measured on the prompts it did NOT prune, which skews it).",
-             "", "| run | steps | held-out: steps to target | held-out: s to target | train reward: steps to target | "
-             "train reward: s to target | RL s | train+logprob s | generate s | kept frac | tokens trained | "
-             "final train reward | final held-out pass@1 | process s |", "|---" * 14 + "|"]
+    lines = [f"config {c['config']} + {' '.join(rep['common'])}; held-out target pass@1 >= {c['eval_target']} at an "
+             "evaluation (every eval.every steps). Seconds = sum of RL step times (eval / start-up excluded). The "
+             "training reward is a diagnostic (1/pi estimate over all drawn prompts), not the comparison.",
+             "", "| run | steps | held-out: steps to target | held-out: s to target | RL s | train+logprob s | "
+             "generate s | kept frac | tokens trained | final held-out pass@1 | train reward, last 5 steps | "
+             "process s |", "|---" * 12 + "|"]
     for r in rep["results"]:
-        ev = ", ".join(f"{v:.3f}" for v in r["final_eval_pass@1"].values()) or "n/a"
-        stt = "not reached" if r["steps_to_target"] is None else str(r["steps_to_target"])
-        sst = "-" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
         est = "not reached" if r.get("eval_steps_to_target") is None else str(r["eval_steps_to_target"])
         ess = "-" if r.get("eval_seconds_to_target") is None else f"{r['eval_seconds_to_target']:.1f}"
-        lines.append(f"| {r['name']} | {r['steps']} | {est} | {ess} | {stt} | {sst} | {r['rl_seconds']:.1f} | "
+        lines.append(f"| {r['name']} | {r['steps']} | {est} | {ess} | {r['rl_seconds']:.1f} | "
                      f"{r['train_s'] + r['logprob_s']:.1f} | {r['generate_s']:.1f} | {r['mean_kept_fraction']:.2f} | "
-                     f"{r['tokens_trained']:.0f} | {r['final_reward_smoothed']:.3f} | {ev} | {r['process_seconds']:.0f} |")
+                     f"{r['tokens_trained']:.0f} | {r['final_eval_pass@1']:.3f} | {r['train_reward_last5']:.3f} | "
+                     f"{r['process_seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -146,23 +126,18 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="shorter runs for a shared 2-core CPU")
     ap.add_argument("--runs", nargs="+", default=list(PRUNERS), choices=list(PRUNERS))
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
-    ap.add_argument("--target", type=float, default=None,
-                    help="smoothed training reward target (default 0.4; 0.2 with --quick)")
     ap.add_argument("--eval-target", type=float, default=None,
                     help="held-out pass@1 target (default 0.3; 0.15 with --quick)")
-    ap.add_argument("--smooth", type=int, default=5)
     ap.add_argument("--work-dir", type=Path, default=REPO / "runs" / "time_to_reward")
     ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run, e.g. algo.r_q=0.5")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--reuse", action="store_true",
-                    help="do not train: re-read the runs already in --work-dir (e.g. with another --target)")
+                    help="do not train: re-read the runs already in --work-dir (e.g. with another --eval-target)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None, help="default: <work-dir>/time_to_reward.png")
     args = ap.parse_args(argv)
     common = ["logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false", "checkpoint.every=0",
               "logging.print_every=10"]
-    if args.target is None:
-        args.target = 0.2 if args.quick else 0.4
     if args.eval_target is None:
         args.eval_target = 0.15 if args.quick else 0.3
     if args.quick:
@@ -178,7 +153,7 @@ def main(argv=None):
         process_s = {r["name"]: r["process_seconds"] for r in old.get("results", [])}
         warm_s = old.get("warm_start_seconds")
         for name in args.runs:
-            results.append(summarize(name, read_metrics(work / name / "metrics.jsonl"), args.target, args.smooth,
+            results.append(summarize(name, read_metrics(work / name / "metrics.jsonl"),
                                      process_s.get(name, float("nan")), args.eval_target))
     else:
         if work.exists():
@@ -194,12 +169,11 @@ def main(argv=None):
             print(f"{name}: {' '.join(PRUNERS[name])} -> {out}", flush=True)
             s = cli(args, common + PRUNERS[name] + ["checkpoint.resume=must", f"train.output_dir={out}"],
                     work / f"{name}.log", args.timeout)
-            results.append(summarize(name, read_metrics(out / "metrics.jsonl"), args.target, args.smooth, s,
-                                     args.eval_target))
-            print(f"  {name}: {results[-1]['steps']} steps, {results[-1]['rl_seconds']:.1f} s RL, final reward "
-                  f"{results[-1]['final_reward_smoothed']:.3f}", flush=True)
+            results.append(summarize(name, read_metrics(out / "metrics.jsonl"), s, args.eval_target))
+            print(f"  {name}: {results[-1]['steps']} steps, {results[-1]['rl_seconds']:.1f} s RL, final held-out "
+                  f"pass@1 {results[-1]['final_eval_pass@1']:.3f}", flush=True)
     png = args.png or work / "time_to_reward.png"
-    plot(results, args.target, png)
+    plot(results, args.eval_target, png)
     rep = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "common": common,
            "warm_start_seconds": warm_s, "png": str(png), "results": results}
     print(markdown(rep))

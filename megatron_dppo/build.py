@@ -204,7 +204,8 @@ def arithmetic_task(cfg: Config):
 
     d = cfg.data
     return ArithmeticTask(min_terms=d.arithmetic_min_terms, max_terms=d.arithmetic_max_terms,
-                          max_operand=d.arithmetic_max_operand, operators=d.arithmetic_ops, seed=cfg.train.seed)
+                          max_operand=d.arithmetic_max_operand, operators=d.arithmetic_ops, seed=cfg.train.seed,
+                          worked=d.arithmetic_worked)
 
 
 def _formatter(cfg: Config, tokenizer):
@@ -255,14 +256,14 @@ def load_train_prompts(cfg: Config, tokenizer, arch) -> tuple[list[Prompt], list
     prompts = encode_prompts(cfg, records, tokenizer, arch)
     pairs: list[tuple[list[int], list[int]]] = []
     if cfg.data.task == "arithmetic" and cfg.train.sft_steps:
-        for p in prompts:
-            gold = list(tokenizer(str(p.gold), add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        for p, r in zip(prompts, records):  # the gold completion: the answer, or the worked running totals
+            gold = list(tokenizer(r.raw["solution"], add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
             pairs.append((p.token_ids, gold))
     return prompts, pairs
 
 
 def load_eval_sets(cfg: Config, tokenizer, arch) -> dict[str, list[Prompt]]:
-    """Held-out sets: eval.files (preset by file name), or the arithmetic test split."""
+    """Held-out sets: eval.files (preset by file name) or the arithmetic test split, and the eval.suite benchmarks."""
     from megatron_dppo.data import load_prompt_dataset
 
     sets: dict[str, list[Prompt]] = {}
@@ -274,6 +275,12 @@ def load_eval_sets(cfg: Config, tokenizer, arch) -> dict[str, list[Prompt]]:
     for f in cfg.eval.files:
         records = list(load_prompt_dataset([f], None, cfg.eval.max_prompts))
         sets[Path(f).stem] = encode_prompts(cfg, records, tokenizer, arch)
+    if cfg.eval.suite:  # the papers' benchmarks by name (data/suites.py); the set name picks the reward
+        from megatron_dppo.data.suites import suite_files
+
+        for name, path in suite_files(cfg.eval.suite, cfg.eval.data_dir):
+            records = list(load_prompt_dataset([path], None, cfg.eval.max_prompts))
+            sets[name] = encode_prompts(cfg, records, tokenizer, arch)
     return sets
 
 
@@ -285,7 +292,8 @@ def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None, *, step_bu
     spec = cfg.reward.fn if spec is None else spec
     if spec == "auto":
         names = " ".join(Path(f).stem.lower() for f in files)
-        spec = ("arithmetic" if cfg.data.task == "arithmetic" and (not files or "arithmetic" in names)
+        arithmetic = "arithmetic_worked" if cfg.data.arithmetic_worked else "arithmetic"
+        spec = (arithmetic if cfg.data.task == "arithmetic" and (not files or "arithmetic" in names)
                 else "gsm8k" if "gsm8k" in names else "math")
     return RewardScorer(spec, timeout_s=cfg.reward.timeout_s, isolation=cfg.reward.isolation,
                         num_workers=cfg.reward.num_workers, budget_s=cfg.reward.step_budget_s if step_budget else None)

@@ -132,6 +132,9 @@ class DataConfig:
         "test", "Arithmetic evaluation prompts: test = the held-out expressions (disjoint from training); train = "
                 "fresh draws from the training distribution (for small problem spaces, e.g. single-digit operands, "
                 "where no held-out fact can be inferred from the others).")
+    arithmetic_worked: bool = opt(False, "Worked answers: the gold completion lists the running totals left to right "
+                                         "('3+4-2=' -> '7,5'; operators + and - only) and the reward is "
+                                         "arithmetic_worked (last integer == answer).")
 
     def validate(self) -> None:
         if self.task == "files":
@@ -149,6 +152,8 @@ class DataConfig:
         _check(self.arithmetic_max_operand >= 1, "data.arithmetic_max_operand", self.arithmetic_max_operand, ">= 1")
         _check(bool(self.arithmetic_ops) and set(self.arithmetic_ops) <= set("+-*"), "data.arithmetic_ops",
                self.arithmetic_ops, "a non-empty subset of '+-*'")
+        _check(not self.arithmetic_worked or set(self.arithmetic_ops) <= set("+-"), "data.arithmetic_ops",
+               self.arithmetic_ops, "a subset of '+-' with data.arithmetic_worked=true")
 
 
 @dataclass
@@ -220,7 +225,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    """Pruning (ALGORITHMS.md section 2)."""
+    """Pruning (docs/algorithms.md, "Pruning")."""
 
     pruner: Literal["none", "cppo", "dppo"] = opt("dppo", "none = plain GRPO family; cppo = keep the largest-|A| "
                                                           "completions (biased baseline); dppo = unbiased "
@@ -255,7 +260,7 @@ LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")
 
 @dataclass
 class LossConfig:
-    """Policy loss: a preset (ALGORITHMS.md section 1) plus optional per-field overrides (null = preset value)."""
+    """Policy loss: a preset (docs/algorithms.md) plus optional per-field overrides (null = preset value)."""
 
     preset: Literal["grpo", "dapo", "gspo", "dr_grpo", "verl_grpo", "trl_grpo"] = opt(
         "grpo", "Loss preset: grpo (PPO clip, seq-mean-token-mean, std-normalized A), dapo (clip-higher 0.28, "
@@ -339,7 +344,7 @@ class OptimConfig:
 
 @dataclass
 class PackingConfig:
-    """Dense Prompt Packing (ALGORITHMS.md section 4)."""
+    """Dense Prompt Packing (docs/algorithms.md)."""
 
     capacity: int = opt(4096, "Token capacity C of one THD micro-batch (>= the longest prompt+completion).")
     window: int = opt(64, "Window-greedy packing window W (sequences considered together).")
@@ -408,6 +413,12 @@ class EvalConfig:
     temperature: float = opt(1.0, "Sampling temperature of evaluation.")
     reward: Any = opt("auto", "Correctness check of evaluation (same forms as reward.fn); auto = per file: gsm8k "
                               "for GSM8K files, arithmetic for the arithmetic task, math (math-verify) otherwise.")
+    suite: Optional[Literal["math6", "math8"]] = opt(None, "A named benchmark suite evaluated in addition to eval.files: math6 (GSM8K, "
+                                     "MATH-500, AIME24, AMC23, Minerva Math, OlympiadBench) or math8 (math6 + SVAMP, "
+                                     "ASDiv); megatron-dppo eval prints one table with their average. For the papers' "
+                                     "protocol raise eval.max_prompts to cover every prompt.")
+    data_dir: str = opt("../shared/data/math", "Folder of the suite's files (gsm8k_test.jsonl, math500_test.jsonl, "
+                                               "qwen25math/*.jsonl).")
 
     def validate(self) -> None:
         _check(self.every >= 0, "eval.every", self.every, ">= 0")
@@ -461,7 +472,7 @@ class LoggingConfig:
 
 @dataclass
 class Config:
-    """The whole run. Sections mirror the data flow of one step (ARCHITECTURE.md)."""
+    """The whole run. Sections mirror the data flow of one step (docs/architecture.md)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -2,7 +2,7 @@
 
 The trainer runs the same Python on every rank. Data that every rank must agree on is either computed
 deterministically from the same inputs everywhere (prompt order, advantages, packing plan) or decided on rank 0
-and broadcast (every random pruning draw: ARCHITECTURE.md "one random generator per decision, seeded from
+and broadcast (every random pruning draw: docs/architecture.md "one generator per decision, seeded from
 (seed, step), drawn on one rank and broadcast"). Work that can be split (generation, reward scoring,
 evaluation) is sharded over ranks with :func:`map_sharded` and gathered back in the original order.
 

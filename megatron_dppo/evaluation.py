@@ -26,22 +26,42 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
         out[f"eval/{name}/pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct) / len(correct)
         out[f"eval/{name}/reward_mean"] = float(rewards.mean())
         out[f"eval/{name}/seconds"] = time.perf_counter() - start
+    if len(run.eval_sets) > 1:  # the papers' headline: the unweighted mean over benchmarks
+        names = list(run.eval_sets)
+        for key in ("pass@1", f"pass@{cfg.eval.pass_k}"):
+            out[f"eval/average/{key}"] = sum(out[f"eval/{n}/{key}"] for n in names) / len(names)
     return out
 
 
+def results_table(metrics: dict[str, float], sets: dict[str, list], samples: int, k: int) -> str:
+    """One markdown table: a row per eval set (prompts, pass@1 averaged over ``samples`` samples, pass@k) and the
+    average row (unweighted mean over the sets) when there are several."""
+    lines = [f"| benchmark | prompts | pass@1 (mean of {samples} samples) | pass@{k} |", "|---|---|---|---|"]
+    for name, prompts in sets.items():
+        lines.append(f"| {name} | {len(prompts)} | {100 * metrics[f'eval/{name}/pass@1']:.1f} | "
+                     f"{100 * metrics[f'eval/{name}/pass@{k}']:.1f} |")
+    if "eval/average/pass@1" in metrics:
+        lines.append(f"| **average** | {sum(len(p) for p in sets.values())} | "
+                     f"**{100 * metrics['eval/average/pass@1']:.1f}** | {100 * metrics[f'eval/average/pass@{k}']:.1f} |")
+    return "\n".join(lines)
+
+
 def evaluate_checkpoint(cfg: Config) -> dict[str, float]:
-    """``megatron-dppo eval``: pass@1 / pass@k of the latest checkpoint (or model.path) on the eval sets."""
-    if cfg.data.task != "arithmetic" and not cfg.eval.files:
-        raise ValueError("megatron-dppo eval needs eval.files (held-out JSONL/parquet files), e.g. "
-                         "eval.files=[../shared/data/math/gsm8k_test.jsonl]")
+    """``megatron-dppo eval``: pass@1 / pass@k of the latest checkpoint (or model.path) on the eval sets
+    (eval.files, eval.suite), printed as one table with the average row and written to <output_dir>/eval.json."""
+    if cfg.data.task != "arithmetic" and not cfg.eval.files and not cfg.eval.suite:
+        raise ValueError("megatron-dppo eval needs eval.files (held-out JSONL/parquet files) or eval.suite, e.g. "
+                         "eval.files=[../shared/data/math/gsm8k_test.jsonl] or eval.suite=math6")
     run = setup(cfg, resume=True, need_eval=True)
     try:
         metrics = evaluate(run, run.rl_step)
         if D.is_main():
             for k, v in metrics.items():
                 print(f"{k}: {v:.4f}")
+            table = results_table(metrics, run.eval_sets, cfg.eval.samples, cfg.eval.pass_k)
+            print(f"evaluation at RL step {run.rl_step}, temperature {cfg.eval.temperature} (percent):\n{table}")
             with open(Path(cfg.train.output_dir) / "eval.json", "w") as f:
-                json.dump({"rl_step": run.rl_step, **metrics}, f, indent=1)
+                json.dump({"rl_step": run.rl_step, **metrics, "table": table}, f, indent=1)
         return metrics
     finally:
         teardown(run)

@@ -186,8 +186,9 @@ def plot_reward_curve(metrics_path: str | Path, png_path: str | Path) -> Path | 
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     ax = axes[0][0]
-    lines(ax, rl, [("reward/mean", "train reward (all completions)")])
-    lines(ax, rl, [("reward/mean_kept", "train reward (kept after pruning)")], alpha=0.45)
+    lines(ax, rl, [("reward/mean", "train reward, all drawn prompts (1/pi estimate)")])
+    lines(ax, rl, [("reward/mean_generated", "train reward, generated prompts only (biased up by pruning)"),
+                   ("reward/mean_kept", "train reward, trained sequences only (biased)")], alpha=0.45)
     evk = sorted({k for r in ev for k in r if k.startswith("eval/") and ("pass@" in k)})
     lines(ax, ev, [(k, k[5:]) for k in evk], marker="o")
     ax.set_title("reward"), ax.set_xlabel("RL step"), ax.grid(alpha=0.3)

@@ -202,7 +202,7 @@ def build_train_batch(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, 
 
 def denominator(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
                 total_cut: PruneResult, kept_lengths: list[int], subset: list[int] | None = None) -> float:
-    """D of ALGORITHMS.md section 3: a constant of the full drawn batch (B prompts x G), independent of the draw.
+    """D (docs/algorithms.md, "Denominators"): a constant of the full drawn batch (B x G), independent of the draw.
     CPPO instead averages over the kept completions (its authors' choice; biased by design).
 
     ``subset``: the drawn-prompt indices of one PPO mini-batch; D is then that mini-batch's D_m, computed from its
@@ -395,17 +395,24 @@ def gradient_audit(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rol
 # ==============================================================================================================
 def step_metrics(run: Run, prompt_cut: PruneResult, completion_cut: PruneResult | None, total_cut: PruneResult,
                  rollout: Rollout, batch: TrainBatch) -> dict[str, float]:
-    """Rewards before/after pruning, kept fractions per level, ESS, tokens (ALGORITHMS.md section 5)."""
+    """Rewards (unbiased estimates over all drawn prompts; raw means over generated and over kept sequences), kept
+    fractions per level, ESS, tokens (docs/algorithms.md, "Metrics")."""
     G = run.cfg.train.group_size
     m: dict[str, float] = {}
     r = rollout.rewards if rollout.rewards is not None else torch.zeros(0, G)
     flat = r.flatten()
+    if prompt_cut.keep.numel():
+        # Headline rates are Horvitz-Thompson estimates over ALL B drawn prompts (docs/algorithms.md, "Metrics"):
+        # a generated prompt counts 1/pi_q, a pruned one (never generated) 0, divided by B. Without prompt
+        # pruning every pi_q = 1 and this is the plain mean. reward/mean_generated and reward/std are raw over the
+        # generated completions, reward/mean_kept over the trained sequences.
+        m["reward/mean"] = ht_prompt_mean(prompt_cut, r.mean(dim=1))
+        m["reward/pass_rate"] = ht_prompt_mean(prompt_cut, (r > 0).float().mean(dim=1))
+        m["reward/prompt_solve_rate"] = ht_prompt_mean(prompt_cut, (r > 0).any(dim=1).float())
+        m["reward/zero_variance_groups"] = ht_prompt_mean(prompt_cut, (r == r[:, :1]).all(dim=1).float())
     if flat.numel():
-        m["reward/mean"] = float(flat.mean())
+        m["reward/mean_generated"] = float(flat.mean())
         m["reward/std"] = float(flat.std()) if flat.numel() > 1 else 0.0
-        m["reward/pass_rate"] = float((flat > 0).float().mean())
-        m["reward/prompt_solve_rate"] = float((r > 0).any(dim=1).float().mean())
-        m["reward/zero_variance_groups"] = float((r == r[:, :1]).all(dim=1).float().mean())
         m["reward/failed"] = float(rollout.reward_failures)  # scored 0: the reward function raised, hung, ...
         m["reward/timeouts"] = float(rollout.reward_timeouts)  # ... of which ran out of time
     if len(batch):
@@ -426,6 +433,15 @@ def step_metrics(run: Run, prompt_cut: PruneResult, completion_cut: PruneResult 
     m["loss/denominator"] = float(batch.denominator)
     m["history/prompts_seen"] = float(len(run.history))
     return m
+
+
+def ht_prompt_mean(prompt_cut: PruneResult, per_prompt: torch.Tensor) -> float:
+    """Horvitz-Thompson estimate of the mean of a per-prompt quantity over every drawn prompt, from the generated
+    ones: sum over generated prompts of value / pi_q, divided by the number drawn. ``per_prompt`` has one value per
+    generated (kept) prompt, in drawn order. Unbiased over the prompt-pruning draw; equal to the plain mean when
+    nothing is pruned (pi_q = 1)."""
+    weight = prompt_cut.weight[prompt_cut.keep].double()  # 1/pi_q of each generated prompt
+    return float((weight * per_prompt.double()).sum() / max(1, prompt_cut.keep.numel()))
 
 
 def logprob_mismatch(rollout: Rollout, mini_batches: list[TrainBatch], packed: list[list]) -> dict[str, float]:

@@ -21,14 +21,14 @@ What this file decides (and the simplifications it makes, stated once):
 * Every process holds a rollout engine. Generation, reward scoring and evaluation are sharded over ranks
   (``distributed.map_sharded``) and gathered, so every rank sees the same full batch; advantages, the packing
   plan and the denominator are then computed identically everywhere, and every random pruning draw is made on
-  rank 0 with a generator seeded from (seed, step, decision) and broadcast (ARCHITECTURE.md rules).
+  rank 0 with a generator seeded from (seed, step, decision) and broadcast (docs/architecture.md, "Distributed rules").
 * Sampling seeds are derived from (seed, step, shard), so a resumed run regenerates exactly what a straight
   run would have generated (resume == straight run, bit for bit, at the same layout).
 * The supervised warm start (``train.sft_steps``, ``warm_start.py``) goes through the same engine and loss.
 * The trainer owns the learning-rate schedule across phases (constant ``train.sft_lr`` for the warm start, then
   ``optim.*`` counted from the first RL step) and sets the engine's per-group peak LR before each update.
 * CPPO reproduces its authors' "mean over kept completions" (the denominator counts kept units); DPPO and
-  ``none`` use the full-batch denominator of ALGORITHMS.md section 3.
+  ``none`` use the full-batch denominator (docs/algorithms.md, "Denominators").
 
 Where the rest lives: ``stages.py`` (each stage of a step and its metrics), ``run.py`` (set-up, tear-down, weight
 push, LR schedule), ``lifecycle.py`` (checkpoints, resume, stop signals), ``evaluation.py``, ``warm_start.py``,
@@ -144,7 +144,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     else:  # nothing survived (e.g. every group had equal rewards and was dropped): no update this step
         metrics["train/skipped"] = 1.0
 
-    # 14. Metrics (ALGORITHMS.md section 5).
+    # 14. Metrics (docs/algorithms.md, "Metrics").
     metrics.update(step_metrics(run, prompt_cut, completion_cut, total_cut, rollout, batch))
     metrics.update(timer.as_metrics())
     metrics.update(run.handover.take_metrics())  # GPU memory per handover phase (none on CPU)

@@ -1,4 +1,4 @@
-"""Group-relative advantages, computed on the FULL group before any pruning (ALGORITHMS.md section 1).
+"""Group-relative advantages, computed on the FULL group before any pruning (docs/algorithms.md, "Objective").
 
 rewards has shape [B, G]: B prompts, G completions each. Estimators (registry ``ADVANTAGE_ESTIMATORS``):
 

@@ -1,6 +1,6 @@
 """Policy losses of the GRPO family with per-sample weights and a FIXED full-batch denominator.
 
-Notation (ALGORITHMS.md section 1): per-token ratio rho = exp(logp - old_logp), advantage A of the token's
+Notation (docs/algorithms.md, "Objective"): per-token ratio rho = exp(logp - old_logp), advantage A of the token's
 sequence, KL estimate KL_t between the policy and the reference, coefficient beta = ``kl_coef``.
 Per-token objective (to MAXIMIZE):  s_t = pg_t - beta * KL_t, with
 
@@ -378,7 +378,7 @@ def loss_denominator(
     prompt_keep_prob: Tensor | None = None,
     max_completion_len: int | None = None,
 ) -> float:
-    """D of the step, a constant of the FULL (un-pruned) batch (ALGORITHMS.md section 3).
+    """D of the step, a constant of the FULL (un-pruned) batch (docs/algorithms.md, "Denominators").
 
     seq_mean_token_mean:     D = B*G, B = num_prompts DRAWN (before prompt pruning).
     seq_mean_token_sum:      D = B*G (as seq_mean_token_mean; the tokens of a sequence are summed, not averaged).
@@ -446,7 +446,7 @@ def reference_objective(
     denominator: float | None = None,
     rollout_weight: Tensor | None = None,
 ) -> Tensor:
-    """J (to MAXIMIZE; the loss is -J) on padded tensors, written directly from ALGORITHMS.md section 1.
+    """J (to MAXIMIZE; the loss is -J) on padded tensors, written directly from docs/algorithms.md, "Objective".
 
     logp, old_logp, ref_logp, mask: [B, G, L] (mask 1 on completion tokens); advantages, weight: [B, G].
     Per sequence, with |o| = sum_t mask and beta = kl_coef:

@@ -1,4 +1,4 @@
-"""Pruning = a keep mask plus a weight per unit (ALGORITHMS.md section 2).
+"""Pruning = a keep mask plus a weight per unit (docs/algorithms.md, "Pruning").
 
 Every pruner returns a :class:`PruneResult`: ``keep`` (bool) and ``weight`` = 1/P(keep) for kept units, 0 for
 pruned ones. The pruned objective is ``J_hat = 1/D * sum_{kept} weight * agg(s)`` with a denominator D fixed from
@@ -306,7 +306,7 @@ def zero_variance_filter(rewards: Tensor) -> PruneResult:
     """Drop every group whose G rewards are all exactly equal (its advantages are 0): shape [B, G], rows constant.
 
     Deterministic, weight 1 for kept units: exact for the policy-gradient term (A = 0 contributes nothing) and
-    biased for a KL term (the DAPO "dynamic sampling" filter; ALGORITHMS.md 2.3).
+    biased for a KL term (the DAPO "dynamic sampling" filter; docs/algorithms.md, "Pruning").
     """
     rewards = check_float_tensor("rewards", rewards, min_dim=2)
     if rewards.dim() != 2:

@@ -8,7 +8,12 @@ it gets one of its own expressions. The gold answer is the exact integer; the ma
 (exact match of the stripped completion).
 
 ``corpus(n)`` gives "prompt + answer" lines ("12+7*3=33") for training the tiny tokenizer and the supervised warm
-start. Difficulty levels (``ArithmeticTask.from_difficulty``):
+start.
+
+Worked answers (``worked=True``, operators + and - only): the gold completion lists the running total after each
+operator, left to right, separated by commas: "3+4-2+6=" -> "7,5,11". Completions then grow with the number of
+terms (a short chain of one-step facts, each learnable and checkable), and the matching reward is
+"arithmetic_worked" (the last comma-separated integer equals the gold answer; ``record.gold`` stays the integer). Difficulty levels (``ArithmeticTask.from_difficulty``):
     1: a+b, operands 0-9        2: a+b or a-b, operands 0-20
     3: 2-3 terms of + - *, operands 0-20         4: 3-4 terms of + - *, operands 0-99
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import ast
 import operator
 import random
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -55,6 +61,7 @@ class ArithmeticTask:
     operators: str = "+-*"
     seed: int = 0
     test_fraction: float = 0.1
+    worked: bool = False
 
     LEVELS = {1: (2, 2, 9, "+"), 2: (2, 2, 20, "+-"), 3: (2, 3, 20, "+-*"), 4: (3, 4, 99, "+-*")}
 
@@ -67,6 +74,9 @@ class ArithmeticTask:
             raise ValueError(f"operators {self.operators!r} must be a non-empty subset of '+-*'")
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
+        if self.worked and set(self.operators) - set("+-"):
+            raise ValueError(f"worked answers need operators from '+-' (left-to-right running totals), got "
+                             f"{self.operators!r}")
 
     @classmethod
     def from_difficulty(cls, level: int, seed: int = 0) -> ArithmeticTask:
@@ -95,10 +105,22 @@ class ArithmeticTask:
                 return expression
         raise ValueError(f"the {split} split of {self} has (almost) no expressions; widen the task")
 
+    def solution(self, expression: str) -> str:
+        """The gold completion: the integer answer, or with ``worked`` the running totals "7,5,11"."""
+        if not self.worked:
+            return str(evaluate(expression))
+        tokens = re.findall(r"\d+|[+-]", expression)
+        total, totals = int(tokens[0]), []
+        for op, operand in zip(tokens[1::2], tokens[2::2]):
+            total = total + int(operand) if op == "+" else total - int(operand)
+            totals.append(str(total))
+        return ",".join(totals)
+
     def record(self, index: int, split: str = "train") -> PromptRecord:
         expression = self.expression(index, split)
         return PromptRecord(id=f"arith-{split}-{index}", prompt=expression + "=", gold=str(evaluate(expression)),
-                            raw={"expression": expression, "split": split, "index": index})
+                            raw={"expression": expression, "split": split, "index": index,
+                                 "solution": self.solution(expression)})
 
     def records(self, n: int, split: str = "train", start: int = 0) -> list[PromptRecord]:
         return [self.record(i, split) for i in range(start, start + n)]
@@ -108,4 +130,4 @@ class ArithmeticTask:
 
     def corpus(self, n: int, split: str = "train") -> list[str]:
         """``n`` solved problems "12+7*3=33": text for the tokenizer and the supervised warm start."""
-        return [r.prompt + r.gold for r in self.records(n, split)]
+        return [r.prompt + r.raw["solution"] for r in self.records(n, split)]

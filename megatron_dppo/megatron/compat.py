@@ -7,7 +7,7 @@ Version differences are handled by *asking the installed code* rather than by ve
 ``supported_kwargs`` keeps only the keyword arguments a function (or dataclass) accepts, so a keyword that a
 newer/older release added or removed is dropped with one log line instead of a ``TypeError`` deep inside a run.
 
-GPU extras are detected, never required (ARCHITECTURE.md): Transformer Engine (fused THD attention, fused
+GPU extras are detected, never required (docs/architecture.md): Transformer Engine (fused THD attention, fused
 RoPE), NVIDIA Apex (fused optimizers, gradient-accumulation fusion; never the unrelated PyPI ``apex``), vLLM
 (rollout). ``log_gpu_extras_once`` logs which ones were found, once per process.
 """

@@ -1,7 +1,7 @@
 """Per-token log-probabilities and entropy from vocab-sharded logits, and GPTModel forwards on THD batches.
 
 Under tensor parallelism the output layer leaves each rank with a slice ``z[..., v0:v1]`` of the logits
-(``v1 - v0 = V / tp``). The full vocabulary is never gathered (FIELD.md lesson 3). With ``m`` the global max
+(``v1 - v0 = V / tp``). The full vocabulary is never gathered (V fp32 logits/token). With ``m`` the global max
 (all-reduce MAX), every quantity is a sum over the vocabulary, so it is a local sum followed by an all-reduce
 SUM over the TP group:
 

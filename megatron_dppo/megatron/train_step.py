@@ -6,7 +6,7 @@ schedule and, when the loss has a KL term, a frozen reference model. Everything 
 micro-batches (``packing.ThdBatch``) through Megatron's pipeline schedules (``get_forward_backward_func``), so
 the same code runs TP / SP / PP / VPP / DP on CPU (gloo) and on GPU (NCCL).
 
-The fixed denominator (ALGORITHMS.md section 3)
+The fixed denominator (docs/algorithms.md, "Denominators")
 -----------------------------------------------
 The step must produce ``grad L`` with ``L = (1/D) * sum_{DP ranks r} sum_{micro-batches m} N_{r,m}``, where
 ``N_{r,m} = loss_numerator(...)`` of micro-batch ``m`` on rank ``r`` and ``D`` is the constant the trainer

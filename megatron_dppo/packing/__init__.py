@@ -1,4 +1,4 @@
-"""Dense Prompt Packing (ALGORITHMS.md section 4): token-capped micro-batches dealt evenly to DP ranks, and the
+"""Dense Prompt Packing (docs/algorithms.md): token-capped micro-batches dealt evenly to DP ranks, and the
 THD layout they run in. Plain torch/python; no Megatron import."""
 
 from megatron_dppo.packing.packer import (

@@ -1,6 +1,6 @@
 """Dense Prompt Packing: put whole sequences into token-capped micro-batches and deal them to DP ranks.
 
-ALGORITHMS.md section 4. Input: per-sequence token counts ``l_s`` (prompt + completion), a token capacity ``C`` per
+docs/algorithms.md (packing). Input: per-sequence token counts ``l_s`` (prompt + completion), a token capacity ``C`` per
 micro-batch and the data-parallel size ``d``. Output: a *plan* ``plan[dp_rank][micro_batch] -> [sequence indices]``.
 
 ``pack_sequences`` (the default packer) runs three steps:
@@ -563,7 +563,7 @@ def pack_verl_kk(lengths: Sequence[int], capacity: int, dp_size: int = 1) -> Pla
 @dataclass
 class PackingStats:
     """What a plan costs. ``density`` = real tokens / allocated tokens, where a packed (THD) micro-batch allocates
-    ``C`` tokens (ALGORITHMS.md: sum(l) / (bins * C)) and a padded micro-batch allocates ``n * max(l)``."""
+    ``C`` tokens (docs/algorithms.md: sum(l) / (bins * C)) and a padded micro-batch allocates ``n * max(l)``."""
 
     num_micro_batches: int
     micro_batches_per_rank: list[int]

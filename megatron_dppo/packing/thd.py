@@ -1,6 +1,6 @@
 """THD micro-batches: whole sequences concatenated on one token axis, with the bookkeeping attention and the loss need.
 
-ALGORITHMS.md section 4 step 3. A micro-batch of ``n`` sequences with true lengths ``l_i`` and prompt lengths
+docs/algorithms.md packing step 3. A micro-batch of ``n`` sequences with true lengths ``l_i`` and prompt lengths
 ``p_i`` becomes 1-D tensors over ``T = cu_seqlens_padded[-1]`` positions:
 
 * sequence ``i`` occupies ``[cu_seqlens_padded[i], cu_seqlens_padded[i] + l_i)``, followed by

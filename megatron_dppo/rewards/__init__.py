@@ -6,6 +6,7 @@
 """
 from megatron_dppo.rewards.math import (
     arithmetic_reward,
+    arithmetic_worked_reward,
     extract_gsm8k_gold,
     extract_gsm8k_prediction,
     format_reward,
@@ -24,7 +25,8 @@ from megatron_dppo.rewards.registry import (
 from megatron_dppo.rewards.scoring import RewardResult, RewardScorer, score_batch
 
 __all__ = [
-    "RewardFn", "RewardResult", "RewardScorer", "WeightedReward", "arithmetic_reward", "build_reward",
+    "RewardFn", "RewardResult", "RewardScorer", "WeightedReward", "arithmetic_reward", "arithmetic_worked_reward",
+    "build_reward",
     "extract_gsm8k_gold", "extract_gsm8k_prediction", "format_reward", "get_reward", "gsm8k_reward", "last_boxed",
     "list_rewards", "math_verify_reward", "register_reward", "score_batch",
 ]

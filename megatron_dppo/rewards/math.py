@@ -14,6 +14,8 @@ Every reward here has the signature ``reward(completion: str, gold) -> float`` a
 - ``format_reward``: 1.0 when the completion states a final answer where the graders look for it (a ``\\boxed{}``
   or a ``#### `` line), else 0.0. Meant as a small additive bonus next to a correctness reward.
 - ``arithmetic_reward``: exact match of the stripped completion with the integer gold (the quickstart task).
+- ``arithmetic_worked_reward``: a worked arithmetic answer "7,5,11" (comma-separated integers) whose last
+  integer is the gold.
 """
 from __future__ import annotations
 
@@ -157,12 +159,29 @@ def _parse_gold(gold: str, timeout: int | None):
     return parse(wrap_gold_for_math_verify(gold), parsing_timeout=timeout)
 
 
+_LATEX_NOISE = re.compile(r"\\left|\\right|\\[!,;: ]|\\displaystyle|\\text\{\s*\}|\$|\s")
+
+
+def normalize_answer_text(text: str) -> str:
+    """An answer's text with the formatting that never changes its meaning removed: ``$``, spaces, ``\\left`` /
+    ``\\right``, LaTeX spacing commands, a trailing period; ``\\dfrac`` / ``\\tfrac`` read as ``\\frac``."""
+    text = _LATEX_NOISE.sub("", str(text)).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    return text.rstrip(".")
+
+
 def math_verify_reward(completion: str, gold: Any) -> float:
     """1.0 when math-verify finds the completion's answer equivalent to ``gold``, else 0.0.
 
-    A gold answer that math-verify cannot parse raises ValueError (the scorer turns that into a 0 and a warning)."""
+    A boxed answer whose text equals the gold up to formatting (``normalize_answer_text``) is correct too: this
+    covers the gold answers math-verify cannot parse or times out on (differential equations, lists of
+    tuples, "9:03:36 a.m."; a few percent of Minerva Math and OlympiadBench). A gold answer math-verify cannot
+    parse and the completion does not match textually raises ValueError (the scorer turns that into a 0 and a
+    warning)."""
     from math_verify import parse, verify
 
+    boxed = last_boxed(completion)
+    if boxed is not None and normalize_answer_text(boxed) == normalize_answer_text(gold) != "":
+        return 1.0
     timeout = _math_verify_timeout()
     gold_parsed = _parse_gold(str(gold), timeout)
     if not gold_parsed:
@@ -189,3 +208,13 @@ def arithmetic_reward(completion: str, gold: Any) -> float:
     """1.0 when the stripped completion is exactly the integer ``gold`` (e.g. "33" for "12+7*3="), else 0.0."""
     text = completion.strip()
     return float(bool(_INTEGER_RE.fullmatch(text)) and int(text) == int(str(gold).strip()))
+
+
+_WORKED_RE = re.compile(r"-?\d+(,-?\d+)*")
+
+
+def arithmetic_worked_reward(completion: str, gold: Any) -> float:
+    """1.0 when the stripped completion is comma-separated integers ("7,5,11") whose last one is ``gold``; the
+    intermediate totals are the model's working and are not scored."""
+    text = completion.strip()
+    return float(bool(_WORKED_RE.fullmatch(text)) and int(text.rsplit(",", 1)[-1]) == int(str(gold).strip()))

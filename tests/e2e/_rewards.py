@@ -25,3 +25,9 @@ def hangs(completion: str, gold) -> float:
 
         time.sleep(60)
     return 1.0
+
+
+def solved_or_parity(completion: str, gold) -> float:
+    """1 for every completion of a prompt whose gold is a multiple of 3 (a group with one reward for all: zero
+    advantage, so DPPO's prompt history marks it prunable on its next visit), ``parity`` otherwise."""
+    return 1.0 if int(str(gold)) % 3 == 0 else parity(completion, gold)

@@ -1,4 +1,4 @@
-"""ALGORITHMS.md invariant 1, end to end: DPPO with r_q = r_o = 0 produces exactly the weights of plain GRPO-family
+"""docs/algorithms.md invariant 1, end to end: DPPO with r_q = r_o = 0 produces exactly the weights of plain GRPO-family
 training (pruner none) after a few steps with the same seeds: same samples, same advantages, weights 1, same
 denominator, same updates, bit for bit."""
 from __future__ import annotations

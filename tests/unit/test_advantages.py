@@ -1,4 +1,4 @@
-"""Advantage estimators: formulas against brute force, the registry, and bad inputs (ALGORITHMS.md section 1)."""
+"""Advantage estimators: formulas against brute force, the registry, and bad inputs (docs/algorithms.md)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Policy losses, KL estimators, aggregation weights and denominators (ALGORITHMS.md sections 1 and 3).
+"""Policy losses, KL estimators, aggregation weights and denominators (docs/algorithms.md).
 
 The flat implementation (loss_numerator / loss_denominator / sequence_token_weights, as the engine calls it) is
 checked against ``reference_objective``, written straight from the formulas on padded tensors, for every loss x

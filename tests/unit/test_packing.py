@@ -1,4 +1,4 @@
-"""Dense Prompt Packing invariants (ALGORITHMS.md section 4): hard cap, every sequence exactly once, equal
+"""Dense Prompt Packing invariants (docs/algorithms.md): hard cap, every sequence exactly once, equal
 micro-batch counts per DP rank, density on a realistic length distribution, and the baselines' behaviour."""
 
 import math

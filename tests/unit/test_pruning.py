@@ -1,4 +1,4 @@
-"""DPPO / CPPO pruning: every invariant of ALGORITHMS.md section 2 (numbers refer to its invariant box).
+"""DPPO / CPPO pruning: every invariant of docs/algorithms.md, "Pruning" (numbered as there).
 
 Monte-Carlo tests stack D independent draws in a leading dimension (the pruners treat leading dims as independent
 decisions) and judge every statistic with one helper, ``mc_z``: z = |mean - target| / sqrt(SE^2 + atol^2), SE the

@@ -1,4 +1,4 @@
-"""THD micro-batch fields (ALGORITHMS.md section 4 step 3) on hand-computed cases, and loss equivalence between
+"""THD micro-batch fields (docs/algorithms.md packing step 3) on hand-computed cases, and loss equivalence between
 the packed THD layout, the padded [N, L] layout and a per-sequence reference."""
 
 import random
