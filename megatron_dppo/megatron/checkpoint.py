@@ -340,7 +340,7 @@ def save_checkpoint(engine, root: str | os.PathLike, extra: dict[str, Any] | Non
         ok = True
     except BaseException as err:  # torch.distributed's CheckpointException is a BaseException
         error = err
-        if not isinstance(err, Exception):
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
     finally:
         all_ok = D.all_ranks(ok)  # also runs when this rank raised, so the others do not hang here

@@ -325,9 +325,13 @@ def free_bytes(path: Path) -> tuple[int, int]:
 
 
 def out_of_space(err: BaseException | None, directory: Path) -> bool:
-    """Did this failure come from a full file system (or quota)? The errno when it survived (torch's zip
-    writer turns a failed write into ``RuntimeError ... unexpected pos``, losing it), else the free space left."""
-    if any(isinstance(e, OSError) and e.errno in _NO_SPACE for e in _exceptions_in(err)):
+    """Did this failure come from a full file system (or quota)? The errno or its text when they survived
+    (torch's zip writer turns a failed write into ``RuntimeError ... unexpected pos``, losing both), else the
+    free space left."""
+    # (torch.distributed gathers the writers' exceptions pickled, which drops their causes: the text remains)
+    texts = tuple(os.strerror(code) for code in _NO_SPACE)
+    if any((isinstance(e, OSError) and e.errno in _NO_SPACE) or any(t in str(e) for t in texts)
+           for e in _exceptions_in(err)):
         return True
     if err is None:
         return False
