@@ -19,9 +19,9 @@ SHA-256 runs at ~0.5-2 GB/s per core with the CPU's SHA extensions), rank 0 hash
 Recovery (:func:`recover_interrupted_saves`, rank 0, before anything is read or removed). A save renames the
 complete ``.tmp-<name>`` to ``<name>``; when ``<name>`` exists already it is first moved to ``.tmp-old-<name>``.
 A crash between these renames leaves the step under a temporary name only: the complete newer copy (manifest
-present and valid) or else the moved-aside copy is renamed back. The ``latest`` pointer is a hint: when it is
-missing or names something that is not a usable checkpoint, the newest usable checkpoint (by step) is taken,
-with a warning.
+present and valid) or else the moved-aside copy is renamed back. Resuming takes the newest checkpoint (by step)
+that verifies; the ``latest`` pointer names it after every completed save, and a warning says so when it does
+not (missing, damaged, or behind after a crash just before it was updated) or when a damaged one is skipped.
 """
 from __future__ import annotations
 
@@ -244,28 +244,24 @@ def recover_interrupted_saves(root: Path) -> list[str]:
 
 
 def _candidates(root: Path) -> tuple[list[Path], str | None]:
-    """Checkpoint directories to try, best first, and a note when the ``latest`` pointer could not be followed.
-
-    ``latest`` names the most recently committed checkpoint (not always the highest step: a run restarted from
-    an older step writes that step again); the older ones follow, newest step first. Without a usable pointer:
-    every checkpoint, newest step first."""
+    """Checkpoint directories to try, newest step first, and a note when the ``latest`` pointer does not name
+    the first of them (missing, unreadable, naming a missing step, or behind: the process stopped between
+    renaming a new checkpoint into place and updating the pointer)."""
     steps = sorted((p for p in root.iterdir() if p.is_dir() and NAME_RE.match(p.name)), key=step_of, reverse=True)
     pointer = root / LATEST_FILE
-    note = None
-    if pointer.is_file():
-        name = pointer.read_text(errors="replace").strip()
-        target = root / name
-        if NAME_RE.match(name) and target.is_dir():
-            return [target] + [p for p in steps if step_of(p) < step_of(target)], None
-        note = f"{pointer} names {name!r}, which is not a checkpoint under {root}"
-    elif steps:
-        note = f"{pointer} is missing"
-    return steps, note
+    if not steps:
+        return steps, None
+    if not pointer.is_file():
+        return steps, f"{pointer} is missing"
+    name = pointer.read_text(errors="replace").strip()
+    if name != steps[0].name:
+        return steps, f"{pointer} names {name!r}, but the newest checkpoint under {root} is {steps[0].name}"
+    return steps, None
 
 
 def find_checkpoint(root: str | os.PathLike, level: str = "hash") -> Path | None:
-    """Collective: the checkpoint to resume from under ``root``: the one ``latest`` names when it verifies, else
-    the newest one that does (a warning names what was skipped and why); None when ``root`` holds none.
+    """Collective: the checkpoint to resume from under ``root``: the newest one that verifies (normally the one
+    ``latest`` names; a warning says what was skipped and why); None when ``root`` holds none.
     Raises :class:`CheckpointError` when checkpoints exist but none is usable."""
     root = Path(root)
     if D.rank() == 0:
@@ -277,7 +273,7 @@ def find_checkpoint(root: str | os.PathLike, level: str = "hash") -> Path | None
     candidates, note = _candidates(root)
     candidates = [Path(p) for p in D.broadcast_object([str(p) for p in candidates])]  # one list on every rank
     if note and D.rank() == 0:
-        logger.warning("%s; looking for the newest usable checkpoint instead", note)
+        logger.warning("%s; taking the newest usable checkpoint", note)
     rejected = []
     for path in candidates:
         problems = verify_checkpoint(path, level)

@@ -115,18 +115,19 @@ def test_killed_between_moving_aside_and_renaming(world, tmp_path, newer_copy, c
     assert not list(tmp_path.glob(".tmp-old-*"))
 
 
-def test_complete_copy_never_renamed_is_taken(world, tmp_path):
-    """Killed after the manifest was written but before the rename: the complete copy is taken."""
+def test_complete_copy_never_renamed_is_taken(world, tmp_path, caplog):
+    """Killed after the manifest was written but before the rename (so `latest` still names step 3): the
+    complete copy of step 4 is renamed into place and taken, with a warning about the pointer."""
     from megatron_dppo.megatron.checkpoint import find_resume_checkpoint
 
     engine = _engine()
     saved = _save_steps(engine, tmp_path, [3, 4])
     (tmp_path / "step_00000004").rename(tmp_path / ".tmp-step_00000004")
     (tmp_path / "latest").write_text("step_00000003\n")
-    assert find_resume_checkpoint(tmp_path) == tmp_path / "step_00000003"  # `latest` (valid) still wins ...
-    assert (tmp_path / "step_00000004").is_dir()  # ... and step 4 is back under its name for the next start
-    (tmp_path / "latest").unlink()
-    assert _loads_as(engine, find_resume_checkpoint(tmp_path), saved[4])
+    with caplog.at_level(logging.WARNING):
+        found = find_resume_checkpoint(tmp_path)
+    assert found == tmp_path / "step_00000004" and "names 'step_00000003'" in caplog.text
+    assert _loads_as(engine, found, saved[4])
 
 
 # ---------------------------------------------------------------------------------------------- damaged files
@@ -201,7 +202,7 @@ def test_lost_latest_pointer_takes_the_newest_complete_checkpoint(world, tmp_pat
         (tmp_path / "latest").write_text("step_00000009\n")
     with caplog.at_level(logging.WARNING):
         found = find_resume_checkpoint(tmp_path)
-    assert found == tmp_path / "step_00000006" and "newest usable checkpoint" in caplog.text
+    assert found == tmp_path / "step_00000006" and "taking the newest usable checkpoint" in caplog.text
     assert _loads_as(engine, found, saved[6])
 
 
