@@ -378,9 +378,9 @@ def stop_requested(env: Mapping[str, str] | None = None) -> bool:
 
     ``slurm/train.sbatch`` creates that file when Slurm warns of the time limit (``--signal=B:USR1@<s>``, or
     ``scancel --signal=USR1 --batch``), then requeues the job once the ranks have exited. It does not signal the
-    ranks: a signal sent to a job step reaches every process of the step, helper processes included (reward
-    workers, vLLM engines, checkpoint writer processes), and kills those without a handler -- measured: a
-    Megatron dist-checkpoint save dies with BrokenPipeError. Ranks may see the file at different steps (network
+    ranks: a signal sent to a job step reaches every process of the step and kills those without a handler (the
+    trainer's own helpers survive it: checkpoints are written in-process, reward workers run in sessions of
+    their own; a user's program started from a reward function may not). Ranks may see the file at different steps (network
     file systems cache attributes), so call this on every rank at a step boundary and agree collectively
     (all-reduce MAX) before checkpointing and exiting with status 0.
     """
@@ -398,6 +398,7 @@ def free_port() -> int:
 
 # ---------------------------------------------------------------------------------------- process lifetime
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_AT_IMPORT = os.getppid()  # the launcher, read as early as possible (it may legitimately be pid 1)
 
 
 def die_with_parent(expected_parent: int | None = None, sig: int | None = None) -> bool:
@@ -405,8 +406,8 @@ def die_with_parent(expected_parent: int | None = None, sig: int | None = None) 
     through ctypes). Returns False where that is not available (not Linux, no libc).
 
     A parent that died before the call is not covered by the kernel (the process was already re-parented), so
-    the process kills itself with ``sig`` when its parent is no longer ``expected_parent`` (default: when it
-    was re-parented to init, pid 1). The kernel signals when the parent *thread* that forked the
+    the process kills itself with ``sig`` when its parent is no longer ``expected_parent`` (default: the parent
+    when this module was imported). The kernel signals when the parent *thread* that forked the
     process exits; torchrun, srun and the reward-worker pool start their children from their main thread.
     """
     import ctypes
@@ -422,8 +423,7 @@ def die_with_parent(expected_parent: int | None = None, sig: int | None = None) 
             return False
     except (OSError, AttributeError):
         return False
-    parent = os.getppid()
-    if parent == 1 or (expected_parent is not None and parent != expected_parent):
+    if os.getppid() != (PARENT_AT_IMPORT if expected_parent is None else expected_parent):
         os.kill(os.getpid(), sig)  # the parent is already gone
     return True
 

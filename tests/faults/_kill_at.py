@@ -6,6 +6,8 @@ Points (in the order of a save's commit, ``megatron.checkpoint._commit``):
   aside     a checkpoint of the same step existed and was just moved aside, the new one not renamed yet
   rename    the manifest is written, the directory not yet renamed to its final name
   latest    the directory is renamed, the ``latest`` pointer not yet updated
+  sigterm   not a kill: SIGTERM to this process as the save starts (a scheduler's signal during a checkpoint step)
+Every save prints ``[kill_at] save N: step_XXXXXXXX``.
 """
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ def main() -> int:
     saves = {"n": 0}
     real_save = C.save_checkpoint
 
-    def counting_save(*args, **kwargs):
+    def counting_save(engine, *args, **kwargs):
         saves["n"] += 1
-        return real_save(*args, **kwargs)
+        print(f"[kill_at] save {saves['n']}: {C.checkpoint_name(engine.step)}", flush=True)
+        if point == "sigterm" and saves["n"] == nth:  # a scheduler's SIGTERM arriving during this save
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(engine, *args, **kwargs)
 
     def die():
         if saves["n"] == nth:
@@ -54,7 +59,7 @@ def main() -> int:
             return result
 
         Path.rename = rename
-    else:
+    elif point != "sigterm":
         raise SystemExit(f"unknown point {point!r}")
     return cli.main(argv)
 
