@@ -104,7 +104,6 @@ class StopSignals:
 STOP_REQUESTED = 0  # stop code of a job-script request (no signal): the CLI exits 0 after the checkpoint
 
 
-
 # ==============================================================================================================
 # One run per output folder
 # ==============================================================================================================

@@ -199,9 +199,8 @@ def test_sigkilled_trainer_leaves_no_process_and_resumes(tmp_path, straight):
     assert before <= _all_recorded_lines(out)  # no line written before the kill is lost
 
 
-@pytest.mark.parametrize("point,nth", [("manifest", 1), ("rename", 3), ("latest", 3), ("manifest", 4)],
-                         ids=["warm-start-save-before-manifest", "before-rename", "before-latest",
-                              "final-save-before-manifest"])
+@pytest.mark.parametrize("point,nth", [("latest", 1), ("manifest", 3), ("rename", 3), ("latest", 3)],
+                         ids=["warm-start-save-before-latest", "before-manifest", "before-rename", "before-latest"])
 def test_sigkill_during_checkpoint_commit(tmp_path, straight, point, nth):
     """kill -9 at each point of a save's commit: the next start takes the newest complete checkpoint (repairing
     the interrupted rename), and the resumed run equals the straight run."""
@@ -288,7 +287,7 @@ def _flip_a_bit(ckpt: Path) -> None:
     shard.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["bit-flip", "no-common.pt", "truncated"])
+@pytest.mark.parametrize("damage", ["bit-flip", "truncated"])  # (a deleted common.pt: test_checkpoint_faults)
 def test_damaged_final_checkpoint_falls_back(tmp_path, straight, damage):
     out = tmp_path / "run"
     config = _clone(straight, out)
