@@ -103,6 +103,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
             print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk (checkpoint.CheckpointDiskFullError names the file system): one line
+        import errno  # noqa: PLC0415
+
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT) or os.environ.get("MEGATRON_DPPO_DEBUG"):
+            raise
+        if os.environ.get("RANK", "0") == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
+            print(f"error: {err.strerror or err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -436,11 +436,16 @@ class CheckpointConfig:
     """Checkpoints: model, optimizer, RNG, step, data cursor, prompt history (written atomically)."""
 
     dir: Optional[str] = opt(None, "Checkpoint directory; null = <train.output_dir>/checkpoints.")
-    every: int = opt(0, "Save every N RL steps (always at the end and on SIGINT/SIGTERM/SIGUSR1); 0 = only then.")
+    every: int = opt(0, "Save every N RL steps and every N warm-start steps (always at the end and on SIGINT/"
+                        "SIGTERM/SIGHUP/SIGUSR1); 0 = only then.")
     resume: Literal["auto", "never", "must"] = opt("auto", "auto = resume from the latest checkpoint in "
                                                            "checkpoint.dir if any; never = start fresh (error if "
                                                            "one exists); must = error if none exists.")
     keep_last: int = opt(2, "Keep the newest N checkpoints; older ones are deleted after a successful save.")
+    verify: Literal["hash", "size"] = opt("hash", "Check a checkpoint against its manifest before resuming from it: "
+                                                  "hash = sizes and SHA-256 of every file (reads it once), size = "
+                                                  "sizes only. A damaged checkpoint is skipped (with a warning) "
+                                                  "for the newest one that verifies.")
 
     def validate(self) -> None:
         _check(self.every >= 0, "checkpoint.every", self.every, ">= 0")

@@ -378,9 +378,9 @@ def stop_requested(env: Mapping[str, str] | None = None) -> bool:
 
     ``slurm/train.sbatch`` creates that file when Slurm warns of the time limit (``--signal=B:USR1@<s>``, or
     ``scancel --signal=USR1 --batch``), then requeues the job once the ranks have exited. It does not signal the
-    ranks: a signal sent to a job step reaches every process of the step, helper processes included (reward
-    workers, vLLM engines, checkpoint writer processes), and kills those without a handler -- measured: a
-    Megatron dist-checkpoint save dies with BrokenPipeError. Ranks may see the file at different steps (network
+    ranks: a signal sent to a job step reaches every process of the step and kills those without a handler (the
+    trainer's own helpers survive it: checkpoints are written in-process, reward workers run in sessions of
+    their own; a user's program started from a reward function may not). Ranks may see the file at different steps (network
     file systems cache attributes), so call this on every rank at a step boundary and agree collectively
     (all-reduce MAX) before checkpointing and exiting with status 0.
     """
@@ -394,3 +394,51 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------- process lifetime
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_AT_IMPORT = os.getppid()  # the launcher, read as early as possible (it may legitimately be pid 1)
+
+
+def die_with_parent(expected_parent: int | None = None, sig: int | None = None) -> bool:
+    """Ask Linux to send this process ``sig`` (default SIGKILL) when its parent dies (``prctl(PR_SET_PDEATHSIG)``
+    through ctypes). Returns False where that is not available (not Linux, no libc).
+
+    A parent that died before the call is not covered by the kernel (the process was already re-parented), so
+    the process kills itself with ``sig`` when its parent is no longer ``expected_parent`` (default: the parent
+    when this module was imported). The kernel signals when the parent *thread* that forked the
+    process exits; torchrun, srun and the reward-worker pool start their children from their main thread.
+    """
+    import ctypes
+    import ctypes.util
+    import signal
+
+    sig = signal.SIGKILL if sig is None else sig
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != (PARENT_AT_IMPORT if expected_parent is None else expected_parent):
+        os.kill(os.getpid(), sig)  # the parent is already gone
+    return True
+
+
+def bind_to_launcher(info: LaunchInfo, env: Mapping[str, str] | None = None) -> bool:
+    """Make a torchrun worker die (SIGKILL) with its torchrun agent.
+
+    torchrun starts every worker in a session of its own (``start_new_session``), so a SIGKILLed agent (OOM
+    killer, ``kill -9``, a node agent that gives up) leaves its workers training and writing checkpoints with
+    nobody to stop them. SIGKILL, not SIGTERM: without the agent the other ranks are going away too, and a
+    checkpoint would wait in a collective for ranks that no longer exist; the last completed checkpoint stays.
+    Slurm's step daemon and MPI's daemons kill their tasks themselves; a single process started from a shell is
+    left alone (``nohup`` users expect it to outlive the shell). Returns True when the binding is in place.
+    """
+    env = os.environ if env is None else env
+    if info.launcher != "torchrun" or env.get("TORCHELASTIC_RUN_ID") is None:
+        return False
+    return die_with_parent()

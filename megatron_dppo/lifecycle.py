@@ -1,10 +1,15 @@
 """Lifecycle of a run: checkpoints (model, optimizer, RNG through the engine; step, data cursor and prompt
-history as the trainer's "extra"), resume, and the clean stop on SIGINT / SIGTERM / SIGUSR1 or a job-script
-request (finish the step, save, exit)."""
+history as the trainer's "extra"), resume, the clean stop on SIGINT / SIGTERM / SIGHUP / SIGUSR1 or a job-script
+request (finish the step, save, exit), and the lock that keeps two runs out of one output folder."""
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import signal
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,10 +30,12 @@ def save(run: Run) -> Path:
 
 
 def find_resume_checkpoint(cfg: Config) -> Path | None:
-    """The checkpoint to resume from, per checkpoint.resume (auto | never | must)."""
-    from megatron_dppo.megatron.checkpoint import latest_checkpoint
+    """Collective: the checkpoint to resume from, per checkpoint.resume (auto | never | must): the newest one
+    that verifies against its manifest (``checkpoint.verify``); an interrupted save is repaired first, and a
+    damaged or unnamed latest checkpoint is skipped with a warning (``megatron.checkpoint_files``)."""
+    from megatron_dppo.megatron.checkpoint import find_resume_checkpoint as find
 
-    found = latest_checkpoint(cfg.checkpoint_dir) if Path(cfg.checkpoint_dir).exists() else None
+    found = find(cfg.checkpoint_dir, cfg.checkpoint.verify)
     if cfg.checkpoint.resume == "must" and found is None:
         raise ValueError(f"checkpoint.resume=must but there is no checkpoint under {cfg.checkpoint_dir}")
     if cfg.checkpoint.resume == "never" and found is not None:
@@ -40,7 +47,7 @@ def find_resume_checkpoint(cfg: Config) -> Path | None:
 def restore(run: Run, path: Path) -> None:
     from megatron_dppo.megatron.checkpoint import load_checkpoint
 
-    extra = load_checkpoint(run.engine, path)
+    extra = load_checkpoint(run.engine, path, verify=None)  # find_resume_checkpoint has just verified it
     run.rl_step, run.sft_step = int(extra["rl_step"]), int(extra["sft_step"])
     run.sampler.load_state_dict(extra["sampler"])
     run.history.load_state_dict(extra["history"])
@@ -49,12 +56,15 @@ def restore(run: Run, path: Path) -> None:
 
 
 # ==============================================================================================================
-# Clean stop on SIGINT / SIGTERM / SIGUSR1: finish the current step, save, exit
+# Clean stop on SIGINT / SIGTERM / SIGHUP / SIGUSR1: finish the current step, save, exit
 # ==============================================================================================================
 class StopSignals:
-    """First signal: stop after the current step with a checkpoint. A second SIGINT aborts immediately."""
+    """First signal: stop after the current step with a checkpoint. A second SIGINT aborts immediately.
 
-    SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+    SIGHUP (the terminal or ssh session went away) is a stop like SIGTERM: the run ends with a checkpoint
+    rather than being killed mid-step; ``nohup`` sets it to ignored, which the handler does not override."""
+
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1")
 
     def __init__(self):
         self.received: int | None = None
@@ -65,7 +75,7 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
                 sig = getattr(signal, name, None)
-                if sig is not None:
+                if sig is not None and not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN):
                     self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -93,3 +103,71 @@ class StopSignals:
 
 STOP_REQUESTED = 0  # stop code of a job-script request (no signal): the CLI exits 0 after the checkpoint
 
+
+# ==============================================================================================================
+# One run per output folder
+# ==============================================================================================================
+LOCK_FILE = ".lock"
+
+
+class OutputLock:
+    """An exclusive lock on ``<output_dir>/.lock``, held by rank 0 for the whole run.
+
+    ``flock`` is released by the kernel when the holder exits, however it exits (SIGKILL, OOM), so a crashed run
+    never leaves a stale lock. The file names the holder (pid, host, start time) for the error of a second run.
+    Linux NFS clients implement ``flock`` with POSIX byte-range locks, which the server arbitrates between hosts.
+    A process that holds the lock already (a set-up that failed after taking it, then a new run in the same
+    Python process) takes it again: only other processes are kept out.
+    """
+
+    _held: dict[str, "OutputLock"] = {}  # realpath of the lock file -> this process's lock on it
+
+    def __init__(self, output_dir: str | os.PathLike):
+        self.path = Path(output_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise ``ValueError`` naming the run that holds it."""
+        mine = OutputLock._held.pop(os.path.realpath(self.path), None)
+        if mine is not None:
+            mine.release()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                raise ValueError(f"{self.path.parent} is in use by another run ({holder}); wait for it to finish, "
+                                 "stop it, or use another train.output_dir") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}\n".encode(), 0)
+        self._fd = fd
+        OutputLock._held[os.path.realpath(self.path)] = self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the lock; the file stays (harmless)
+            self._fd = None
+            if OutputLock._held.get(os.path.realpath(self.path)) is self:
+                del OutputLock._held[os.path.realpath(self.path)]
+
+
+def lock_output_dir(output_dir: str | os.PathLike) -> OutputLock | None:
+    """Collective: rank 0 takes the output folder's lock; every rank raises the same error when it is taken."""
+    lock, error = None, None
+    if D.is_main():
+        lock = OutputLock(output_dir)
+        try:
+            lock.acquire()
+        except ValueError as err:
+            lock, error = None, str(err)
+        except OSError as err:  # e.g. a read-only folder: the same answer on every rank, not a hang
+            lock, error = None, f"cannot lock {lock.path}: {err.strerror or err}"
+    error = D.broadcast_object(error)
+    if error is not None:
+        raise ValueError(error)
+    return lock

@@ -2,7 +2,8 @@
 
 Rank 0 writes; other ranks get a sink that drops everything. ``metrics.jsonl`` holds one JSON object per step
 (``{"step": s, "phase": "rl"|"sft"|"eval", ...}``); on resume the lines at or after the resumed position are
-dropped, so a resumed run's file equals a straight run's file (apart from the wall-clock ``time/*`` fields).
+dropped, so a resumed run's file equals a straight run's file (apart from the wall-clock ``time/*`` fields);
+whenever a line is dropped the original file is kept as ``metrics.jsonl.<UTC time>.bak`` (``rewrite_jsonl``).
 """
 from __future__ import annotations
 
@@ -89,19 +90,9 @@ class MetricsSink:
             self._wandb = _start_wandb(self._want["wandb"], self._project, str(self.dir), self._run_config)
 
     def _truncate_jsonl(self, resume_key: tuple[int, int] | None) -> None:
-        """Keep only the records before ``resume_key`` (None = fresh run: start an empty file)."""
-        if resume_key is None or not self.jsonl_path.exists():
-            self.jsonl_path.write_text("", encoding="utf-8")
-            return
-        kept = []
-        for line in self.jsonl_path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a crash
-            if record_key(rec) < tuple(resume_key):
-                kept.append(line)
-        self.jsonl_path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        """Keep only the records before ``resume_key`` (None = fresh run: start an empty file); see
+        :func:`rewrite_jsonl` (a copy of the file is kept whenever a line is dropped)."""
+        rewrite_jsonl(self.jsonl_path, lambda rec: resume_key is not None and record_key(rec) < tuple(resume_key))
 
     def log(self, step: int, metrics: dict[str, Any], phase: str = "rl", global_step: int | None = None) -> None:
         if not self.enabled:
@@ -153,11 +144,78 @@ def _start_wandb(mode: str, project: str, directory: str, run_config: dict | Non
     return wandb.init(project=project, dir=directory, config=run_config)
 
 
+def _parse_line(line: bytes) -> dict | None:
+    """One JSONL record, or None for a line a crash tore (not UTF-8, not JSON, not an object with a step)."""
+    try:
+        rec = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(rec, dict):
+        return None
+    try:
+        record_key(rec)
+    except (TypeError, ValueError):
+        return None
+    return rec
+
+
+def keep_copy(path: Path) -> Path:
+    """Copy ``path`` to ``<path>.<UTC time>.bak`` (a fresh name) and return the copy."""
+    import shutil
+
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    backup, n = path.with_name(f"{path.name}.{stamp}.bak"), 1
+    while backup.exists():
+        backup, n = path.with_name(f"{path.name}.{stamp}-{n}.bak"), n + 1
+    shutil.copy2(path, backup)
+    return backup
+
+
+def rewrite_jsonl(path: str | Path, keep) -> tuple[int, int, Path | None]:
+    """Rewrite the JSONL file ``path`` with the records for which ``keep(record)`` is true (on resume: the steps
+    before the resumed position). Recorded data is never lost: when any line is dropped (later steps than the
+    resume point, e.g. after a crash or a lost ``latest`` pointer, or lines torn by a crash), the original file
+    is first copied to ``<path>.<UTC time>.bak`` and a warning names the copy. Torn lines (a non-UTF-8 byte,
+    half a JSON object) are skipped, never fatal. The file is replaced atomically. Returns (records dropped,
+    torn lines skipped, the copy or None)."""
+    path = Path(path)
+    if not path.exists():
+        path.write_text("", encoding="utf-8")
+        return 0, 0, None
+    kept, dropped, torn = [], 0, 0
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        rec = _parse_line(line)
+        if rec is None:
+            torn += 1
+        elif keep(rec):
+            kept.append(line.decode("utf-8"))
+        else:
+            dropped += 1
+    backup = keep_copy(path) if dropped or torn else None
+    if backup is not None:
+        what = [f"{dropped} record(s) of later steps than the resume point"] if dropped else []
+        what += [f"{torn} unreadable line(s) (torn by a crash)"] if torn else []
+        warnings.warn(f"{path}: dropped {' and '.join(what)}; the original file is kept as {backup}",
+                      stacklevel=2)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return dropped, torn, backup
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSONL file; lines torn by a crash are skipped with a warning."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+    records = [rec for line in lines if (rec := _parse_line(line)) is not None]
+    if len(records) < len(lines):
+        warnings.warn(f"{path}: skipped {len(lines) - len(records)} unreadable line(s) (torn by a crash)",
+                      stacklevel=2)
+    return records
 
 
 def plot_reward_curve(metrics_path: str | Path, png_path: str | Path) -> Path | None:

@@ -34,7 +34,7 @@ from megatron_dppo.build import (
 )
 from megatron_dppo.config import Config
 from megatron_dppo.console import print_banner
-from megatron_dppo.lifecycle import find_resume_checkpoint, restore
+from megatron_dppo.lifecycle import find_resume_checkpoint, lock_output_dir, restore
 from megatron_dppo.metrics import MetricsSink
 
 
@@ -66,6 +66,7 @@ class Run:
     pad_id: int = 0
     audit: Any = None  # open file (rank 0, logging.audit_log)
     handover: Any = None  # rollout.handover.MemoryHandover (GPU memory order around weight pushes)
+    lock: Any = None  # lifecycle.OutputLock (rank 0): one run per output folder
 
     @property
     def dp_rank(self) -> int:
@@ -113,6 +114,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
                          "(set train.sft_steps=0)")
     eval_sets = load_eval_sets(cfg, tokenizer, arch) if (cfg.eval.every or need_eval) else {}
     eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward, step_budget=False) for name in eval_sets}
+    lock = lock_output_dir(out_dir)  # before the first write: a second run into this folder stops here
     found = find_resume_checkpoint(cfg) if resume else None
 
     # 2. the engines
@@ -138,7 +140,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
               pruner=pruner, history=PromptHistory(cfg.algo.history_ema), loss_cfg=loss_cfg, estimator=estimator,
               sink=sink, sft_pairs=sft_pairs, eos_ids=eos_ids(tokenizer, hf_config),
               pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
-              handover=build_handover(cfg, engine, rollout, arch))
+              handover=build_handover(cfg, engine, rollout, arch), lock=lock)
 
     # 3. state: a checkpoint, or pretrained weights, or the fresh initialization
     if found is not None:
@@ -166,16 +168,11 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
 
 
 def open_audit(path: Path, resume_step: int | None):
-    """The audit trail, keeping on resume only the lines of the steps before ``resume_step``."""
-    kept = []
-    if resume_step is not None and path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                if json.loads(line)["step"] < resume_step:
-                    kept.append(line + "\n")
-            except (json.JSONDecodeError, KeyError):
-                continue
-    path.write_text("".join(kept), encoding="utf-8")
+    """The audit trail, keeping on resume only the lines of the steps before ``resume_step`` (a copy of the file
+    is kept when lines are dropped: ``metrics.rewrite_jsonl``)."""
+    from megatron_dppo.metrics import rewrite_jsonl
+
+    rewrite_jsonl(path, lambda rec: resume_step is not None and rec.get("step", resume_step) < resume_step)
     return open(path, "a", encoding="utf-8")
 
 
@@ -194,6 +191,8 @@ def teardown(run: Run) -> None:
         scorer.close()
     from megatron_dppo.megatron.parallel import destroy_parallel
     D.barrier()
+    if run.lock is not None:
+        run.lock.release()
     destroy_parallel()
 
 

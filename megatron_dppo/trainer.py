@@ -164,6 +164,14 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
 
     run = setup(cfg, resume=checkpoints)
     start, last, stopped_by = (run.sft_step, run.rl_step), {}, None
+    saved: dict[tuple[int, int], Path] = {}  # position -> checkpoint written there (never write one twice)
+
+    def checkpoint() -> Path:
+        position = (run.sft_step, run.rl_step)
+        if position not in saved:
+            saved[position] = save(run)
+        return saved[position]
+
     if start == (cfg.train.sft_steps, cfg.train.steps) and D.is_main():
         print(f"nothing to do: {cfg.train.output_dir} already finished RL step {cfg.train.steps} of "
               f"{cfg.train.steps}; raise train.steps to continue, or use a new train.output_dir (or delete this "
@@ -179,6 +187,8 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
                 console.progress(bar, {"nll": m["sft/nll"]})
                 if run.sft_step == cfg.train.sft_steps:
                     finish_warm_start(run)
+                elif checkpoints and cfg.checkpoint.every and run.sft_step % cfg.checkpoint.every == 0:
+                    checkpoint()  # warm-start progress is checkpointed like RL steps
                 stopped_by = stop.poll()
             console.close_bar(bar)
 
@@ -201,13 +211,13 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
                 console.print_step(run, step, m)
                 if checkpoints and cfg.checkpoint.every and run.rl_step % cfg.checkpoint.every == 0 \
                         and run.rl_step < cfg.train.steps:
-                    save(run)
+                    checkpoint()
                 stopped_by = stop.poll()
             console.close_bar(bar)
 
             # -- final checkpoint (also the one a signal asked for)
             if checkpoints and (run.sft_step, run.rl_step) != start:
-                path = save(run)
+                path = checkpoint()  # (the one of this step when a signal came during a checkpoint step)
                 if stopped_by is not None and D.is_main():
                     reason = "the job script's stop request" if stopped_by == STOP_REQUESTED \
                         else signal.Signals(stopped_by).name

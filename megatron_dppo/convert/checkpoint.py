@@ -162,7 +162,10 @@ def save_model_dist_checkpoint(chunks: list, path: Path) -> None:
     if D.rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     D.barrier()
-    dist_checkpointing.save(_model_sharded_state_dict(chunks), str(path))
+    from megatron_dppo.megatron.checkpoint_files import in_process_save_strategy
+
+    # (shards written by threads of this process: no Manager / writer processes to orphan or to lose to a signal)
+    dist_checkpointing.save(_model_sharded_state_dict(chunks), str(path), sharded_strategy=in_process_save_strategy())
 
 
 def check_dist_checkpoint_files(path: Path) -> None:

@@ -3,17 +3,22 @@
 Layout of a checkpoint root::
 
     <root>/latest                 one line: the name of the newest complete checkpoint ("step_00000010")
-    <root>/step_00000010/         a dist_checkpointing directory (metadata.json, common.pt, *.distcp)
+    <root>/step_00000010/         a dist_checkpointing directory (metadata.json, common.pt, *.distcp) and
+                                  manifest.json (size and SHA-256 of every file; written last)
     <root>/.tmp-step_00000010/    only while it is being written (or after a crash: never read, removed by
-                                  the next save)
+                                  the next save unless it is the only complete copy of its step)
 
-Atomicity: every rank writes into ``.tmp-<name>``; after all ranks succeeded (an all-reduced success flag),
-rank 0 renames it to ``<name>`` (an existing ``<name>`` is first moved aside and deleted after the rename) and
-then replaces ``latest`` (write ``.latest.tmp``, fsync, ``os.replace``). A crash or an exception at any point
-leaves either the previous complete checkpoint or the new one behind, never a partial one under a final name;
-``latest`` always names a complete checkpoint. (An exception raised on ONE rank inside Megatron's collective
-save leaves the other ranks waiting in that collective until the process-group timeout; the temporary
-directory is still never renamed.)
+Atomicity: every rank writes into ``.tmp-<name>`` (from threads of the trainer process: no helper process that
+a signal to the process group could kill, see ``checkpoint_files``) and hashes the shards it wrote; after all
+ranks succeeded (an all-reduced success flag), rank 0 writes the manifest, renames the directory to ``<name>``
+(an existing ``<name>`` is first moved aside and deleted after the rename) and then replaces ``latest`` (write
+``.latest.tmp``, fsync, ``os.replace``). A crash or an exception at any point leaves the previous complete
+checkpoint and possibly the new one behind, never a partial one under a final name; a crash between the two
+renames is repaired by the next start (``checkpoint_files.recover_interrupted_saves``). Resuming
+(:func:`find_resume_checkpoint`) verifies the manifest and falls back to the newest checkpoint that verifies,
+with a warning. A full disk is reported as such (``CheckpointDiskFullError``), naming the file system. (An
+exception raised on ONE rank inside Megatron's collective save leaves the other ranks waiting in that
+collective until the process-group timeout; the temporary directory is still never renamed.)
 
 What is saved:
 
@@ -51,7 +56,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -61,30 +65,30 @@ import numpy as np
 import torch
 
 from megatron_dppo import distributed as D
+from megatron_dppo.megatron.checkpoint_files import (
+    ASIDE_PREFIX,
+    LATEST_FILE,
+    NAME_RE as _NAME_RE,
+    TMP_PREFIX as _TMP_PREFIX,
+    CheckpointDiskFullError,  # noqa: F401 - part of this module's interface
+    CheckpointError,  # noqa: F401 - part of this module's interface
+    disk_full_error,
+    find_checkpoint,
+    fsync_dir as _fsync_dir,
+    in_process_save_strategy,
+    out_of_space,
+    recover_interrupted_saves,
+    verify_checkpoint,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-LATEST_FILE = "latest"
-_NAME_RE = re.compile(r"^step_(\d{8,})$")
-_TMP_PREFIX = ".tmp-"
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{int(step):08d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -337,11 +341,9 @@ def save_checkpoint(engine, root: str | os.PathLike, extra: dict[str, Any] | Non
 
     ``extra``: the trainer's picklable state (data cursor, prompt history, ...), returned by
     ``load_checkpoint``. ``keep_last``: delete all but the newest ``keep_last`` complete checkpoints
-    afterwards. Returns the checkpoint directory.
+    afterwards. Returns the checkpoint directory. Raises ``CheckpointDiskFullError`` (an ``OSError``, errno
+    ENOSPC) when the file system is full; nothing is committed then and the previous checkpoint stays.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r} must be None or an integer >= 1")
     root = Path(root)
@@ -349,48 +351,101 @@ def save_checkpoint(engine, root: str | os.PathLike, extra: dict[str, Any] | Non
     final, tmp = root / name, root / f"{_TMP_PREFIX}{name}"
     if D.rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
+        for line in recover_interrupted_saves(root):  # before removing leftovers: one may be a step's only copy
+            logger.warning("checkpoint recovery: %s", line)
         for stale in root.glob(f"{_TMP_PREFIX}*"):  # leftovers of crashed saves
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     D.barrier()
+    previous = _latest_or_none(root)
 
-    ok = False
+    ok, error, written = False, None, {}
     try:
-        sd = _model_sharded_state_dict(engine)
-        meta = _engine_meta(engine)
-        if meta["has_optimizer_state"]:
-            sd["optimizer"] = engine.optimizer.sharded_state_dict(_flat_model_sd(sd), is_loading=False,
-                                                                  metadata=_optimizer_metadata(engine))
-        sd["rng"] = ShardedObject("megatron_dppo.rng_state", _rng_state(), (D.world_size(),), (D.rank(),), replica_id=0)
-        sd["meta"] = meta
-        sd["extra"] = extra if extra is not None else {}
-        dist_checkpointing.save(sd, str(tmp))
+        written, meta = _write_state(engine, tmp, extra)
         ok = True
+    except BaseException as err:  # torch.distributed's CheckpointException is a BaseException
+        error = err
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
     finally:
         all_ok = D.all_ranks(ok)  # also runs when this rank raised, so the others do not hang here
+        disk_full = not all_ok and D.max_over_ranks(int(out_of_space(error, tmp))) > 0
         if not all_ok and D.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
     if not all_ok:
+        if disk_full:
+            raise disk_full_error(final, root, previous) from error
+        if error is not None:
+            raise error
         raise RuntimeError(f"saving checkpoint {final} failed on another rank; nothing was written")
 
+    entries = {k: v for rank_entries in D.all_gather_objects(written) for k, v in rank_entries.items()}
+    committed, error = True, None
     if D.rank() == 0:
-        (tmp / "megatron_dppo.json").write_text(json.dumps(
-            {k: v for k, v in meta.items() if k != "optim" and k != "loss"}, indent=1, default=str))
-        aside = root / f"{_TMP_PREFIX}old-{name}"
-        if final.exists():
-            final.rename(aside)
-        tmp.rename(final)
-        _fsync_dir(root)
-        _write_latest(root, name)
-        if aside.exists():
-            shutil.rmtree(aside, ignore_errors=True)
-        if keep_last is not None:
-            for old in list_checkpoints(root)[:-keep_last]:
-                if old.name != name:
-                    shutil.rmtree(old, ignore_errors=True)
-    D.barrier()
+        try:
+            _commit(root, name, tmp, meta, entries, keep_last)
+        except OSError as err:  # e.g. no space left for the manifest or the pointer
+            committed, error = False, err
+            shutil.rmtree(tmp, ignore_errors=True)  # (already gone when the rename happened)
+    if not D.all_ranks(committed):
+        if D.max_over_ranks(int(out_of_space(error, root))) > 0:
+            raise disk_full_error(final, root, previous) from error
+        if error is not None:
+            raise error
+        raise RuntimeError(f"committing checkpoint {final} failed on rank 0")
     logger.info("saved checkpoint %s", final)
     return final
+
+
+def _latest_or_none(root: Path) -> Path | None:
+    try:
+        return latest_checkpoint(root)
+    except ValueError:
+        return None
+
+
+def _write_state(engine, tmp: Path, extra: dict[str, Any] | None) -> tuple[dict, dict]:
+    """Every rank: write its shards into ``tmp``; returns (manifest entries of the files it wrote, metadata)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    sd = _model_sharded_state_dict(engine)
+    meta = _engine_meta(engine)
+    if meta["has_optimizer_state"]:
+        sd["optimizer"] = engine.optimizer.sharded_state_dict(_flat_model_sd(sd), is_loading=False,
+                                                              metadata=_optimizer_metadata(engine))
+    sd["rng"] = ShardedObject("megatron_dppo.rng_state", _rng_state(), (D.world_size(),), (D.rank(),), replica_id=0)
+    sd["meta"] = meta
+    sd["extra"] = extra if extra is not None else {}
+    strategy = in_process_save_strategy()
+    dist_checkpointing.save(sd, str(tmp), sharded_strategy=strategy)
+    return strategy.written, meta
+
+
+def _commit(root: Path, name: str, tmp: Path, meta: dict, entries: dict, keep_last: int | None) -> None:
+    """Rank 0: manifest, rename into place, ``latest``, clean-up (module docstring, "Atomicity")."""
+    final, aside = root / name, root / f"{ASIDE_PREFIX}{name}"
+    (tmp / "megatron_dppo.json").write_text(json.dumps(
+        {k: v for k, v in meta.items() if k != "optim" and k != "loss"}, indent=1, default=str))
+    write_manifest(tmp, entries)  # last: its presence marks the directory complete
+    _fsync_dir(tmp)
+    if final.exists():
+        final.rename(aside)
+    tmp.rename(final)
+    _fsync_dir(root)
+    _write_latest(root, name)
+    if aside.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+    if keep_last is not None:
+        for old in list_checkpoints(root)[:-keep_last]:
+            if old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def find_resume_checkpoint(root: str | os.PathLike, verify: str = "hash") -> Path | None:
+    """Collective: the checkpoint to resume from under ``root`` (``checkpoint_files.find_checkpoint``: repairs
+    an interrupted save, verifies the manifest, falls back to the newest usable one with a warning)."""
+    return find_checkpoint(root, verify)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -405,13 +460,15 @@ def read_checkpoint_meta(path: str | os.PathLike) -> dict:
 
 
 def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | None = None,
-                    load_rng: bool | None = None) -> dict[str, Any]:
+                    load_rng: bool | None = None, verify: str | None = "hash") -> dict[str, Any]:
     """Restore ``engine`` from a checkpoint directory, or from the ``latest`` one under a checkpoint root.
 
     The model loads at any TP/PP/VPP/DP layout. ``load_optimizer`` / ``load_rng`` default to "when
     possible": the optimizer state when the checkpoint has one of the same kind (regular: any layout;
     DistributedOptimizer ``dp_reshardable``: same TP/PP/VPP), the RNG states at the identical layout.
-    Passing True where it is impossible raises ``ValueError``. Returns the ``extra`` dict saved with it.
+    Passing True where it is impossible raises ``ValueError``. ``verify``: check the files against the manifest
+    first (``hash`` | ``size``; None when the caller has just done so); a damaged checkpoint raises
+    ``CheckpointError`` naming the files. Returns the ``extra`` dict saved with it.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -419,6 +476,10 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
     path = resolve_checkpoint(path)
     # every rank must load the same directory even if `latest` moves meanwhile
     path = Path(D.broadcast_object(str(path)))
+    if verify is not None:
+        problems = verify_checkpoint(path, verify)
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
     meta = read_checkpoint_meta(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format_version={meta.get('format_version')}, this code reads "

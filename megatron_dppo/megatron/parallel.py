@@ -117,9 +117,10 @@ def initialize_parallel(cfg: ParallelConfig, seed: int, arch: "ModelArch | None"
     reused (e.g. one created by a test harness); existing model-parallel state is destroyed and rebuilt.
     Returns the launch information of this process.
     """
-    from megatron_dppo.launch import discover_launch
+    from megatron_dppo.launch import bind_to_launcher, discover_launch
 
     info = discover_launch()
+    bind_to_launcher(info)  # a torchrun worker dies with its agent
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else info.world_size
     if arch is not None:
         validate_parallel(arch, cfg, world_size)

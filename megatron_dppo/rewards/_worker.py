@@ -13,6 +13,7 @@ The worker runs in its own session (process group), so a timeout kills it togeth
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import signal
 import sys
@@ -48,7 +49,11 @@ def _serve(conn: Connection) -> None:
 
 
 def main() -> None:
+    parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and shuts workers down itself
+    from megatron_dppo.launch import die_with_parent
+
+    die_with_parent(parent)  # a SIGKILLed trainer must not leave a worker behind (it runs in a session of its own)
     conn = Connection(int(sys.argv[1]))
     try:
         _serve(conn)
