@@ -302,9 +302,12 @@ class TrainConfig:
                                            "processes on this node (OMP_NUM_THREADS, when set, wins). 1 is fastest "
                                            "for tiny models and on shared machines.")
     output_dir: str = opt("runs/default", "Directory for metrics, plots, the resolved config and checkpoints.")
-    recompute_old_logprobs: bool = opt(True, "Recompute old-policy log-probs with the Megatron engine before the "
-                                             "update (exact PPO ratio; also measures rollout/train mismatch). "
-                                             "false = ratio 1 by construction (on-policy), one forward pass less.")
+    recompute_old_logprobs: bool = opt(False, "Always run the forward-only old-policy log-prob pass before the "
+                                              "update. false (default): run it only when the ratio can differ "
+                                              "from 1 (stages.old_logprobs_needed); with one update per rollout "
+                                              "old = detached current log-probs, the identical update with one "
+                                              "forward pass less (as TRL does). The rollout/train mismatch "
+                                              "metric then uses the train forward's log-probs.")
     sft_steps: int = opt(0, "Supervised warm-start steps on gold completions before RL (through the same "
                             "Megatron engine: advantage 1 at ratio 1 == the log-likelihood gradient).")
     sft_batch_size: int = opt(32, "Gold (prompt, completion) pairs per warm-start step.")

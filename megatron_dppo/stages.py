@@ -224,6 +224,20 @@ def pack(run: Run, batch: TrainBatch) -> tuple[list, dict[str, float]]:
                            "packing/rank_cost_imbalance": stats.rank_cost_imbalance}
 
 
+def old_logprobs_needed(cfg: Any, loss_cfg: Any) -> bool:
+    """Whether the step runs the forward-only old-policy log-prob pass before the update.
+
+    With exactly one optimizer update per rollout batch the weights being trained ARE the weights the old
+    log-probs would be computed with, so the PPO/GSPO ratio exp(logp - old) is identically 1. The pass is then
+    skipped and the loss uses old = logp.detach() from the train forward itself (as TRL's GRPOTrainer does):
+    the same value (bit for bit on CPU, tests/megatron/test_train_step.py) and the same gradient, one forward
+    pass less. It is needed when the ratio can differ from 1: several updates per rollout, or when forced with
+    ``train.recompute_old_logprobs``. A KL term needs the REFERENCE pass, not this one (``fill_logprobs``
+    decides that from ``loss_cfg.kl_coef``)."""
+    several_updates_per_rollout = False  # one optimizer update per rollout batch (trainer.rl_step)
+    return bool(cfg.train.recompute_old_logprobs) or several_updates_per_rollout
+
+
 def gradient_audit(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
                    advantages: torch.Tensor, batch: TrainBatch, micro_batches: list) -> dict[str, float]:
     """audit/*: cosine and relative error of this step's pruned gradient vs the gradient of every generated
@@ -274,13 +288,20 @@ def step_metrics(run: Run, prompt_cut: PruneResult, completion_cut: PruneResult 
     return m
 
 
-def logprob_mismatch(rollout: Rollout, batch: TrainBatch, micro_batches: list) -> dict[str, float]:
-    """Mean |rollout-engine log-prob - Megatron old log-prob| over completion tokens (weight-sync health check)."""
+def logprob_mismatch(rollout: Rollout, batch: TrainBatch, micro_batches: list,
+                     train_logprobs: list | None = None) -> dict[str, float]:
+    """Mean |rollout-engine log-prob - Megatron log-prob| over completion tokens (weight-sync health check).
+    The Megatron side is the old-policy pass (``mb.old_logprobs``) when it ran, else the train forward's own
+    log-probs at the same weights (``train_logprobs``, one per micro-batch: ``PolicyEngine.last_logprobs``,
+    None on ranks that hold no output layer); the two are the same numbers."""
     diff, count = 0.0, 0
-    for mb in micro_batches:
-        if mb.old_logprobs is None or mb.is_dummy:
+    for m, mb in enumerate(micro_batches):
+        values_all = mb.old_logprobs
+        if values_all is None and train_logprobs is not None and m < len(train_logprobs):
+            values_all = train_logprobs[m]
+        if values_all is None or mb.is_dummy:
             continue
-        for sid, values in zip(mb.sample_ids.tolist(), mb.completion_values(mb.old_logprobs)):
+        for sid, values in zip(mb.sample_ids.tolist(), mb.completion_values(values_all)):
             row, i = batch.origin[sid]
             ref = rollout.policy_logprobs[row][i]
             if ref is None or len(ref) != values.numel():

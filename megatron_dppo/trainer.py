@@ -10,9 +10,10 @@ reads exactly like the data flow of one step.
 
 What this file decides (and the simplifications it makes, stated once):
 
-* One optimizer update per rollout batch (on-policy). Old log-probs are recomputed by the Megatron engine
-  (``train.recompute_old_logprobs``), so the PPO ratio is exactly 1 at the update and clipping only matters
-  for train/inference mismatch; the rollout engine's own log-probs serve as a mismatch metric.
+* One optimizer update per rollout batch (on-policy): the PPO ratio is exactly 1 at the update, so the
+  old-policy log-prob pass is skipped (old = detached current, ``stages.old_logprobs_needed``; forced with
+  ``train.recompute_old_logprobs``) and clipping never binds; the rollout engine's own log-probs against the
+  train forward's serve as a mismatch metric.
 * Every process holds a rollout engine. Generation, reward scoring and evaluation are sharded over ranks
   (``distributed.map_sharded``) and gathered, so every rank sees the same full batch; advantages, the packing
   plan and the denominator are then computed identically everywhere, and every random pruning draw is made on
@@ -51,6 +52,7 @@ from megatron_dppo.stages import (
     generate,
     gradient_audit,
     logprob_mismatch,
+    old_logprobs_needed,
     pack,
     prompts_to_draw,
     score,
@@ -106,10 +108,11 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         # 8. Dense Prompt Packing: THD micro-batches, the same count on every DP rank.
         with timer("pack"):
             micro_batches, packing = pack(run, batch)
-        # 9. Old-policy (and reference) log-probs, forward only.
+        # 9. Old-policy (and reference) log-probs, forward only. One update per rollout: ratio 1, no old pass.
         with timer("logprob"):
-            if cfg.train.recompute_old_logprobs or run.loss_cfg.kl_coef > 0:
-                run.engine.fill_logprobs(micro_batches, old=cfg.train.recompute_old_logprobs)
+            need_old = old_logprobs_needed(cfg, run.loss_cfg)
+            if need_old or run.loss_cfg.kl_coef > 0:
+                run.engine.fill_logprobs(micro_batches, old=need_old)
         # (every logging.audit_every steps: the pruned gradient against the full-batch one, at these weights)
         if cfg.logging.audit_every and step % cfg.logging.audit_every == 0:
             metrics.update(gradient_audit(run, prompts, prompt_cut, rollout, advantages, batch, micro_batches))
@@ -122,7 +125,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         with timer("weight_sync"):
             push_weights(run)
         metrics.update(packing)
-        metrics.update(logprob_mismatch(rollout, batch, micro_batches))
+        metrics.update(logprob_mismatch(rollout, batch, micro_batches, run.engine.last_logprobs))
     else:  # nothing survived (e.g. every group had equal rewards and was dropped): no update this step
         metrics["train/skipped"] = 1.0
 
