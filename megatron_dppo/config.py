@@ -282,7 +282,10 @@ class OptimConfig:
 class PackingConfig:
     """Dense Prompt Packing (ALGORITHMS.md section 4)."""
 
-    capacity: int = opt(4096, "Token capacity C of one THD micro-batch (>= the longest prompt+completion).")
+    capacity: int = opt(1024, "Token capacity C of one THD micro-batch (>= the longest prompt+completion). "
+                              "1024: the lowest train time per token measured on CPU (benchmarks/capacity.py, "
+                              "docs/benchmarks.md: 281 us/token vs 322 at 512 and 357 at 4096; larger micro-"
+                              "batches fall out of cache); long-completion GPU runs set it higher (examples/).")
     window: int = opt(64, "Window-greedy packing window W (sequences considered together).")
 
     def validate(self) -> None:
