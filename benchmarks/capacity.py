@@ -39,7 +39,8 @@ def main() -> None:
     n = args.sequences
     prompt_len = torch.randint(4, 7, (n,), generator=g)
     comp_len = torch.randint(1, 7, (n,), generator=g)
-    tokens = [torch.randint(4, arch.vocab_size, (int(a + b),), generator=g).tolist() for a, b in zip(prompt_len, comp_len)]
+    tokens = [torch.randint(4, arch.vocab_size, (int(a + b),), generator=g).tolist()
+              for a, b in zip(prompt_len, comp_len)]
     adv = torch.randn(n, generator=g)
     tw = sequence_token_weights("seq_mean_token_mean", torch.ones(n), comp_len.float())
     lengths = [len(t) for t in tokens]

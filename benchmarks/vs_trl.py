@@ -24,9 +24,10 @@ What is printed (and written to ``<out>/vs_trl.json``)
 ------------------------------------------------------
 Per method, over all seeds, after one warm-up step per run: median seconds per step, wall clock (and per phase
 for ours: generate / logprob / train / ...) and process CPU seconds (one thread: the work done, far less
-sensitive than the wall clock to other processes on a shared machine), completion tokens generated per second of step time, the rollout reward
-(accuracy: the reward is 0/1) averaged over the last 3 steps (equal steps), and at equal wall time (the last 3
-steps each run finished within the shortest run's total step time). DPPO's rollout reward is over the prompts
+sensitive than the wall clock to other processes on a shared machine), completion tokens generated per second
+of step time, the rollout reward (accuracy: the reward is 0/1) averaged over the last 3 steps (equal steps),
+and at equal wall time (the last 3 steps each run finished within the shortest run's total step time; nan: no
+step finished in that time). DPPO's rollout reward is over the prompts
 it generated for (pruned prompts are never generated), so it is not the same population as GRPO's.
 
 TRL runs in its own virtual environment (``.venv-trl``, see the Makefile) so that its pins never touch the
