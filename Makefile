@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test test-all test-slow test-vllm clean
+.PHONY: venv demo test test-all test-slow test-vllm bench-trl clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,4 +38,16 @@ test-vllm: venv
 	bash .ci/vllm.sh
 
 clean:
-	rm -rf $(VENV) .venv-vllm build *.egg-info
+	rm -rf $(VENV) .venv-vllm .venv-trl build *.egg-info
+
+# Step time vs TRL's GRPOTrainer on the quickstart's work (benchmarks/vs_trl.py); TRL gets its own venv, .venv-trl.
+# A benchmark, not a test: ~15-25 min on 2 cores. Results: runs/vs_trl/vs_trl.json.
+.venv-trl/.installed:
+	$(PY) -m venv .venv-trl
+	.venv-trl/bin/pip install --quiet --upgrade pip
+	.venv-trl/bin/pip install --quiet torch==2.13.0 transformers==5.24.0 tokenizers==0.23.3 sentencepiece==0.2.3 \
+		safetensors==0.8.0 numpy==2.4.6 trl==1.13.0 requests
+	touch $@
+
+bench-trl: venv .venv-trl/.installed
+	$(BIN)/python benchmarks/vs_trl.py

@@ -346,7 +346,10 @@ class OptimConfig:
 class PackingConfig:
     """Dense Prompt Packing (docs/algorithms.md)."""
 
-    capacity: int = opt(4096, "Token capacity C of one THD micro-batch (>= the longest prompt+completion).")
+    capacity: int = opt(1024, "Token capacity C of one THD micro-batch (>= the longest prompt+completion). "
+                              "1024: the lowest train time per token measured on CPU (benchmarks/capacity.py, "
+                              "docs/benchmarks.md: 281 us/token vs 322 at 512 and 357 at 4096; larger micro-"
+                              "batches fall out of cache); long-completion GPU runs set it higher (examples/).")
     window: int = opt(64, "Window-greedy packing window W (sequences considered together).")
 
     def validate(self) -> None:
@@ -367,11 +370,13 @@ class TrainConfig:
                                            "processes on this node (OMP_NUM_THREADS, when set, wins). 1 is fastest "
                                            "for tiny models and on shared machines.")
     output_dir: str = opt("runs/default", "Directory for metrics, plots, the resolved config and checkpoints.")
-    recompute_old_logprobs: bool = opt(True, "Recompute old-policy log-probs with the Megatron engine before the "
-                                             "update (exact PPO ratio; also measures rollout/train mismatch). "
-                                             "false = ratio 1 by construction (on-policy), one forward pass less; "
-                                             "ignored (the pass runs) with several updates per rollout or "
-                                             "loss.rollout_correction.")
+    recompute_old_logprobs: bool = opt(False, "Always run the forward-only old-policy log-prob pass before the "
+                                              "update. false (default): run it only when the ratio can differ "
+                                              "from 1 (stages.old_logprobs_needed: several updates per rollout, "
+                                              "loss.rollout_correction); with one update per rollout "
+                                              "old = detached current log-probs, the identical update with one "
+                                              "forward pass less (as TRL does). The rollout/train mismatch "
+                                              "metric then uses the train forward's log-probs.")
     mini_batches: int = opt(1, "PPO mini-batches per rollout batch: the drawn prompts are split by prompt (all G "
                                "completions together), from (train.seed, step), BEFORE pruning, into this many "
                                "parts of near-equal prompt count; each is packed separately and gets one update "

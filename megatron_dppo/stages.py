@@ -285,11 +285,9 @@ def pack_mini_batches(run: Run, mini_batches: list[TrainBatch]) -> tuple[list[li
 
 def fill_old_and_reference_logprobs(run: Run, packed: list[list]) -> None:
     """Old-policy (and, with a KL term, reference) log-probs of every mini-batch, forward only, ONCE per rollout
-    and before the first update. The trainer's old log-probs are computed when train.recompute_old_logprobs asks,
-    with several updates per rollout, or for rollout correction; otherwise the ratio is 1 by construction."""
-    cfg = run.cfg
-    old = (cfg.train.recompute_old_logprobs or several_updates_per_rollout(cfg)
-           or run.loss_cfg.rollout_correction != "none")
+    and before the first update. The old pass runs only when ``old_logprobs_needed``; otherwise the ratio is 1 by
+    construction and the loss uses the train forward's own detached log-probs."""
+    old = old_logprobs_needed(run.cfg, run.loss_cfg)
     if old or run.loss_cfg.kl_coef > 0:
         run.engine.fill_logprobs([b for micro_batches in packed for b in micro_batches], old=old)
 
@@ -376,6 +374,21 @@ def pack(run: Run, batch: TrainBatch) -> tuple[list, dict[str, float]]:
                            "packing/rank_cost_imbalance": stats.rank_cost_imbalance}
 
 
+def old_logprobs_needed(cfg: Any, loss_cfg: Any) -> bool:
+    """Whether the step runs the forward-only old-policy log-prob pass before the update.
+
+    With exactly one optimizer update per rollout batch the weights being trained ARE the weights the old
+    log-probs would be computed with, so the PPO/GSPO ratio exp(logp - old) is identically 1. The pass is then
+    skipped and the loss uses old = logp.detach() from the train forward itself (as TRL's GRPOTrainer does):
+    the same value (bit for bit on CPU, tests/megatron/test_train_step.py) and the same gradient, one forward
+    pass less. It is needed when the ratio can differ from 1 (several updates per rollout: live after the first),
+    for rollout correction (its weights compare the rollout engine with these old log-probs before the update),
+    or when forced with ``train.recompute_old_logprobs``. A KL term needs the REFERENCE pass, not this one
+    (``fill_logprobs`` decides that from ``loss_cfg.kl_coef``)."""
+    return bool(cfg.train.recompute_old_logprobs or several_updates_per_rollout(cfg)
+                or loss_cfg.rollout_correction != "none")
+
+
 def gradient_audit(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
                    advantages: torch.Tensor, batch: TrainBatch, micro_batches: list) -> dict[str, float]:
     """audit/*: cosine and relative error of this step's pruned gradient vs the gradient of every generated
@@ -444,20 +457,29 @@ def ht_prompt_mean(prompt_cut: PruneResult, per_prompt: torch.Tensor) -> float:
     return float((weight * per_prompt.double()).sum() / max(1, prompt_cut.keep.numel()))
 
 
-def logprob_mismatch(rollout: Rollout, mini_batches: list[TrainBatch], packed: list[list]) -> dict[str, float]:
-    """Mean |rollout-engine log-prob - Megatron old log-prob| over completion tokens (weight-sync health check);
-    ``mini_batches`` and ``packed`` are the PPO mini-batches and their micro-batches (one of each by default)."""
+def logprob_mismatch(rollout: Rollout, mini_batches: list[TrainBatch], packed: list[list],
+                     train_logprobs: list | None = None) -> dict[str, float]:
+    """Mean |rollout-engine log-prob - Megatron log-prob| over completion tokens (weight-sync health check);
+    ``mini_batches`` and ``packed`` are the PPO mini-batches and their micro-batches (one of each by default).
+    The Megatron side is the old-policy pass (``mb.old_logprobs``) when it ran, else (one update per rollout, the
+    pass skipped) the train forward's own log-probs at the same weights (``train_logprobs``, one per micro-batch
+    of that single update: ``PolicyEngine.last_logprobs``, None on ranks that hold no output layer); the two are
+    the same numbers."""
     diff, count = 0.0, 0
-    for mb, batch in ((mb, batch) for batch, micro_batches in zip(mini_batches, packed) for mb in micro_batches):
-        if mb.old_logprobs is None or mb.is_dummy:
-            continue
-        for sid, values in zip(mb.sample_ids.tolist(), mb.completion_values(mb.old_logprobs)):
-            row, i = batch.origin[sid]
-            ref = rollout.policy_logprobs[row][i]
-            if ref is None or len(ref) != values.numel():
+    for batch, micro_batches in zip(mini_batches, packed):
+        for m, mb in enumerate(micro_batches):
+            values_all = mb.old_logprobs
+            if values_all is None and train_logprobs is not None and m < len(train_logprobs):
+                values_all = train_logprobs[m]
+            if values_all is None or mb.is_dummy:
                 continue
-            diff += float((values.double().cpu() - torch.tensor(ref, dtype=torch.float64)).abs().sum())
-            count += values.numel()
+            for sid, values in zip(mb.sample_ids.tolist(), mb.completion_values(values_all)):
+                row, i = batch.origin[sid]
+                ref = rollout.policy_logprobs[row][i]
+                if ref is None or len(ref) != values.numel():
+                    continue
+                diff += float((values.double().cpu() - torch.tensor(ref, dtype=torch.float64)).abs().sum())
+                count += values.numel()
     totals = D.all_gather_objects((diff, count))
     diff, count = sum(t[0] for t in totals), sum(t[1] for t in totals)
     return {"rollout/logprob_abs_diff": diff / count} if count else {}

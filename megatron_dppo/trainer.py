@@ -12,12 +12,12 @@ reads exactly like the data flow of one step.
 
 What this file decides (and the simplifications it makes, stated once):
 
-* By default one optimizer update per rollout batch (on-policy). Old log-probs are recomputed by the Megatron
-  engine (``train.recompute_old_logprobs``), so the PPO ratio is exactly 1 at the update and clipping only
-  matters for train/inference mismatch; the rollout engine's own log-probs serve as a mismatch metric.
-  ``train.mini_batches`` / ``train.epochs`` give several updates per rollout: the old log-probs are then always
-  computed, once, before the first update, and the ratio is live afterwards (docs/algorithms.md, "Several
-  updates per rollout"); the learning rate is the RL step's for each of them.
+* By default one optimizer update per rollout batch (on-policy): the PPO ratio is exactly 1 at the update, so
+  the old-policy log-prob pass is skipped (old = detached current, ``stages.old_logprobs_needed``; forced with
+  ``train.recompute_old_logprobs``) and clipping never binds; the rollout engine's own log-probs against the
+  train forward's serve as a mismatch metric. ``train.mini_batches`` / ``train.epochs`` give several updates per
+  rollout: the old log-probs are then computed once, before the first update, and the ratio is live afterwards
+  (docs/algorithms.md, "Several updates per rollout"); the learning rate is the RL step's for each of them.
 * Every process holds a rollout engine. Generation, reward scoring and evaluation are sharded over ranks
   (``distributed.map_sharded``) and gathered, so every rank sees the same full batch; advantages, the packing
   plan and the denominator are then computed identically everywhere, and every random pruning draw is made on
@@ -140,7 +140,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         with timer("weight_sync"):
             push_weights(run)
         metrics.update(packing)
-        metrics.update(logprob_mismatch(rollout, mini_batches, packed))
+        metrics.update(logprob_mismatch(rollout, mini_batches, packed, run.engine.last_logprobs))
     else:  # nothing survived (e.g. every group had equal rewards and was dropped): no update this step
         metrics["train/skipped"] = 1.0
 

@@ -10,8 +10,11 @@ Engine, which handles them, needs CUDA. ``SDPACoreAttention`` is the local-spec 
 * ``thd`` (packed, ``packed_seq_params.qkv_format == "thd"``): query ``[t, np, hn]``, key/value
   ``[t, ng, hn]``. Sequence i occupies ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])`` (or
   ``cu_seqlens_q`` without padding) and attends causally within itself only:
-  ``out_i = softmax(q_i k_i^T * scale + causal) v_i``, one SDPA call per sequence (exact, and memory
-  O(max_seqlen^2) instead of O(T^2) for a block-diagonal mask). Positions after the last segment are zero.
+  ``out_i = softmax(q_i k_i^T * scale + causal) v_i``, one SDPA call per length bucket
+  (lengths within a factor 2) on a ``[n, heads, L_max, hn]`` batch gathered from the packed tensors: a few
+  calls instead of one per sequence (the loop dominated the CPU step with short sequences,
+  docs/benchmarks.md), memory at most ~4x the per-sequence sum of ``len^2``, never O(T^2) as a
+  block-diagonal mask over the whole micro-batch would be. Positions after the last segment are zero.
   Padding positions inside a segment come after its real tokens, so causality keeps them out of every real
   token's output.
 
@@ -115,19 +118,23 @@ class SDPACoreAttention(MegatronModule):
         total = query.size(0)
         if bounds_q[-1] > total:
             raise ValueError(f"cu_seqlens ends at {bounds_q[-1]} but the packed batch has {total} positions")
-        outputs = []
-        for start, end in zip(bounds_q[:-1], bounds_q[1:]):
-            if end == start:
-                continue
-            # [len, heads, hn] -> [1, heads, len, hn]
-            q = query[start:end].transpose(0, 1).unsqueeze(0)
-            k = key[start:end].transpose(0, 1).unsqueeze(0)
-            v = value[start:end].transpose(0, 1).unsqueeze(0)
-            out = self._sdpa(q, k, v, None, is_causal=self._causal())
-            outputs.append(out.squeeze(0).transpose(0, 1))  # [len, np, hn]
-        if bounds_q[-1] < total:
-            outputs.append(query.new_zeros(total - bounds_q[-1], self.num_heads, self.head_dim))
-        out = torch.cat(outputs, dim=0) if outputs else query.new_zeros(0, self.num_heads, self.head_dim)
+        out = query.new_zeros(total, self.num_heads, self.head_dim)
+        segments = [(s, e - s) for s, e in zip(bounds_q[:-1], bounds_q[1:]) if e > s]
+        buckets: dict[int, list[tuple[int, int]]] = {}  # ceil(log2(length)) -> segments: padding < 2x
+        for start, length in segments:
+            buckets.setdefault((length - 1).bit_length(), []).append((start, length))
+        for bucket in buckets.values():
+            # One causal SDPA call per bucket: its segments gathered into a [n, heads, L_max, hn] batch (segment
+            # i left-aligned in row i; the tail past its length reads position 0 and is never attended by the
+            # segment's own positions: causal), then the real positions scattered back.
+            starts = torch.tensor([s for s, _ in bucket], device=query.device).unsqueeze(1)
+            lengths = torch.tensor([n for _, n in bucket], device=query.device).unsqueeze(1)
+            offsets = torch.arange(max(n for _, n in bucket), device=query.device).unsqueeze(0)
+            valid = offsets < lengths  # [n, L_max]
+            index = torch.where(valid, starts + offsets, torch.zeros_like(offsets))
+            gather = lambda x: x[index].permute(0, 2, 1, 3)  # noqa: E731 - [t, h, hn] -> [n, h, L_max, hn]
+            seg_out = self._sdpa(gather(query), gather(key), gather(value), None, is_causal=self._causal())
+            out = out.index_put((index[valid],), seg_out.permute(0, 2, 1, 3)[valid])
         return out.reshape(total, self.num_heads * self.head_dim)
 
     def _causal(self, attn_mask_type: Optional[AttnMaskType] = None) -> bool:

@@ -237,6 +237,7 @@ class PolicyEngine:
         self.dtype = dtype or default_dtype()
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self.step = 0
+        self.last_logprobs: list[Tensor] | None = None  # set by train_step (see there)
         if device_type == "cpu" and self.dtype != torch.float32:
             raise ValueError(f"dtype={self.dtype} on CPU: the CPU backend trains in torch.float32 only")
 
@@ -435,7 +436,7 @@ class PolicyEngine:
                 zero + batch.num_sequences,
             ])
         num_tokens = mask.sum().to(torch.int)
-        return numerator / denominator, num_tokens, {"stats": stats}
+        return numerator / denominator, num_tokens, {"stats": stats, "logp": logp.detach()}
 
     def train_step(self, micro_batches: Sequence, denominator: float) -> dict[str, float]:
         """One optimizer update on this rank's packed micro-batches.
@@ -477,6 +478,11 @@ class PolicyEngine:
         losses = run_pipeline_schedule(self.model_chunks, batches, forward_step, forward_only=False)
         update_ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
+        # the train forward's own log-probs (the weights before this update), one per input micro-batch
+        self.last_logprobs = None
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            self.last_logprobs = [item["logp"][: int(b.tokens.numel())].cpu()
+                                  for item, b in zip(losses, micro_batches)]
 
         # metrics: sum over micro-batches (last stage), broadcast over PP, sum over DP
         stats = torch.zeros(len(_STAT_NAMES), dtype=torch.float64, device=self.device)

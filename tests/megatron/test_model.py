@@ -283,3 +283,43 @@ def test_dummy_micro_batch_runs(world):
     logp, entropy = thd_logprobs(model, dummy)
     (logp * dummy.loss_mask).sum().backward()
     assert logp.shape == (2,) and torch.isfinite(logp).all() and torch.isfinite(entropy).all()
+
+
+def test_sdpa_thd_equals_one_call_per_sequence(world):
+    """The batched THD core (length buckets, one SDPA call each) == causal attention run on each segment alone,
+    for outputs and input gradients: lengths 1..13 across several buckets, an empty segment, GQA (4 query /
+    2 KV heads), positions after the last segment (zero output, zero gradient)."""
+    import torch.nn.functional as F_
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_dppo.megatron.attention import SDPACoreAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               kv_channels=8, attention_dropout=0.0)
+    core = SDPACoreAttention(config, 1, AttnMaskType.causal, "self")
+    bounds = [0, 1, 4, 4, 13, 15, 20]
+    total = 23
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(total, 4, 8, generator=g, requires_grad=True)
+    k = torch.randn(total, 2, 8, generator=g, requires_grad=True)
+    v = torch.randn(total, 2, 8, generator=g, requires_grad=True)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
+    out = core(q, k, v, None, packed_seq_params=params)
+    w = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+
+    ref = torch.zeros(total, 4, 8)
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)))
+            ref = ref.index_put((torch.arange(s, e),), F_.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+                                .transpose(0, 1))
+    ref = ref.reshape(total, 32)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert out[20:].abs().sum() == 0 and grads[0][20:].abs().sum() == 0

@@ -168,6 +168,53 @@ def test_kl_without_reference_logprobs_is_an_error(world):
         _engine(LossConfig(), lr=1e-3).compute_logprobs(batches, "reference")
 
 
+@pytest.mark.parametrize("policy_loss", ["ppo_clip", "gspo"])
+def test_skipping_the_old_logprob_pass_gives_the_identical_update(world, policy_loss):
+    """One update per rollout: old log-probs recomputed by the forward-only pass == the train forward's own
+    log-probs, bit for bit (same fp32 kernels on the same inputs at the same weights), so the update with
+    old_logprobs=None (old = logp.detach(), what the trainer does: stages.old_logprobs_needed) gives the SAME
+    weights, loss, gradient norm and ratio, exactly (torch.equal, no tolerance)."""
+    from megatron_dppo.algo.losses import LossConfig
+
+    cfg = LossConfig(policy_loss=policy_loss, eps_low=0.2, eps_high=0.28)
+    data = F.make_sequences(num_prompts=3, group=4, seed=11)
+    results = []
+    for recompute in (True, False):
+        engine = _engine(cfg, lr=1e-2)
+        batches = F.rank_micro_batches(data, cfg, 0, 1, 1)
+        assert len(batches) > 1  # several micro-batches
+        old = None
+        if recompute:
+            engine.fill_logprobs(batches, old=True)
+            old = [b.old_logprobs.clone() for b in batches]
+        else:
+            assert all(b.old_logprobs is None for b in batches)
+        metrics = engine.train_step(batches, 7.0)
+        params = [p.detach().clone() for chunk in engine.modules for p in chunk.parameters()]
+        results.append((metrics, params, old, engine.last_logprobs))
+    (m_old, p_old, old, train_lp_a), (m_skip, p_skip, _, train_lp) = results
+    for a, b in zip(p_old, p_skip):
+        assert torch.equal(a, b)
+    for key in ("loss", "grad_norm", "ratio", "clip_fraction", "entropy"):
+        assert m_old[key] == m_skip[key], key
+    assert m_skip["ratio"] == 1.0
+    # the train forward's log-probs (the mismatch metric's source when the pass is skipped) == the old pass
+    assert len(train_lp) == len(old)
+    for a, b, c in zip(old, train_lp, train_lp_a):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_old_logprobs_needed_only_when_the_ratio_can_differ_from_one():
+    from megatron_dppo.config import Config
+    from megatron_dppo.stages import old_logprobs_needed
+
+    cfg = Config()
+    assert cfg.train.recompute_old_logprobs is False
+    assert not old_logprobs_needed(cfg, cfg.loss)  # one update per rollout: ratio identically 1
+    cfg.train.recompute_old_logprobs = True
+    assert old_logprobs_needed(cfg, cfg.loss)
+
+
 def test_schedule_is_applied_to_the_optimizer(world):
     from megatron_dppo.algo.losses import LossConfig
 

@@ -1,0 +1,306 @@
+"""Step time against TRL's ``GRPOTrainer`` on the quickstart's own work: TRL GRPO vs our GRPO vs our DPPO.
+
+    make bench-trl                                   # installs TRL into .venv-trl once, then runs this
+    .venv/bin/python benchmarks/vs_trl.py --seeds 3 --steps 12 [--out runs/vs_trl]
+
+The work (identical for the three methods)
+------------------------------------------
+* Weights: the quickstart's warm start (``examples/quickstart.yaml``: the 1.6M-parameter Qwen2, 100 supervised
+  steps on gold answers), trained ONCE by our trainer, exported to a Hugging Face folder (``convert
+  megatron-to-hf``) with its tokenizer; every run of every method starts from that folder.
+* Task: the quickstart's arithmetic prompts (512 per seed, ``arithmetic_task``), raw template, reward 1 when the
+  stripped completion is exactly the integer answer (``rewards.math.arithmetic_reward``, re-stated in the TRL
+  worker, which cannot import this package).
+* Step: 64 prompts x G=8 completions, at most 6 new tokens, temperature 1, untruncated sampling; advantages
+  (r - mean) / std per group; PPO-clip loss eps 0.2, no KL term, per-sequence token mean then mean over
+  sequences (our ``grpo`` preset with ``loss.kl_coef=0``; TRL ``loss_type="grpo"``, ``beta=0``); Adam lr 5e-4,
+  betas (0.9, 0.999), eps 1e-8, no weight decay, constant schedule, gradient clipping 1.0; ONE optimizer update
+  per step (TRL: ``steps_per_generation=1``, ``gradient_accumulation_steps=1``, ``num_iterations=1``).
+  Our DPPO adds prompt/completion pruning (``algo.r_q = algo.r_o = 0.5``, the quickstart's setting).
+* One torch thread per process (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``), one process at a time,
+  the methods interleaved (for each seed the order rotates), so load from other processes hits all alike.
+
+What is printed (and written to ``<out>/vs_trl.json``)
+------------------------------------------------------
+Per method, over all seeds, after one warm-up step per run: median seconds per step, wall clock (and per phase
+for ours: generate / logprob / train / ...) and process CPU seconds (one thread: the work done, far less
+sensitive than the wall clock to other processes on a shared machine), completion tokens generated per second
+of step time, the rollout reward (accuracy: the reward is 0/1) averaged over the last 3 steps (equal steps),
+and at equal wall time (the last 3 steps each run finished within the shortest run's total step time; nan: no
+step finished in that time). DPPO's rollout reward is over the prompts
+it generated for (pruned prompts are never generated), so it is not the same population as GRPO's.
+
+TRL runs in its own virtual environment (``.venv-trl``, see the Makefile) so that its pins never touch the
+main one; transformers is pinned to the main environment's version there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = ("trl-grpo", "ours-grpo", "ours-dppo")
+PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS, LR = 64, 8, 6, 5e-4
+
+
+# ==============================================================================================================
+# Driver (main environment)
+# ==============================================================================================================
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    return env
+
+
+def _run(cmd: list[str], log: Path) -> float:
+    t0 = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+    if rc != 0:
+        sys.exit(f"command failed ({rc}), see {log}: {' '.join(cmd)}")
+    return time.time() - t0
+
+
+def prepare(out: Path, python: str) -> Path:
+    """Warm start once with our trainer and export it to HF (weights + tokenizer): ``<out>/hf``."""
+    hf = out / "hf"
+    if (hf / "config.json").is_file():
+        return hf
+    warm = out / "warm"
+    print("warm start (examples/quickstart.yaml, train.steps=0) ...", flush=True)
+    _run([python, "-m", "megatron_dppo.cli", "train", "--config", "examples/quickstart.yaml", "train.steps=0",
+          "eval.every=0", "logging.plot=false", f"train.output_dir={warm}"], out / "warm.log")
+    _run([python, "-m", "megatron_dppo.cli", "convert", "megatron-to-hf", str(warm / "checkpoints"), str(hf)],
+         out / "export.log")
+    return hf
+
+
+def write_prompts(out: Path, seed: int) -> Path:
+    """The 512 quickstart training prompts of ``seed`` (our trainer draws them from the same generator)."""
+    from megatron_dppo.build import arithmetic_task
+    from megatron_dppo.config import load_config
+
+    path = out / f"prompts-{seed}.jsonl"
+    cfg = load_config(str(REPO / "examples" / "quickstart.yaml"), [f"train.seed={seed}"])
+    records = arithmetic_task(cfg).records(cfg.data.arithmetic_train_size, "train")
+    path.write_text("".join(json.dumps({"prompt": r.prompt, "gold": str(r.gold)}) + "\n" for r in records))
+    return path
+
+
+def run_ours(method: str, out: Path, hf: Path, seed: int, steps: int, python: str) -> list[dict]:
+    result = out / "runs" / f"{method}-s{seed}.json"
+    pruner = "dppo" if method == "ours-dppo" else "none"
+    _run([python, str(Path(__file__).resolve()), "_ours", "--result", str(result), "--steps", str(steps + 1),
+          f"model.path={hf}", f"model.tokenizer={hf}", "train.sft_steps=0", f"train.seed={seed}",
+          f"algo.pruner={pruner}", "loss.kl_coef=0.0", "eval.every=0", "logging.plot=false",
+          f"train.output_dir={out / 'runs' / f'{method}-s{seed}'}"], out / f"{method}-s{seed}.log")
+    return json.loads(result.read_text())
+
+
+def ours_worker(argv: list[str]) -> None:
+    """Our trainer's RL steps (no checkpoints, no eval), each timed in wall and process-CPU seconds."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--result", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    import torch
+
+    from megatron_dppo.config import load_config
+    from megatron_dppo.run import setup, teardown
+    from megatron_dppo.trainer import rl_step
+
+    cfg = load_config(str(REPO / "examples" / "quickstart.yaml"), a.overrides)
+    run = setup(cfg, resume=False)
+    torch.set_num_threads(1)
+    steps = []
+    try:
+        for step in range(a.steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            m = rl_step(run, step)
+            steps.append({"time": time.perf_counter() - t0, "cpu": time.process_time() - c0,
+                          "reward": m.get("reward/mean", 0.0), "generated_tokens": m.get("tokens/generated", 0.0),
+                          "phases": {k[5:]: v for k, v in m.items() if k.startswith("time/") and k != "time/step"}})
+    finally:
+        teardown(run)
+    Path(a.result).write_text(json.dumps(steps))
+
+
+def run_trl(out: Path, hf: Path, prompts: Path, seed: int, steps: int, trl_python: str) -> list[dict]:
+    result = out / "runs" / f"trl-grpo-s{seed}.json"
+    _run([trl_python, str(Path(__file__).resolve()), "_trl", "--hf", str(hf), "--prompts", str(prompts),
+          "--seed", str(seed), "--steps", str(steps + 1), "--result", str(result),
+          "--workdir", str(out / "runs" / f"trl-grpo-s{seed}")], out / f"trl-grpo-s{seed}.log")
+    return json.loads(result.read_text())
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _last_mean(xs, k=3):
+    xs = xs[-k:]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(runs: dict[str, list[list[dict]]]) -> dict:
+    """Per method: medians over every measured step of every seed (warm-up step dropped)."""
+    measured = {m: [r[1:] for r in rs] for m, rs in runs.items()}
+    equal_time = min(sum(s["time"] for s in r) for rs in measured.values() for r in rs)
+    summary = {}
+    for m, rs in measured.items():
+        steps = [s for r in rs for s in r]
+        phases = sorted({k for s in steps for k in s.get("phases", {})})
+        within = []
+        for r in rs:
+            t, done = 0.0, []
+            for s in r:
+                t += s["time"]
+                if t > equal_time:
+                    break
+                done.append(s["reward"])
+            within.append(_last_mean(done))
+        summary[m] = {
+            "step_s_median": _median([s["time"] for s in steps]),
+            "step_cpu_s_median": _median([s["cpu"] for s in steps]),
+            "phase_s_median": {k: _median([s["phases"][k] for s in steps if k in s["phases"]]) for k in phases},
+            "generated_tokens_per_s": sum(s["generated_tokens"] for s in steps) / sum(s["time"] for s in steps),
+            "reward_last3_equal_steps": statistics.mean(_last_mean([s["reward"] for s in r]) for r in rs),
+            "reward_last3_equal_time": statistics.mean(within),
+            "steps_measured": len(steps),
+        }
+    summary["_equal_time_s"] = equal_time
+    trl = summary["trl-grpo"]["step_s_median"]
+    trl_cpu = summary["trl-grpo"]["step_cpu_s_median"]
+    for m in ("ours-grpo", "ours-dppo"):
+        summary[m]["step_vs_trl"] = summary[m]["step_s_median"] / trl
+        summary[m]["cpu_vs_trl"] = summary[m]["step_cpu_s_median"] / trl_cpu
+    return summary
+
+
+def print_summary(summary: dict, meta: dict) -> None:
+    print(f"\n{meta['seeds']} seeds x {meta['steps']} measured steps per run (+1 warm-up), one torch thread, "
+          f"interleaved; load average before/after: {meta['load_before']:.1f} / {meta['load_after']:.1f}")
+    print(f"{'method':10s} {'s/step':>7s} {'x TRL':>6s} {'CPU s':>6s} {'x TRL':>6s} {'gen tok/s':>9s} "
+          f"{'reward@steps':>12s} {'reward@time':>11s}  phases (median wall s)")
+    for m in METHODS:
+        s = summary[m]
+        ratio, cpu_ratio = s.get("step_vs_trl", 1.0), s.get("cpu_vs_trl", 1.0)
+        phases = " ".join(f"{k}={v:.3f}" for k, v in s["phase_s_median"].items() if v >= 0.0005)
+        print(f"{m:10s} {s['step_s_median']:7.3f} {ratio:6.2f} {s['step_cpu_s_median']:6.3f} {cpu_ratio:6.2f} "
+              f"{s['generated_tokens_per_s']:9.0f} "
+              f"{s['reward_last3_equal_steps']:12.3f} {s['reward_last3_equal_time']:11.3f}  {phases}")
+    print(f"equal wall time = {summary['_equal_time_s']:.1f} s of step time (the shortest run)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="measured steps per run (after one warm-up step)")
+    p.add_argument("--out", default="runs/vs_trl")
+    p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
+    p.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
+    args = p.parse_args()
+    out = (REPO / args.out).resolve()
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
+    hf = prepare(out, args.python)
+    runs: dict[str, list] = {m: [] for m in METHODS}
+    for i, seed in enumerate(range(1, args.seeds + 1)):
+        prompts = write_prompts(out, seed)
+        order = METHODS[i % 3:] + METHODS[: i % 3]
+        for m in order:
+            print(f"seed {seed}: {m} ...", flush=True)
+            if m == "trl-grpo":
+                runs[m].append(run_trl(out, hf, prompts, seed, args.steps, args.trl_python))
+            else:
+                runs[m].append(run_ours(m, out, hf, seed, args.steps, args.python))
+            print(f"  median s/step {_median([s['time'] for s in runs[m][-1][1:]]):.3f}", flush=True)
+    meta = {"seeds": args.seeds, "steps": args.steps, "load_before": load_before, "load_after": os.getloadavg()[0],
+            "cpu_count": os.cpu_count()}
+    summary = summarize(runs)
+    print_summary(summary, meta)
+    (out / "vs_trl.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
+    print(f"wrote {out / 'vs_trl.json'}")
+
+
+# ==============================================================================================================
+# TRL worker (TRL's environment; imports nothing from this package)
+# ==============================================================================================================
+_INTEGER_RE = re.compile(r"-?\d+")
+
+
+def arithmetic_reward(completion: str, gold: str) -> float:
+    """== megatron_dppo.rewards.math.arithmetic_reward."""
+    text = completion.strip()
+    return float(bool(_INTEGER_RE.fullmatch(text)) and int(text) == int(str(gold).strip()))
+
+
+def trl_worker(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    for name in ("--hf", "--prompts", "--result", "--workdir"):
+        p.add_argument(name, required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    a = p.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = [json.loads(line) for line in open(a.prompts)]
+    dataset = Dataset.from_list(rows)
+    tokenizer = AutoTokenizer.from_pretrained(a.hf)
+    model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=torch.float32)
+
+    def reward(completions, gold, **_):
+        return [arithmetic_reward(c, g) for c, g in zip(completions, gold)]
+
+    steps: list[dict] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kw):
+            steps.append({"time": time.perf_counter() - self.t0, "cpu": time.process_time() - self.c0})
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs and steps:
+                steps[-1]["reward"] = float(logs["reward"])
+                steps[-1]["generated_tokens"] = float(logs.get("completions/mean_length", 0.0)) * \
+                    PROMPTS_PER_STEP * GROUP
+
+    config = GRPOConfig(
+        output_dir=a.workdir, seed=a.seed, max_steps=a.steps, use_cpu=True, bf16=False,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, num_generations=GROUP, steps_per_generation=1,
+        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=MAX_NEW_TOKENS,
+        temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, beta=0.0,
+        epsilon=0.2, loss_type="grpo", scale_rewards="group", logging_steps=1, report_to="none",
+        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Timer()])
+    trainer.train()
+    Path(a.result).write_text(json.dumps(steps))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_trl":
+        trl_worker(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "_ours":
+        ours_worker(sys.argv[2:])
+    else:
+        sys.path.insert(0, str(REPO))
+        main()
