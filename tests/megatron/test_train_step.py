@@ -205,14 +205,20 @@ def test_skipping_the_old_logprob_pass_gives_the_identical_update(world, policy_
 
 
 def test_old_logprobs_needed_only_when_the_ratio_can_differ_from_one():
-    from megatron_dppo.config import Config
+    from megatron_dppo.build import build_loss
+    from megatron_dppo.config import Config, load_config
     from megatron_dppo.stages import old_logprobs_needed
 
-    cfg = Config()
-    assert cfg.train.recompute_old_logprobs is False
-    assert not old_logprobs_needed(cfg, cfg.loss)  # one update per rollout: ratio identically 1
-    cfg.train.recompute_old_logprobs = True
-    assert old_logprobs_needed(cfg, cfg.loss)
+    def needed(*overrides: str) -> bool:
+        cfg = load_config(None, overrides, validate=False)
+        return old_logprobs_needed(cfg, build_loss(cfg)[0])  # the resolved loss config, as the trainer passes
+
+    assert Config().train.recompute_old_logprobs is False
+    assert not needed()  # one update per rollout: ratio identically 1
+    assert not needed("loss.kl_coef=0.1")  # a KL term needs the reference pass, not the old one
+    assert needed("train.recompute_old_logprobs=true")
+    assert needed("train.mini_batches=2") and needed("train.epochs=2")  # ratio live after the first update
+    assert needed("loss.rollout_correction=tis")  # its weights compare the engine with the old log-probs
 
 
 def test_schedule_is_applied_to_the_optimizer(world):
