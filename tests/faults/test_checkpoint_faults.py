@@ -10,7 +10,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 
 from _dist import single_process_world  # noqa: E402
 import _engine_fixtures as F  # noqa: E402
+from _tmpfs import small_tmpfs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -237,17 +237,10 @@ def test_disk_full_on_a_real_small_filesystem(world, tmp_path):
     engine = _engine()
     _save_steps(engine, tmp_path / "probe", [1])
     size = sum(p.stat().st_size for p in (tmp_path / "probe").rglob("*") if p.is_file())
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2 // 4096 * 4096}", "tmpfs",
-                       str(mnt)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_tmpfs(tmp_path / "small", size * 3 // 2) as mnt:
         engine = _engine()
         saved = _save_steps(engine, mnt, [1])
         with pytest.raises(CheckpointDiskFullError, match=rf"disk full: no space left on the file system of {mnt}"):
             _save_steps(engine, mnt, [2])
         assert sorted(p.name for p in mnt.iterdir()) == ["latest", "step_00000001"]
         assert _loads_as(engine, find_resume_checkpoint(mnt), saved[1])
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)])

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
 from _e2e_helpers import PY, REPO, checkpoint_tensors, env, free_port, latest_checkpoint, read_metrics, \
     stable_metrics, tiny_config, write_config  # noqa: E402
+from _tmpfs import small_tmpfs  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
@@ -360,12 +361,7 @@ def test_torn_non_utf8_metrics_line_does_not_stop_the_resume(tmp_path, straight)
 def test_disk_full_is_one_error_naming_the_file_system(tmp_path, straight):
     """checkpoint.dir on a tmpfs that holds the warm-start checkpoint and part of the next one."""
     size = sum(p.stat().st_size for p in latest_checkpoint(straight).rglob("*") if p.is_file())
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2 // 4096 * 4096}", "tmpfs",
-                       str(mnt)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_tmpfs(tmp_path / "small", size * 3 // 2) as mnt:
         out = tmp_path / "run"
         code, log = _run(_config(out, checkpoint={"dir": str(mnt)}), tmp_path / "log")
         assert code == 1 and f"error: disk full: no space left on the file system of {mnt}" in log, log[-4000:]
@@ -373,5 +369,3 @@ def test_disk_full_is_one_error_naming_the_file_system(tmp_path, straight):
         from megatron_dppo.megatron.checkpoint import find_resume_checkpoint, verify_checkpoint
         kept = find_resume_checkpoint(mnt)
         assert kept is not None and verify_checkpoint(kept) == [] and not list(mnt.glob(".tmp-*"))
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)])

@@ -32,14 +32,6 @@ DRAWS = 3000
 B, G, L = 6, 4, 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def mc_z(samples: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     d = samples.shape[0]
     se = samples.std(0, correction=1) / math.sqrt(d)
