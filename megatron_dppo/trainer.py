@@ -159,7 +159,8 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 # ==============================================================================================================
 def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
     """Warm start (optional) + RL, resuming from the latest checkpoint. Returns {"metrics": the last RL step's
-    metrics, "stopped_by": the signal number that stopped the run, STOP_REQUESTED (0) for a job-script stop request, or None, "rl_step", "sft_step", ...}."""
+    metrics, "stopped_by": the signal number that stopped the run, STOP_REQUESTED (0) for a job-script stop
+    request, or None, "rl_step", "sft_step", ...}."""
     from tqdm import tqdm
 
     run = setup(cfg, resume=checkpoints)
@@ -207,7 +208,7 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
                     m.update(ev)
                 last = m
                 console.progress(bar, {"reward": m.get("reward/mean", float("nan")),
-                                "kept": m["prune/total_kept_fraction"], "tok/s": m["throughput/tokens_per_s"]})
+                                       "kept": m["prune/total_kept_fraction"], "tok/s": m["throughput/tokens_per_s"]})
                 console.print_step(run, step, m)
                 if checkpoints and cfg.checkpoint.every and run.rl_step % cfg.checkpoint.every == 0 \
                         and run.rl_step < cfg.train.steps:
@@ -232,7 +233,6 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
             print(f"reward curve: {png}", flush=True)
             summary["plot"] = str(png)
     return summary
-
 
 
 def bench(cfg: Config, steps: int = 5) -> dict[str, float]:
