@@ -1,7 +1,7 @@
 """Step time against TRL's ``GRPOTrainer`` on the quickstart's own work: TRL GRPO vs our GRPO vs our DPPO.
 
     make bench-trl                                   # installs TRL into .venv-trl once, then runs this
-    .venv/bin/python benchmarks/vs_trl.py --seeds 3 --steps 12 [--out runs/vs_trl]
+    .venv/bin/python benchmarks/vs_trl.py --seeds 3 --steps 16 [--out runs/vs_trl]
 
 The work (identical for the three methods)
 ------------------------------------------
@@ -27,8 +27,8 @@ for ours: generate / logprob / train / ...) and process CPU seconds (one thread:
 sensitive than the wall clock to other processes on a shared machine), completion tokens generated per second
 of step time, the rollout reward (accuracy: the reward is 0/1) averaged over the last 3 steps (equal steps),
 and at equal wall time (the last 3 steps each run finished within the shortest run's total step time; nan: no
-step finished in that time). DPPO's rollout reward is over the prompts
-it generated for (pruned prompts are never generated), so it is not the same population as GRPO's.
+step finished in that time). Our rollout reward is the run's headline ``reward/mean``: for DPPO the unbiased
+(1/pi) estimate over ALL drawn prompts, pruned ones included, so the same population as GRPO's and TRL's.
 
 TRL runs in its own virtual environment (``.venv-trl``, see the Makefile) so that its pins never touch the
 main one; transformers is pinned to the main environment's version there.
@@ -203,7 +203,8 @@ def print_summary(summary: dict, meta: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12, help="measured steps per run (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=16, help="measured steps per run (after one warm-up step; DPPO's "
+                   "prompt pruning acts from step 9 on, once prompts have a history)")
     p.add_argument("--out", default="runs/vs_trl")
     p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     p.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
