@@ -19,6 +19,9 @@ from pathlib import Path
 
 def main() -> int:
     point, nth, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    # the import path `python -m megatron_dppo.cli` gives: the working folder first, not this script's folder
+    # (user reward modules such as tests.e2e._rewards are imported from it)
+    sys.path[0] = os.getcwd()
     from megatron_dppo import cli
     from megatron_dppo.megatron import checkpoint as C
 
