@@ -283,6 +283,21 @@ def pack_mini_batches(run: Run, mini_batches: list[TrainBatch]) -> tuple[list[li
                     "packing/rank_cost_imbalance": max(s["packing/rank_cost_imbalance"] for s in stats)}
 
 
+def old_logprobs_needed(cfg: Any, loss_cfg: Any) -> bool:
+    """Whether the step runs the forward-only old-policy log-prob pass before the update.
+
+    With exactly one optimizer update per rollout batch the weights being trained ARE the weights the old
+    log-probs would be computed with, so the PPO/GSPO ratio exp(logp - old) is identically 1. The pass is then
+    skipped and the loss uses old = logp.detach() from the train forward itself (as TRL's GRPOTrainer does):
+    the same value (bit for bit on CPU, tests/megatron/test_train_step.py) and the same gradient, one forward
+    pass less. It is needed when the ratio can differ from 1 (several updates per rollout: live after the first),
+    for rollout correction (its weights compare the rollout engine with these old log-probs before the update),
+    or when forced with ``train.recompute_old_logprobs``. A KL term needs the REFERENCE pass, not this one
+    (``fill_logprobs`` decides that from ``loss_cfg.kl_coef``)."""
+    return bool(cfg.train.recompute_old_logprobs or several_updates_per_rollout(cfg)
+                or loss_cfg.rollout_correction != "none")
+
+
 def fill_old_and_reference_logprobs(run: Run, packed: list[list]) -> None:
     """Old-policy (and, with a KL term, reference) log-probs of every mini-batch, forward only, ONCE per rollout
     and before the first update. The old pass runs only when ``old_logprobs_needed``; otherwise the ratio is 1 by
@@ -372,21 +387,6 @@ def pack(run: Run, batch: TrainBatch) -> tuple[list, dict[str, float]]:
     return micro_batches, {"packing/density": stats.density, "packing/micro_batches": float(stats.num_micro_batches),
                            "packing/max_bin_fill": stats.max_bin_fill,
                            "packing/rank_cost_imbalance": stats.rank_cost_imbalance}
-
-
-def old_logprobs_needed(cfg: Any, loss_cfg: Any) -> bool:
-    """Whether the step runs the forward-only old-policy log-prob pass before the update.
-
-    With exactly one optimizer update per rollout batch the weights being trained ARE the weights the old
-    log-probs would be computed with, so the PPO/GSPO ratio exp(logp - old) is identically 1. The pass is then
-    skipped and the loss uses old = logp.detach() from the train forward itself (as TRL's GRPOTrainer does):
-    the same value (bit for bit on CPU, tests/megatron/test_train_step.py) and the same gradient, one forward
-    pass less. It is needed when the ratio can differ from 1 (several updates per rollout: live after the first),
-    for rollout correction (its weights compare the rollout engine with these old log-probs before the update),
-    or when forced with ``train.recompute_old_logprobs``. A KL term needs the REFERENCE pass, not this one
-    (``fill_logprobs`` decides that from ``loss_cfg.kl_coef``)."""
-    return bool(cfg.train.recompute_old_logprobs or several_updates_per_rollout(cfg)
-                or loss_cfg.rollout_correction != "none")
 
 
 def gradient_audit(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
