@@ -44,13 +44,14 @@ def _check(ok: bool, key: str, value: Any, valid: str) -> None:
 # --------------------------------------------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
-    """The policy model (one of the HF families llama | qwen2 | qwen3) and its tokenizer."""
+    """The policy model (one of the HF families llama | qwen2 | qwen3 | qwen3_moe | mixtral) and its tokenizer."""
 
     path: Optional[str] = opt(None, "Pretrained weights: a Hugging Face model directory (config.json + "
                                     "safetensors), a .gguf file (converted once into <output_dir>/hf-<name>), or "
                                     "'package:<python package>/<file>' for a file shipped inside an installed "
                                     "package. null = random init from model.hf_config.")
-    hf_config: dict = opt({}, "HF config.json fields for a from-scratch model (model_type llama|qwen2|qwen3, "
+    hf_config: dict = opt({}, "HF config.json fields for a from-scratch model (model_type llama|qwen2|qwen3|"
+                              "qwen3_moe|mixtral, "
                               "hidden_size, num_hidden_layers, ...). Used when model.path is null; otherwise "
                               "entries here override the pretrained config (e.g. max_position_embeddings).")
     tokenizer: Optional[str] = opt(None, "Tokenizer: an HF tokenizer directory, a sentencepiece .model file, "
@@ -67,13 +68,22 @@ class ModelConfig:
                 "(torch's FlashAttention varlen kernels, GPU, no TE needed), sdpa (per-sequence "
                 "scaled_dot_product_attention, any device), auto (te when it imports and works on CUDA, else varlen "
                 "on CUDA, else sdpa). An explicit choice that cannot work is an error, never a silent fallback.")
+    moe_aux_loss_coeff: float = opt(0.0, "Mixture-of-Experts models: weight of the router's load-balancing "
+                                         "auxiliary loss; 0 = off (the default for RL: the router follows the "
+                                         "reward only).")
+    moe_routing_replay: bool = opt(False, "Mixture-of-Experts models: the training forward reuses the experts "
+                                          "recorded for each token (by the old-log-prob pass, which then always "
+                                          "runs) instead of routing again, so a policy update cannot flip a "
+                                          "token's experts between the pass that scored it and the update.")
 
     def validate(self) -> None:
         if self.path is None:
             _check(bool(self.hf_config), "model.hf_config", self.hf_config,
                    "a non-empty dict of HF config fields when model.path is null")
             mt = self.hf_config.get("model_type")
-            _check(mt in ("llama", "qwen2", "qwen3"), "model.hf_config.model_type", mt, "llama, qwen2 or qwen3")
+            _check(mt in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"), "model.hf_config.model_type", mt,
+                   "llama, qwen2, qwen3, qwen3_moe or mixtral")
+        _check(self.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, ">= 0")
         _check(self.tokenizer_vocab_size >= 64, "model.tokenizer_vocab_size", self.tokenizer_vocab_size, ">= 64")
 
 
@@ -87,9 +97,13 @@ class ParallelConfig:
     sp: bool = opt(False, "Sequence parallelism (needs tp > 1).")
     cp: int = opt(1, "Context-parallel size; only 1 is supported (packed sequences are not partitioned over CP "
                      "ranks yet).")
+    ep: int = opt(1, "Expert-parallel size (Mixture-of-Experts models): the experts of each MoE layer are spread "
+                     "over ep ranks of a pipeline stage; must divide num_experts and world_size / (pp * etp).")
+    etp: int = opt(1, "Expert-tensor-parallel size (MoE models): each expert split over etp ranks like a dense "
+                      "MLP under TP. 1 (whole experts, more EP) suits fine-grained experts such as Qwen3-MoE's.")
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep", "etp"):
             _check(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "an integer >= 1")
         _check(self.vpp is None or self.vpp >= 1, "parallel.vpp", self.vpp, "null or an integer >= 1")
         _check(not (self.vpp and self.pp == 1), "parallel.vpp", self.vpp, "null when parallel.pp == 1")

@@ -79,6 +79,17 @@ class Run:
         return parallel_state.get_data_parallel_world_size()
 
 
+def moe_options(cfg: Config, arch) -> dict:
+    """The MoE switches of ``model`` for the engine (none for a dense model; setting them there is an error)."""
+    if arch.moe is None:
+        if cfg.model.moe_aux_loss_coeff or cfg.model.moe_routing_replay:
+            raise ValueError(f"model.moe_aux_loss_coeff={cfg.model.moe_aux_loss_coeff} / model.moe_routing_replay="
+                             f"{cfg.model.moe_routing_replay}: the {arch.family!r} model has no experts; "
+                             "use 0 / false")
+        return {}
+    return dict(moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff, moe_routing_replay=cfg.model.moe_routing_replay)
+
+
 def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     """Process groups, tokenizer, data, Megatron engine, rollout engine, rewards, pruner; restore a checkpoint."""
     from megatron_dppo.data import PromptSampler
@@ -88,7 +99,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
 
     quiet_logs()
     parallel = ParallelConfig(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, sp=cfg.parallel.sp,
-                              cp=cfg.parallel.cp)
+                              cp=cfg.parallel.cp, ep=cfg.parallel.ep, etp=cfg.parallel.etp)
     D.pick_free_port_if_single_process()
     info = initialize_parallel(parallel, cfg.model.init_seed)
     D.set_cpu_threads(info.local_world_size, cfg.train.cpu_threads)
@@ -122,7 +133,8 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         lr=cfg.optim.lr, min_lr=0.0, lr_schedule="constant", warmup_steps=0, weight_decay=cfg.optim.weight_decay,
         adam_beta1=cfg.optim.adam_beta1, adam_beta2=cfg.optim.adam_beta2, adam_eps=cfg.optim.adam_eps,
         clip_grad=cfg.optim.grad_clip, use_distributed_optimizer=cfg.optim.distributed_optimizer), loss_cfg,
-        dtype=torch_dtype(cfg.model.dtype), attention_backend=cfg.model.attention_backend)
+        dtype=torch_dtype(cfg.model.dtype), attention_backend=cfg.model.attention_backend,
+        **moe_options(cfg, arch))
     rollout = build_rollout(cfg, hf_config, model_dir, tokenizer)
 
     pruner: DPPOPruner | CPPOPruner | None = None

@@ -399,6 +399,43 @@ _PATCHES.append(_torch_norm_sequence_parallel)
 allow_sequence_parallel_torch_norm = _torch_norm_sequence_parallel
 
 
+# ----------------------------------------------------------------------------------------------------------
+# 6. MoE all-to-all token dispatcher without CUDA streams
+# ----------------------------------------------------------------------------------------------------------
+class _NoStream:
+    """Stands in for the dispatcher's class-level device-to-host CUDA stream (never used on CPU)."""
+
+
+def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert=None):
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` on CPU: the same conversions of the split
+    sizes to host values (numpy for the all-to-all splits) at the same point, without the side stream and event
+    that the CUDA version uses to overlap the copy."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        def host(t, as_numpy=False):
+            return t.numpy() if as_numpy and torch.is_tensor(t) else t
+
+        self.input_splits = host(self.input_splits, True)
+        self.output_splits = host(self.output_splits, True)
+        self.output_splits_tp = host(self.output_splits_tp, True)
+    return tokens_per_expert
+
+
+def _moe_dispatcher_without_streams() -> None:
+    try:
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    except ImportError as err:  # a Megatron-Core build without MoE
+        logger.debug("CPU backend: MoE token dispatcher not importable (%s); skipped", err)
+        return
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+    _ORIGINALS["MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"] = (
+        MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
+
+
+_PATCHES.append(_moe_dispatcher_without_streams)
+
+
 # ==========================================================================================================
 # Optimizer / checkpoint redirections (owned by the "engine-train" helper). Append below with
 # `register_cpu_patch` (or `_PATCHES.append`); keep each one a small named function documented like those above.

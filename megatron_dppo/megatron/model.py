@@ -1,4 +1,5 @@
-"""Megatron-Core ``GPTModel`` from a Hugging Face config: Llama (incl. SmolLM2), Qwen2, Qwen3.
+"""Megatron-Core ``GPTModel`` from a Hugging Face config: Llama (incl. SmolLM2), Qwen2, Qwen3, and the
+Mixture-of-Experts families Qwen3-MoE and Mixtral (their sparse blocks: ``moe``).
 
 All three families are the same decoder: pre-norm RMSNorm, rotary position embedding (theta from the config),
 grouped-query attention, SwiGLU MLP ``W2 (silu(W_gate x) * W_up x)``, final RMSNorm, tied or untied output
@@ -10,6 +11,8 @@ family     ``qkv_bias``          ``qk_norm`` (RMSNorm over head_dim on q and k)
 llama      False                 False
 qwen2      True                  False
 qwen3      False                 True (and an explicit ``head_dim``)
+qwen3_moe  False                 True; MoE blocks (``ModelArch.moe``)
+mixtral    False                 False; MoE blocks in every layer
 =========  ====================  =============================================
 
 ``ModelArch.from_hf_config`` reads those numbers (rejecting what the model cannot represent, e.g. an unknown
@@ -36,9 +39,12 @@ import torch
 
 from . import compat
 from .cpu import allow_sequence_parallel_torch_norm, ensure_device_backend
+from .moe import MOE_ARCH_CONFIG_FIELDS, MoEArch, moe_block_spec, moe_config_kwargs, moe_from_hf_config
 from .parallel import ParallelConfig, validate_parallel
 
-FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # HF model_type -> family
+# HF model_type -> family
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 # RoPE variants Megatron's RotaryEmbedding can represent; llama3 with Megatron's fixed constants only.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -46,12 +52,12 @@ _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origi
 
 @dataclass(frozen=True)
 class ModelArch:
-    """The numbers that define a Llama/Qwen2/Qwen3 decoder (HF names in brackets)."""
+    """The numbers that define a Llama/Qwen2/Qwen3 (dense) or Qwen3-MoE/Mixtral decoder (HF names in brackets)."""
 
     family: str  # llama | qwen2 | qwen3
     vocab_size: int  # [vocab_size] rows of the embedding (already padded by the model authors)
     hidden_size: int  # [hidden_size]
-    ffn_hidden_size: int  # [intermediate_size]
+    ffn_hidden_size: int  # [intermediate_size] (the dense MLP; MoE experts: moe.expert_ffn_hidden_size)
     num_layers: int  # [num_hidden_layers]
     num_attention_heads: int  # [num_attention_heads]
     num_kv_heads: int  # [num_key_value_heads] (GQA); == num_attention_heads for MHA
@@ -65,10 +71,17 @@ class ModelArch:
     rope_scaling_type: str = "default"  # default | linear | llama3
     rope_scaling_factor: float = 1.0
     init_std: float = 0.02  # [initializer_range]
+    moe: MoEArch | None = None  # the sparse blocks of qwen3_moe / mixtral; None for dense families
 
     def __post_init__(self):
         if self.family not in FAMILIES.values():
             raise ValueError(f"family={self.family!r}; supported: {sorted(set(FAMILIES.values()))}")
+        if (self.moe is not None) != self.is_moe_family:
+            raise ValueError(f"family={self.family!r} {'needs' if self.is_moe_family else 'cannot have'} "
+                             f"MoE blocks (moe={self.moe})")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ValueError(f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries for "
+                             f"num_layers={self.num_layers}")
         for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if int(getattr(self, name)) <= 0:
@@ -78,6 +91,10 @@ class ModelArch:
                              f"num_kv_heads={self.num_kv_heads} (grouped-query attention needs it)")
         if self.rope_scaling_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling_type={self.rope_scaling_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def is_moe_family(self) -> bool:
+        return self.family in ("qwen3_moe", "mixtral")
 
     # ------------------------------------------------------------------------------------------------------
     @classmethod
@@ -102,7 +119,7 @@ class ModelArch:
         if family == "llama" and attention_bias:
             raise ValueError("attention_bias=True (Llama: bias on q, k, v and o) is not supported; only the "
                              "Qwen2 layout (bias on q, k, v) is")
-        if getattr(hf, "use_sliding_window", False):
+        if getattr(hf, "use_sliding_window", False) or (family == "mixtral" and getattr(hf, "sliding_window", None)):
             raise ValueError(f"use_sliding_window=True (sliding_window={getattr(hf, 'sliding_window', None)}) "
                              "is not supported")
         layer_types = getattr(hf, "layer_types", None)
@@ -120,6 +137,7 @@ class ModelArch:
 
         theta, rope_type, factor = _rope_from_config(hf)
         tie = getattr(hf, "tie_word_embeddings", False)
+        moe = moe_from_hf_config(hf, family) if family in ("qwen3_moe", "mixtral") else None
         return cls(
             family=family,
             vocab_size=int(hf.vocab_size),
@@ -133,11 +151,12 @@ class ModelArch:
             norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
             tie_embeddings=bool(tie),
             qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in QK_NORM_FAMILIES,
             max_position_embeddings=int(getattr(hf, "max_position_embeddings", 4096) or 4096),
             rope_scaling_type=rope_type,
             rope_scaling_factor=float(factor),
             init_std=float(getattr(hf, "initializer_range", 0.02) or 0.02),
+            moe=moe,
         )
 
     @property
@@ -146,9 +165,23 @@ class ModelArch:
         h, f, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
-        layer = attn + 3 * h * f + 2 * h
         emb = self.vocab_size * h
-        return self.num_layers * layer + h + emb * (1 if self.tie_embeddings else 2)
+        if self.moe is None:
+            layers = self.num_layers * (attn + 3 * h * f + 2 * h)
+        else:
+            sparse = self.moe.num_sparse_layers
+            experts = self.moe.num_experts * 3 * h * self.moe.expert_ffn_hidden_size + self.moe.num_experts * h
+            layers = self.num_layers * (attn + 2 * h) + sparse * experts + (self.num_layers - sparse) * 3 * h * f
+        return layers + h + emb * (1 if self.tie_embeddings else 2)
+
+    @property
+    def num_active_parameters(self) -> int:
+        """Parameters one token passes through: top-k experts instead of all (== num_parameters when dense)."""
+        if self.moe is None:
+            return self.num_parameters
+        idle = self.moe.num_experts - self.moe.topk
+        return self.num_parameters - self.moe.num_sparse_layers * idle * 3 * self.hidden_size * (
+            self.moe.expert_ffn_hidden_size)
 
 
 def _as_transformers_config(cfg):
@@ -219,12 +252,15 @@ _ARCH_CONFIG_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_atte
 
 
 def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtype | None = None,
-                             *, attention_backend: str | None = None, **overrides) -> "TransformerConfig":  # noqa: F821
+                             *, attention_backend: str | None = None, moe_aux_loss_coeff: float = 0.0,
+                             moe_routing_replay: bool = False, **overrides) -> "TransformerConfig":  # noqa: F821
     """Megatron ``TransformerConfig`` for ``arch`` under ``parallel``. ``overrides`` replace any field
     (e.g. ``recompute_granularity="full"``); performance fields unknown to the installed Megatron-Core are
     dropped, fields that change the model or its training (``_ARCH_CONFIG_FIELDS``) raise instead.
     ``attention_backend`` (resolved: te | varlen | sdpa; None = auto) sets the fusion flags: TE kernels are
-    used by the TE spec only."""
+    used by the TE spec only. MoE models (``arch.moe``): ``moe_aux_loss_coeff`` (0 = no load-balancing loss)
+    and ``moe_routing_replay`` (Megatron's router replay hooks, see ``routing_replay``); experts use grouped
+    GEMM with the TE spec and are split over ``parallel.ep`` / ``parallel.etp``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     device = ensure_device_backend()
@@ -261,7 +297,7 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
         attention_softmax_in_fp32=True,
         # packed micro-batches differ in length: pipeline stages exchange shapes first
         variable_seq_lengths=parallel.pp > 1,
-        # no experts here, but 0.16 rejects variable_seq_lengths with the default "allgather" MoE dispatcher
+        # (dense models too: 0.16 rejects variable_seq_lengths with the default "allgather" MoE dispatcher)
         moe_token_dispatcher_type="alltoall",
         # fusions: TE kernels with the TE spec only; gradient-accumulation fusion needs DDP main_grad buffers and
         # TE/Apex, it is a training-loop choice (override it there)
@@ -273,19 +309,38 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
         use_cpu_initialization=device == "cpu",
         cross_entropy_loss_fusion=False,
     )
+    required = _ARCH_CONFIG_FIELDS
+    if arch.moe is not None:
+        kwargs.update(moe_config_kwargs(arch.moe, ep=parallel.ep, etp=parallel.etp, aux_loss_coeff=moe_aux_loss_coeff,
+                                        routing_replay=moe_routing_replay, grouped_gemm=te))
+        required += MOE_ARCH_CONFIG_FIELDS
+    elif moe_routing_replay or moe_aux_loss_coeff:
+        raise ValueError(f"moe_routing_replay={moe_routing_replay} / moe_aux_loss_coeff={moe_aux_loss_coeff} "
+                         f"need a Mixture-of-Experts model; {arch.family!r} is dense")
     kwargs.update(overrides)
-    return TransformerConfig(**compat.supported_kwargs(TransformerConfig, kwargs, required=_ARCH_CONFIG_FIELDS))
+    return TransformerConfig(**compat.supported_kwargs(TransformerConfig, kwargs, required=required))
 
 
-def build_layer_spec(arch: ModelArch, te: bool | None = None, *, attention_backend: str | None = None):
+def build_layer_spec(arch: ModelArch, te: bool | None = None, *, attention_backend: str | None = None,
+                     config=None, vp_stage: int | None = None):
     """The transformer-layer ``ModuleSpec`` of a backend (see the module docstring): the TE spec, or the local
-    spec with ``VarlenCoreAttention`` / ``SDPACoreAttention``."""
+    spec with ``VarlenCoreAttention`` / ``SDPACoreAttention``. MoE models get a decoder block spec (per-layer
+    specs, MoE or dense, ``moe.moe_block_spec``) built from their ``config``, for this rank's pipeline stage
+    (and virtual stage ``vp_stage``)."""
     backend = resolve_backend(attention_backend, te)
+    if backend != "te":
+        allow_sequence_parallel_torch_norm()
+    if arch.moe is not None:
+        if config is None:
+            raise ValueError("an MoE layer spec needs the TransformerConfig (its moe_layer_freq places the experts)")
+        from .attention import core_attention_class
+
+        return moe_block_spec(config, backend, None if backend == "te" else core_attention_class(backend),
+                              vp_stage=vp_stage)
     if backend == "te":
         return compat.gpt_te_layer_spec(qk_layernorm=arch.qk_norm)
     from .attention import core_attention_class
 
-    allow_sequence_parallel_torch_norm()
     spec = copy.deepcopy(compat.gpt_local_layer_spec(qk_layernorm=arch.qk_norm))
     spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
     return spec
@@ -326,12 +381,14 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
         raise RuntimeError("model-parallel state is not initialized; call parallel.initialize_parallel first")
     world = torch.distributed.get_world_size()
     validate_parallel(arch, parallel, world)
-    if parallel_state.get_tensor_model_parallel_world_size() != parallel.tp or (
-            parallel_state.get_pipeline_model_parallel_world_size() != parallel.pp):
+    state = (parallel_state.get_tensor_model_parallel_world_size(),
+             parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_expert_model_parallel_world_size(),
+             parallel_state.get_expert_tensor_parallel_world_size())
+    if state != (parallel.tp, parallel.pp, parallel.ep, parallel.etp):
         raise ValueError(
-            f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}) does not match the initialized state "
-            f"(tp={parallel_state.get_tensor_model_parallel_world_size()}, "
-            f"pp={parallel_state.get_pipeline_model_parallel_world_size()})")
+            f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep}, etp={parallel.etp}) does not "
+            f"match the initialized state (tp={state[0]}, pp={state[1]}, ep={state[2]}, etp={state[3]})")
     if parallel.vpp is not None and vp_stage is None:
         raise ValueError(f"vpp={parallel.vpp}: pass vp_stage (0..{parallel.vpp - 1}) for each model chunk")
     if pre_process is None:
@@ -340,7 +397,7 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     backend = resolve_backend(attention_backend, te)
     config = config or build_transformer_config(arch, parallel, dtype, attention_backend=backend, **config_overrides)
-    spec = build_layer_spec(arch, attention_backend=backend)
+    spec = build_layer_spec(arch, attention_backend=backend, config=config, vp_stage=vp_stage)
     if backend != "te" and getattr(config, "apply_rope_fusion", False):
         raise ValueError(f"attention backend {backend!r} builds the local spec, but the config has "
                          "apply_rope_fusion=True (a TE kernel); set it False")

@@ -1,7 +1,10 @@
 """Process groups: torch.distributed + Megatron model-parallel state from the launcher's environment.
 
 Layout (Megatron's default order ``tp-cp-ep-dp-pp``): ``world = tp * cp * dp * pp``; the data-parallel size
-``dp`` is what is left. ``validate_parallel`` checks every divisibility Megatron needs *before* any process
+``dp`` is what is left. Mixture-of-Experts layers are laid out separately over the same ranks (Megatron's
+expert grid ``etp-ep-edp-pp``): ``world = etp * ep * edp * pp``, each expert split over ``etp`` ranks, the experts
+spread over ``ep`` ranks, and ``edp`` (expert data parallel) what is left; attention and dense layers keep
+``tp/dp``. ``ep`` usually spans the TP and DP ranks of a pipeline stage (e.g. tp=2, dp=4, ep=8, etp=1). ``validate_parallel`` checks every divisibility Megatron needs *before* any process
 group exists, so a bad configuration fails identically on every rank with a ``ValueError`` naming the numbers
 instead of hanging in a collective.
 
@@ -45,16 +48,18 @@ CP_REFUSAL = ("context parallelism (parallel.cp > 1) is not supported yet: packe
 class ParallelConfig:
     """tp: tensor parallel, pp: pipeline parallel, vpp: virtual pipeline stages per rank (interleaved
     schedule) or None, sp: sequence parallel (needs tp > 1 to matter), cp: context parallel (1 only, see
-    ``CP_REFUSAL``)."""
+    ``CP_REFUSAL``), ep: expert parallel, etp: expert tensor parallel (MoE models only)."""
 
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
     sp: bool = False
     cp: int = 1
+    ep: int = 1
+    etp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep", "etp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
@@ -104,9 +109,30 @@ def validate_parallel(arch: "ModelArch", cfg: ParallelConfig, world_size: int) -
         problems.append(f"num_layers={arch.num_layers} is not divisible by {what}")
     if cfg.cp != 1:  # ParallelConfig refuses it already; kept for configs built with object.__setattr__
         problems.append(f"cp={cfg.cp}: {CP_REFUSAL}")
+    problems += _expert_problems(arch, cfg, world_size)
     if problems:
         raise ValueError("cannot shard the model: " + "; ".join(problems))
     return dp
+
+
+def _expert_problems(arch: "ModelArch", cfg: ParallelConfig, world_size: int) -> list[str]:
+    moe = getattr(arch, "moe", None)
+    if moe is None:
+        return [f"ep={cfg.ep} / etp={cfg.etp}: expert parallelism needs a Mixture-of-Experts model, "
+                f"{arch.family!r} is dense (use ep=1, etp=1)"] if (cfg.ep, cfg.etp) != (1, 1) else []
+    problems = []
+    if moe.num_experts % cfg.ep:
+        problems.append(f"num_experts={moe.num_experts} is not divisible by ep={cfg.ep}")
+    if moe.expert_ffn_hidden_size % cfg.etp:
+        problems.append(f"the expert ffn size {moe.expert_ffn_hidden_size} is not divisible by etp={cfg.etp}")
+    grid = cfg.etp * cfg.ep * cfg.pp
+    if world_size % grid:
+        problems.append(f"world size {world_size} is not divisible by etp*ep*pp = {cfg.etp}*{cfg.ep}*{cfg.pp} = "
+                        f"{grid} (the expert layout must tile each pipeline stage)")
+    if cfg.tp > 1 and cfg.ep * cfg.etp > 1 and not cfg.sp:
+        problems.append(f"tp={cfg.tp} with expert parallelism (ep={cfg.ep}, etp={cfg.etp}) needs sequence "
+                        "parallelism (sp=true): each TP rank must route its own tokens")
+    return problems
 
 
 def initialize_parallel(cfg: ParallelConfig, seed: int, arch: "ModelArch | None" = None, *,
@@ -153,6 +179,8 @@ def initialize_parallel(cfg: ParallelConfig, seed: int, arch: "ModelArch | None"
         pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=cfg.vpp,
         context_parallel_size=cfg.cp,
+        expert_model_parallel_size=cfg.ep,
+        expert_tensor_parallel_size=cfg.etp,
         distributed_timeout_minutes=int(max(1, timeout_minutes)),
     )
     seed_everything(seed)

@@ -33,6 +33,18 @@ ODD_SHAPES = {
                                     tie_word_embeddings=True, rope_theta=10_000.0),
 }
 
+# Mixture-of-Experts families: 4 experts, top-2. Qwen3-MoE with a dense layer (mlp_only_layers) in both router
+# variants (norm_topk_prob true = Qwen3-30B-A3B, false = softmax top-k without renormalization); Mixtral.
+_MOE_COMMON = dict(_COMMON, num_experts_per_tok=2, tie_word_embeddings=False)
+TINY_MOE = {
+    "qwen3_moe": dict(_MOE_COMMON, model_type="qwen3_moe", head_dim=24, moe_intermediate_size=32, num_experts=4,
+                      norm_topk_prob=True, mlp_only_layers=[1], rope_theta=1_000_000.0),
+    "qwen3_moe_unnormed": dict(_MOE_COMMON, model_type="qwen3_moe", head_dim=24, moe_intermediate_size=32,
+                               num_experts=4, norm_topk_prob=False, decoder_sparse_step=2, rope_theta=10_000.0),
+    "mixtral": dict(_MOE_COMMON, model_type="mixtral", intermediate_size=32, num_local_experts=4,
+                    rope_theta=1_000_000.0, sliding_window=None),
+}
+
 TOKENIZER_STUB = {"tokenizer_config.json": {"model_max_length": 256, "tokenizer_class": "PreTrainedTokenizerFast"},
                   "special_tokens_map.json": {"eos_token": "</s>"}}
 
@@ -42,7 +54,7 @@ def build_hf_model(name: str, seed: int = 0):
     around 0, all distinct), so a swapped or mis-laid tensor changes the logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(**{**TINY, **ODD_SHAPES}[name])
+    cfg = AutoConfig.for_model(**{**TINY, **ODD_SHAPES, **TINY_MOE}[name])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -20,6 +20,21 @@ TINY_CONFIGS = {
 }
 
 
+# Mixture-of-Experts families (kept out of TINY_CONFIGS so the dense parametrizations stay as they are): 4 experts,
+# top-2; Qwen3-MoE with one dense layer (mlp_only_layers) and renormalized top-k, Mixtral sparse everywhere.
+TINY_MOE_CONFIGS = {
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=96,
+                      moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                      mlp_only_layers=[1], decoder_sparse_step=1, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=24, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, max_position_embeddings=512),
+    "mixtral": dict(model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=32, num_local_experts=4,
+                    num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    rope_theta=1_000_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    max_position_embeddings=512, sliding_window=None),
+}
+
+
 def random_sequences(lengths, vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
