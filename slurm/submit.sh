@@ -11,6 +11,8 @@
 #                     `hf download Qwen/Qwen3-4B --local-dir /shared/models/Qwen3-4B` on a login node first)
 #   CONFIG            trainer YAML (required)
 #   NODES, GPUS_PER_NODE  the layout (default 1 x 8);  TP, PP  tensor / pipeline parallel sizes (default 1)
+#   EP, ETP           expert / expert-tensor parallel sizes of a Mixture-of-Experts model (default 1; passed to
+#                     the trainer as parallel.ep / parallel.etp when set)
 #   MEGATRON_CKPT     convert HF_MODEL into this folder first, at TP/PP, unless it exists (default: no conversion;
 #                     the trainer streams HF weights into its TP/PP shards itself)
 #   MEGATRON_CKPT_KEY trainer key that receives MEGATRON_CKPT (default: none)
@@ -18,7 +20,8 @@
 #   DPPO_CONVERT_CMD  the converter (default: python <this checkout>/tools/convert_hf_to_megatron.py)
 #   DRY_RUN=1         print the sbatch commands instead of submitting
 # Slurm's own variables pick the site: SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_QOS, SBATCH_TIMELIMIT, ...
-# Trainer overrides set here: model.path=HF_MODEL parallel.tp=TP parallel.pp=PP, then yours (they win).
+# Trainer overrides set here: model.path=HF_MODEL parallel.tp=TP parallel.pp=PP [parallel.ep=EP parallel.etp=ETP],
+# then yours (they win).
 set -euo pipefail
 SLURM_DIR="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(dirname "$SLURM_DIR")"
@@ -29,6 +32,8 @@ NODES="${NODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 TP="${TP:-1}"
 PP="${PP:-1}"
+EP="${EP:-1}"
+ETP="${ETP:-1}"
 : "${CONFIG:?set CONFIG to the trainer YAML}"
 : "${HF_MODEL:?set HF_MODEL to a local Hugging Face model folder (hf download <id> --local-dir <folder>)}"
 JOB_NAME="${JOB_NAME:-dppo-$(basename "${CONFIG%.*}")}"
@@ -37,6 +42,11 @@ TRAIN_SCRIPT="${TRAIN_SCRIPT:-$SLURM_DIR/train.sbatch}"
 WORLD=$((NODES * GPUS_PER_NODE))
 if ((WORLD % (TP * PP) != 0)); then
     echo "submit.sh: $NODES node(s) x $GPUS_PER_NODE GPUs = $WORLD is not a multiple of TP*PP = $((TP * PP))" >&2
+    exit 2
+fi
+if ((WORLD % (ETP * EP * PP) != 0)); then
+    echo "submit.sh: $WORLD GPUs is not a multiple of ETP*EP*PP = $((ETP * EP * PP)) (the expert layout must tile" \
+        "every pipeline stage)" >&2
     exit 2
 fi
 if [[ "${DRY_RUN:-0}" != 1 && ! -f "$HF_MODEL/config.json" ]]; then
@@ -58,6 +68,9 @@ run() {
 [[ "${DRY_RUN:-0}" == 1 ]] || mkdir -p logs # Slurm does not create --output directories
 DEPENDENCY=()
 OVERRIDES=("model.path=$HF_MODEL" "parallel.tp=$TP" "parallel.pp=$PP")
+if ((EP != 1 || ETP != 1)); then
+    OVERRIDES+=("parallel.ep=$EP" "parallel.etp=$ETP")
+fi
 if [[ -n "${MEGATRON_CKPT:-}" ]]; then
     if [[ ! -e "$MEGATRON_CKPT" ]]; then
         conv_id="$(run sbatch --parsable --job-name="$JOB_NAME-convert" "$SLURM_DIR/convert.sbatch" \
@@ -69,5 +82,6 @@ if [[ -n "${MEGATRON_CKPT:-}" ]]; then
 fi
 train_id="$(run sbatch --parsable "${DEPENDENCY[@]}" --job-name="$JOB_NAME" --nodes="$NODES" \
     --gpus-per-node="$GPUS_PER_NODE" "$TRAIN_SCRIPT" --config "$CONFIG" "${OVERRIDES[@]}" "$@")"
-echo "training job ${train_id%%;*}: $NODES x $GPUS_PER_NODE GPUs, TP=$TP PP=$PP (DP=$((WORLD / TP / PP))), logs in logs/" >&2
+echo "training job ${train_id%%;*}: $NODES x $GPUS_PER_NODE GPUs, TP=$TP PP=$PP EP=$EP ETP=$ETP" \
+    "(DP=$((WORLD / TP / PP))), logs in logs/" >&2
 echo "${train_id%%;*}"

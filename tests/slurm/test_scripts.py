@@ -30,7 +30,7 @@ def test_there_is_something_to_check():
 
 
 def dry_run(recipe: Path, tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    settings = {"NODES", "GPUS_PER_NODE", "TP", "PP", "CONFIG", "HF_MODEL", "MEGATRON_CKPT", "MEGATRON_CKPT_KEY"}
+    settings = {"NODES", "GPUS_PER_NODE", "TP", "PP", "EP", "ETP", "CONFIG", "HF_MODEL", "MEGATRON_CKPT", "MEGATRON_CKPT_KEY"}
     full_env = {key: value for key, value in os.environ.items() if key not in settings}
     full_env.update({"DRY_RUN": "1", **env})
     return subprocess.run([str(recipe), *args], capture_output=True, text=True, cwd=tmp_path, env=full_env,
@@ -69,6 +69,25 @@ def test_missing_hf_folder_is_refused_before_submitting(tmp_path):
     out = dry_run(RECIPES[0], tmp_path, HF_MODEL="Qwen/Qwen3-4B", DRY_RUN="0")
     assert out.returncode == 2 and "hf download" in out.stderr
     assert not (tmp_path / "logs").exists()
+
+
+def test_moe_recipe_lays_experts_inside_a_node(tmp_path):
+    """The Qwen3-30B-A3B recipe: EP spans one node's GPUs, the trainer gets parallel.ep/etp, and the config file
+    it names loads and validates with that layout (tp, sp, ep, etp)."""
+    from megatron_dppo.config import load_config
+
+    out = dry_run(REPO / "slurm/recipes/qwen3-30b-a3b-math.sh", tmp_path, HF_MODEL="/models/m")
+    assert out.returncode == 0, out.stderr
+    train = out.stderr.splitlines()[0]
+    gpus = int(re.search(r"--gpus-per-node=(\d+)", train).group(1))
+    ep = int(re.search(r"parallel\.ep=(\d+)", train).group(1))
+    assert ep == gpus and "parallel.etp=1" in train
+    cfg = load_config(REPO / "examples/qwen3-30b-a3b-math.yaml", [f"parallel.ep={ep}"], validate=False)
+    cfg.parallel.validate()
+    assert (cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.ep, cfg.parallel.etp) == (2, True, 8, 1)
+    assert cfg.model.moe_routing_replay and cfg.model.moe_aux_loss_coeff == 0.0
+    out = dry_run(REPO / "slurm/recipes/qwen3-30b-a3b-math.sh", tmp_path, HF_MODEL="/models/m", EP="3")
+    assert out.returncode == 2 and "ETP*EP*PP" in out.stderr  # 3 expert ranks cannot tile 16 GPUs
 
 
 def test_impossible_layout_is_refused(tmp_path):
