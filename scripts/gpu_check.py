@@ -14,6 +14,8 @@ Stages (pass/fail thresholds in each):
                  Megatron -> HF export round trip (bit-exact).
 5. train_step    ~1.1B Llama (TinyLlama shape), bf16, distributed optimizer: finite loss, fp32 master weights
                  changed, tokens/s, MFU against the measured peak, peak memory.
+5b. moe         tiny Qwen3-MoE: Megatron THD logits (fp32) vs transformers, then a small 16-expert model's
+                forward + backward + update in the training dtype (grouped-GEMM experts when TE is present).
 6. checkpoint    save / load into a fresh engine: every tensor of the training state bit-exact, and the next
                  step equal.
 7. quickstart    the CLI quickstart in bf16 on CUDA for a few steps, then resumed for more (subprocess).
@@ -494,6 +496,92 @@ def stage_train_step(c: Check) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 5b. Mixture-of-Experts: HF parity of a tiny Qwen3-MoE, then forward + backward + update of a small one
+# ----------------------------------------------------------------------------------------------------------
+def stage_moe(c: Check) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_dppo.convert.weights import load_hf_weights
+    from megatron_dppo.megatron.logprobs import forward_thd
+    from megatron_dppo.megatron.model import ModelArch, build_gpt_model, resolve_backend
+    from megatron_dppo.megatron.parallel import ParallelConfig
+    from megatron_dppo.packing import build_thd_batch
+
+    c.need_parallel()
+    backend = "sdpa" if c.cpu_smoke else resolve_backend("auto")
+    small = c.cpu_smoke
+    cfg = AutoConfig.for_model(
+        model_type="qwen3_moe", vocab_size=512, hidden_size=64 if small else 512, intermediate_size=96 if small
+        else 1024, moe_intermediate_size=32 if small else 256, num_experts=4 if small else 16,
+        num_experts_per_tok=2 if small else 4, norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=2 if
+        small else 4, num_attention_heads=4 if small else 8, num_key_value_heads=2, head_dim=16 if small else 64,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(c.device).eval()
+    arch = ModelArch.from_hf_config(cfg)
+    figures: dict = {"attention_backend": backend, "experts": arch.moe.num_experts, "topk": arch.moe.topk}
+    # parity in fp32 (routing is discrete: bf16 logits may pick other experts for near-ties)
+    model = build_gpt_model(arch, ParallelConfig(), torch.float32, attention_backend=backend).to(c.device).eval()
+    figures["grouped_gemm"] = bool(model.config.moe_grouped_gemm)
+    with torch.no_grad():
+        hf_state = {k: v.detach() for k, v in hf.state_dict().items()}
+    load_hf_weights([model], arch, _per_expert_hf_tensors(hf_state))
+    g = torch.Generator().manual_seed(1)
+    lengths = [5, 17, 40] if small else [37, 300, 129]
+    seqs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+    batch = build_thd_batch(seqs, [1] * len(seqs), list(range(len(seqs))), [0.0] * len(seqs), [1.0] * len(seqs),
+                            pad_multiple=8).to(c.device)
+    worst = 0.0
+    with torch.no_grad():
+        logits = forward_thd(model, batch).float()
+        bounds = batch.cu_seqlens_padded.tolist()
+        for i, seq in enumerate(seqs):
+            ref = hf(torch.tensor([seq], device=c.device)).logits[0].float()
+            worst = max(worst, (logits[bounds[i]:bounds[i] + len(seq)] - ref).abs().max().item())
+    figures["logits_max_diff_fp32"] = worst
+    require(worst <= 1e-3, f"MoE: Megatron THD logits vs transformers max |diff| {worst:.3e} > 1e-3")
+    del model, hf
+    # forward + backward + update in the training dtype
+    engine = build_engine(c, arch, seed=5)
+    masters = master_weights(engine)
+    sample = [p.detach().clone() for p in masters[:8]]
+    batches, lengths = random_micro_batches(arch, 2, 256 if small else 8192, 16, 128 if small else 1024, seed=6)
+    engine.fill_logprobs(batches, old=True)
+    sync()
+    t0 = time.perf_counter()
+    metrics = engine.train_step(batches, float(len(lengths)))
+    sync()
+    step_s = time.perf_counter() - t0
+    changed = any(not torch.equal(a, p.detach()) for a, p in zip(sample, masters[:8]))
+    figures.update(params=arch.num_parameters, active_params=arch.num_active_parameters, dtype=str(c.dtype),
+                   train_step_s=step_s, train_tokens_per_s=sum(lengths) / step_s, loss=metrics["loss"],
+                   grad_norm=metrics["grad_norm"], master_weights_changed=changed)
+    require(math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]), f"non-finite: {metrics}")
+    require(changed, "the MoE engine's fp32 master weights did not change after the update")
+    return figures
+
+
+def _per_expert_hf_tensors(state: dict) -> dict:
+    """transformers 5 keeps a Qwen3-MoE layer's experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2F, H],
+    ``mlp.experts.down_proj`` [E, H, F]); checkpoints and our converter use one tensor per expert."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
 # 6. checkpoint
 # ----------------------------------------------------------------------------------------------------------
 def stage_checkpoint(c: Check) -> dict:
@@ -575,7 +663,8 @@ def stage_quickstart(c: Check) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------
 STAGES = [("environment", stage_environment), ("dist", stage_dist), ("varlen", stage_varlen),
-          ("hf_parity", stage_hf_parity), ("train_step", stage_train_step), ("checkpoint", stage_checkpoint),
+          ("hf_parity", stage_hf_parity), ("train_step", stage_train_step), ("moe", stage_moe),
+          ("checkpoint", stage_checkpoint),
           ("quickstart", stage_quickstart)]
 
 

@@ -27,10 +27,12 @@ def test_gpu_check_cpu_smoke_every_stage_passes(tmp_path):
     proc, report = _run(tmp_path, "--skip", "quickstart")  # the quickstart stage: test below (slow)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     stages = report["stages"]
-    assert list(stages) == ["environment", "dist", "varlen", "hf_parity", "train_step", "checkpoint", "quickstart"]
+    assert list(stages) == ["environment", "dist", "varlen", "hf_parity", "train_step", "moe", "checkpoint",
+                            "quickstart"]
     assert {k: v["status"] for k, v in stages.items()} == {**{k: "pass" for k in stages}, "quickstart": "skip"}
     assert stages["varlen"]["module_tail_zero"] and stages["checkpoint"]["bit_exact"]
     assert stages["train_step"]["master_weights"] == "torch.float32" and stages["train_step"]["master_weights_changed"]
+    assert stages["moe"]["logits_max_diff_fp32"] <= 1e-3 and stages["moe"]["master_weights_changed"]
 
 
 @pytest.mark.slow
