@@ -213,26 +213,31 @@ class HFRolloutEngine:
     def load_weights(self, weights: WeightStream, *, require_all: bool = True) -> int:
         """Copy (hf_name, tensor) pairs into the model; returns how many tensors were copied.
 
-        Raises ValueError on an unknown name or a shape mismatch, and (``require_all``) when some parameter got no
-        tensor. A tied output layer is covered by its embedding. On error the model may be partly updated."""
-        targets = self.model.state_dict(keep_vars=True)
-        covered: set[int] = set()
+        Names are checkpoint names (``hf_layout``: per-expert tensors go into transformers 5's fused expert
+        parameters). Raises ValueError on an unknown name or a shape mismatch, and (``require_all``) when some
+        parameter got no tensor or only part of one (a fused expert parameter must receive every expert). A tied
+        output layer is covered by its embedding. On error the model may be partly updated."""
+        from megatron_dppo.rollout.hf_layout import ParameterLayout
+
+        layout = ParameterLayout(self.model)
+        filled: dict[int, dict[str, int]] = {}  # parameter id -> {checkpoint name: elements written}
         count = 0
         with torch.no_grad():
             for name, tensor in weights:
-                target = targets.get(name)
-                if target is None:
-                    sample = ", ".join(list(targets)[:3])
+                found = layout.target(name)
+                if found is None:
                     raise ValueError(f"unknown weight {name!r} for {type(self.model).__name__} "
-                                     f"(its names look like: {sample}, ...)")
+                                     f"(its names look like: {', '.join(layout.example_names())}, ...)")
+                target, param = found
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} but the model expects "
                                      f"{tuple(target.shape)}")
                 target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
-                covered.add(id(target))
+                filled.setdefault(id(param), {})[name] = target.numel()
                 count += 1
         if require_all:
-            missing = [n for n, p in self.model.named_parameters() if id(p) not in covered]
+            missing = [n for n, p in self.model.named_parameters()
+                       if sum(filled.get(id(p), {}).values()) < p.numel()]
             if missing:
                 raise ValueError(f"the weight stream did not cover {len(missing)} parameters, e.g. {missing[:3]}")
         return count

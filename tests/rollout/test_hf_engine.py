@@ -175,3 +175,31 @@ def test_protocol_sleep_and_from_pretrained(tmp_path):
         SamplingParams(temperature=0.0)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate([[1], []], 1, SamplingParams())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_checkpoint_expert_tensors_fill_the_fused_in_memory_experts(tmp_path, family):
+    """The weight stream speaks the checkpoint layout (one tensor per expert, Mixtral's block_sparse_moe names);
+    a model built from another seed and loaded from the checkpoint files of the first ends with every parameter
+    equal to the first model's, and a stream lacking one expert is refused."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = (dict(num_experts=4, moe_intermediate_size=16, head_dim=8) if family == "qwen3_moe"
+             else dict(num_local_experts=4, intermediate_size=16))
+    cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(cfg).eval()
+    source.save_pretrained(tmp_path)
+    on_disk = load_file(tmp_path / "model.safetensors")
+    expert = ".experts.3.down_proj.weight" if family == "qwen3_moe" else ".experts.3.w2.weight"
+    assert any(k.endswith(expert) for k in on_disk)  # the checkpoint layout really is per expert
+    torch.manual_seed(1)
+    engine = HFRolloutEngine(AutoModelForCausalLM.from_config(cfg), eos_token_ids=[63])
+    assert engine.load_weights(on_disk.items()) == len(on_disk)
+    for (name, mine), theirs in zip(engine.model.state_dict().items(), source.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+    with pytest.raises(ValueError, match="did not cover"):
+        fresh = HFRolloutEngine(AutoModelForCausalLM.from_config(cfg), eos_token_ids=[63])
+        fresh.load_weights((k, v) for k, v in on_disk.items() if not k.endswith(expert))
