@@ -57,8 +57,14 @@ def attention_backend_name(cfg) -> str:
 
 def print_banner(run: Run, found: Path | None) -> None:
     cfg, arch = run.cfg, run.arch
-    print(f"megatron-dppo: {arch.family} {arch.num_parameters / 1e6:.2f}M params | world {D.world_size()} "
-          f"(tp {cfg.parallel.tp}, pp {cfg.parallel.pp}, dp {run.dp_size}) | {len(run.train_prompts)} train prompts"
+    model, layout = f"{arch.num_parameters / 1e6:.2f}M params", ""
+    if arch.moe is not None:
+        model += (f" ({arch.num_active_parameters / 1e6:.2f}M active: {arch.moe.num_experts} experts, top "
+                  f"{arch.moe.topk}{', routing replay' if cfg.model.moe_routing_replay else ''})")
+        layout = f", ep {cfg.parallel.ep}, etp {cfg.parallel.etp}"
+    print(f"megatron-dppo: {arch.family} {model} | world {D.world_size()} "
+          f"(tp {cfg.parallel.tp}, pp {cfg.parallel.pp}, dp {run.dp_size}{layout}) | {len(run.train_prompts)} "
+          "train prompts"
           f" | pruner {cfg.algo.pruner} | loss {cfg.loss.preset} ({run.loss_cfg.aggregation}, "
           f"estimator {run.estimator}) | attention {attention_backend_name(cfg)} | output {cfg.train.output_dir}"
           + (f" | resuming {found.name}" if found else ""), flush=True)
