@@ -28,9 +28,10 @@ The three steps
 
 Parallelism: expert parallelism needs nothing (each rank's router sees this rank's tokens; expert ids are
 global); pipeline parallelism: each stage records and replays its own layers; sequence parallelism: the router
-sees the rank's contiguous ``T / tp`` shard (gathered for the per-sequence routes, sliced for the replay); TP > 1
-without sequence parallelism: every TP rank routes all ``T`` tokens identically, so recorded routes are used as
-they are. Context parallelism is not supported by the engine.
+sees the rank's contiguous ``T / tp`` shard (gathered for the per-sequence routes, sliced for the replay). TP > 1
+without sequence parallelism would have every TP rank route all ``T`` tokens identically (routes used as they are,
+the flips counted on TP rank 0 only), but Megatron-Core 0.16's ``MoELayer`` refuses to train MoE that way. Context
+parallelism is not supported by the engine.
 
 The flip rate: in the training forward each router also computes its own top-k (free: the scores are there)
 and counts the (token, layer, k) choices where a recorded expert is not among its own (padding excluded):
@@ -181,6 +182,14 @@ class _RouterSlot:
 # ----------------------------------------------------------------------------------------------------------
 # The engine side
 # ----------------------------------------------------------------------------------------------------------
+def router_recomputed(config) -> bool:
+    """Whether activation recompute runs the routers' forward again in the backward (full-layer recompute, or
+    the selective ``moe`` module; ``moe_act`` recomputes the experts' activation only)."""
+    granularity = getattr(config, "recompute_granularity", None)
+    return granularity == "full" or (granularity == "selective"
+                                     and "moe" in (getattr(config, "recompute_modules", None) or []))
+
+
 class RoutingReplay:
     """Records and replays the expert choices of the policy's MoE routers on this rank (module docstring).
 
@@ -189,21 +198,29 @@ class RoutingReplay:
 
     def __init__(self, model_chunks: Sequence, *, replay: bool, topk: int, num_experts: int):
         configs = [getattr(c, "config", None) for c in model_chunks]
-        for cfg in configs:
-            granularity = getattr(cfg, "recompute_granularity", None)
-            modules = getattr(cfg, "recompute_modules", None) or []
-            if granularity == "full" or (granularity == "selective" and "moe" in modules):
-                raise ValueError(f"routing replay with activation recompute (recompute_granularity={granularity!r}, "
-                                 f"recompute_modules={modules}) is not supported: the recompute runs the router's "
-                                 "forward again inside the backward; use no recompute or selective 'moe_act'")
+        if any(router_recomputed(cfg) for cfg in configs):
+            raise ValueError(f"routing replay with activation recompute (recompute_granularity="
+                             f"{configs[0].recompute_granularity!r}, recompute_modules={configs[0].recompute_modules})"
+                             " is not supported: the recompute runs the router's forward again inside the backward; "
+                             "use no recompute, or selective recompute without 'moe' (e.g. 'moe_act')")
         release_megatron_router_replay(model_chunks)
         self.routers = moe_routers(model_chunks)
         self.slots = [_RouterSlot() for _ in self.routers]
         for router, slot in zip(self.routers, self.slots):
             router.router_replay = slot
         self.replay, self.topk, self.dtype = bool(replay), int(topk), route_dtype(num_experts)
-        cfg = configs[0] if configs else None
-        self.sequence_parallel = bool(getattr(cfg, "sequence_parallel", False))
+        self.sequence_parallel = bool(getattr(configs[0], "sequence_parallel", False)) if configs else False
+
+    @classmethod
+    def for_policy(cls, model_chunks: Sequence, arch, replay: bool) -> "RoutingReplay | None":
+        """The policy's ``RoutingReplay``: None for a dense model, and when only observing (``replay`` False)
+        under a recompute that re-runs the routers (no flip metric then); replay with such a recompute raises."""
+        if arch.moe is None:
+            return None
+        if not replay and any(router_recomputed(getattr(c, "config", None)) for c in model_chunks):
+            release_megatron_router_replay(model_chunks)
+            return None
+        return cls(model_chunks, replay=replay, topk=arch.moe.topk, num_experts=arch.moe.num_experts)
 
     @property
     def layers(self) -> int:
@@ -224,24 +241,25 @@ class RoutingReplay:
             slot.mode = "record"
         try:
             yield
-            per_batch = self._stacked_records(len(micro_batches))
+            per_batch = self._stacked_records(micro_batches)
         finally:
             self.reset()
         for batch, routes in zip(micro_batches, per_batch):
             device = batch.tokens.device
             batch.routed_experts = [r.to(device=device, dtype=self.dtype) for r in unpack_routes(routes, batch)]
 
-    def _stacked_records(self, count: int) -> list[Tensor]:
-        """``[T, L, k]`` per micro-batch (the first ``count``), all-gathered over TP under sequence parallel."""
+    def _stacked_records(self, micro_batches: Sequence) -> list[Tensor]:
+        """``[T, L, k]`` per micro-batch (the first ``len(micro_batches)`` recorded forwards), all-gathered over
+        TP under sequence parallelism. A stage without MoE layers gives ``[T, 0, k]``."""
+        count = len(micro_batches)
         for slot in self.slots:
             if len(slot.recorded) < count:
                 raise RuntimeError(f"routing replay: a router recorded {len(slot.recorded)} forwards for {count} "
                                    "micro-batches")
+        if not self.slots:
+            return [torch.zeros(int(b.tokens.numel()), 0, self.topk, dtype=torch.long) for b in micro_batches]
         out = []
         for m in range(count):
-            if not self.slots:
-                out.append(torch.zeros(0, 0, self.topk, dtype=torch.long))
-                continue
             local = torch.stack([slot.recorded[m] for slot in self.slots], dim=1)  # [T_local, L, k]
             out.append(_gather_sequence_shards(local) if self.sequence_parallel else local)
         return out

@@ -271,10 +271,7 @@ class PolicyEngine:
         for chunk in self.model_chunks:
             chunk.broadcast_params()  # DP replicas start identical whatever their seeds
         # MoE: the routers' record / replay slots (routing_replay; replay with model.moe_routing_replay)
-        self.routing = None
-        if arch.moe is not None:
-            self.routing = RoutingReplay(chunks, replay=bool(overrides.get("moe_routing_replay")),
-                                         topk=arch.moe.topk, num_experts=arch.moe.num_experts)
+        self.routing = RoutingReplay.for_policy(chunks, arch, replay=bool(overrides.get("moe_routing_replay")))
 
         # 3. optimizer
         opt_kwargs = dict(
@@ -467,6 +464,9 @@ class PolicyEngine:
             sequences      sequences of the step, all DP ranks
             micro_batches  micro-batches per DP rank (after padding)
             update_ok      1.0, or 0.0 when the optimizer skipped the update (fp16 overflow / non-finite norm)
+            moe/route_flip_rate  MoE policies whose batches carry recorded routes (``fill_logprobs``): fraction of
+                           recorded (token, layer, k) expert choices the routers' own top-k no longer makes; with
+                           ``moe_routing_replay`` the recorded experts are used all the same (``routing_replay``)
         """
         from megatron.core import parallel_state
 

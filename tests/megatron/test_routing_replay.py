@@ -23,19 +23,19 @@ def world():
         yield
 
 
-def _arch(family: str = "qwen3_moe"):
+def _arch(family: str = "qwen3_moe", **hf_changes):
     from megatron_dppo.megatron.model import ModelArch
 
-    return ModelArch.from_hf_config(dict(TINY_MOE_CONFIGS[family]))
+    return ModelArch.from_hf_config(dict(TINY_MOE_CONFIGS[family], **hf_changes))
 
 
-def _engine(replay: bool, family: str = "qwen3_moe", parallel=None, lr: float = 1e-2):
+def _engine(replay: bool, family: str = "qwen3_moe", parallel=None, lr: float = 1e-2, hf_changes=None):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
 
     seed_everything(SEED)
-    return PolicyEngine(_arch(family), parallel or ParallelConfig(), OptimConfig(lr=lr, clip_grad=0.0),
+    return PolicyEngine(_arch(family, **(hf_changes or {})), parallel or ParallelConfig(), OptimConfig(lr=lr, clip_grad=0.0),
                         LossConfig(), moe_routing_replay=replay)
 
 
@@ -102,13 +102,13 @@ def _scramble_router(engine, generator_seed: int = 7):
             w.copy_(w[torch.randperm(w.shape[0], generator=g)] + 0.5 * torch.randn(w.shape, generator=g))
 
 
-def replay_case(replay: bool, family: str = "qwen3_moe", parallel=None, batches=None):
+def replay_case(replay: bool, family: str = "qwen3_moe", parallel=None, batches=None, hf_changes=None):
     """Record (old pass), move the router, train one step (hooks on the routers). Returns the fraction of
     recorded (token, layer, k) choices the train forward did NOT dispatch to, the engine's flip metric, and the
     number of replayed choices compared."""
     from megatron_dppo.megatron.routing_replay import moe_routers
 
-    engine = _engine(replay, family, parallel)
+    engine = _engine(replay, family, parallel, hf_changes=hf_changes)
     batches = batches if batches is not None else _batches(pad_multiple=2 if parallel and parallel.sp else 1)
     engine.fill_logprobs(batches)
     assert all(b.routed_experts is not None for b in batches)
@@ -194,9 +194,11 @@ def test_replay_needs_recorded_routes_and_refuses_recompute(world):
     engine = _engine(True)
     with pytest.raises(ValueError, match="no recorded routes"):
         engine.train_step(_batches(), denominator=1.0)
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     with pytest.raises(ValueError, match="activation recompute"):
-        PolicyEngine(_arch(), ParallelConfig(), OptimConfig(), LossConfig(), moe_routing_replay=True,
-                     recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        PolicyEngine(_arch(), ParallelConfig(), OptimConfig(), LossConfig(), moe_routing_replay=True, **recompute)
+    # without replay the same recompute is fine: the routers are left alone (no flip metric)
+    assert PolicyEngine(_arch(), ParallelConfig(), OptimConfig(), LossConfig(), **recompute).routing is None
 
 
 def test_replay_makes_the_old_logprob_pass_run():
@@ -257,18 +259,21 @@ def test_unpack_and_repack_are_inverse_across_packings():
 # ----------------------------------------------------------------------------------------------------------
 # (d) expert and pipeline parallelism
 # ----------------------------------------------------------------------------------------------------------
-def _parallel_worker(ep: int, pp: int, tp: int = 1, vpp: int | None = None):
+def _parallel_worker(ep: int, pp: int, tp: int = 1, vpp: int | None = None, dense_layers: tuple = (1,)):
     """(replay on, replay off) on one layout: two engines in one process, as a run with a reference copy would."""
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     parallel = ParallelConfig(ep=ep, pp=pp, tp=tp, sp=tp > 1, vpp=vpp)
-    initialize_parallel(parallel, SEED, _arch())
-    return replay_case(True, parallel=parallel), replay_case(False, parallel=parallel)
+    changes = dict(mlp_only_layers=list(dense_layers))
+    initialize_parallel(parallel, SEED, _arch(**changes))
+    return (replay_case(True, parallel=parallel, hf_changes=changes),
+            replay_case(False, parallel=parallel, hf_changes=changes))
 
 
-def _check_parallel(results):
+def _check_parallel(results, every_rank_routes: bool = True):
     on, off = [r[0] for r in results], [r[1] for r in results]
-    assert all(r["choices"] > 0 for r in on)  # every rank routes tokens through its own MoE layers
+    assert all(r["choices"] > 0 for r in on) or not every_rank_routes  # every rank routes through its own layers
+    assert sum(r["choices"] for r in on) > 0
     assert all(r["missed"] == 0 for r in on)
     assert sum(r["missed"] for r in off) > 0
     assert on[0]["flip_rate"] > 0 and all(r["flip_rate"] == on[0]["flip_rate"] for r in on)  # one global number
@@ -282,7 +287,12 @@ def test_replay_under_expert_parallelism():
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world,layout", [(2, dict(ep=1, pp=2)), (2, dict(ep=1, pp=2, vpp=2)),
-                                          (4, dict(ep=2, pp=1, tp=2))], ids=["pp2", "pp2_vpp2", "tp2sp_ep2_dp2"])
+@pytest.mark.parametrize("world,layout", [
+    (2, dict(ep=1, pp=2)),
+    (2, dict(ep=1, pp=2, dense_layers=(0, 1))),  # the first stage has no MoE layer at all
+    (2, dict(ep=1, pp=2, vpp=2)),
+    (4, dict(ep=2, pp=1, tp=2)),  # sequence parallel: each TP rank routes its shard
+], ids=["pp2", "pp2_dense_stage", "pp2_vpp2", "tp2sp_ep2_dp2"])
 def test_replay_under_pipeline_and_sequence_parallelism(world, layout):
-    _check_parallel(run_distributed(_parallel_worker, world_size=world, kwargs=layout, timeout=300))
+    results = run_distributed(_parallel_worker, world_size=world, kwargs=layout, timeout=300)
+    _check_parallel(results, every_rank_routes="dense_layers" not in layout)
