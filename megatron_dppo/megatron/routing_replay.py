@@ -15,7 +15,8 @@ The three steps
    stacked per micro-batch (``[T, L, k]``; under sequence parallelism all-gathered over the TP group first) and
    unpacked PER SEQUENCE with the micro-batch's ``cu_seqlens`` (``unpack_routes``): ``batch.routed_experts[i]``
    is ``[n_i, L, k]`` for its ``i``-th sequence (``n_i`` its true length, ``L`` the MoE layers of THIS rank:
-   of its pipeline stage, of all its virtual stages in chunk order), stored as int16/int32.
+   of its pipeline stage, of all its virtual stages in chunk order), int16 from the start (``2 L k`` bytes per
+   token: 768 B for Qwen3-30B-A3B's 48 layers x top-8), kept on the micro-batch's device.
 2. Re-pack (``pack_routes``): the training pass may pack differently (mini-batches, DP dummies, the interleaved
    schedule's padding); each of its micro-batches gets ``[T, L, k]`` rebuilt from its sequences' routes, with
    the valid ids ``0..k-1`` on padding positions (they carry no loss) and a mask of the real positions.
@@ -143,7 +144,8 @@ class _RouterSlot:
     top-k compared with the next target of ``targets`` (flips counted over valid tokens); "replay" then returns
     the target (its probabilities gathered from the current scores), "observe" the router's own choice."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype  # of the recorded ids (route_dtype: 2 bytes per choice for up to 32767 experts)
         self.mode: str | None = None
         self.recorded: list[Tensor] = []
         self.targets: list[tuple[Tensor, Tensor]] = []
@@ -159,7 +161,7 @@ class _RouterSlot:
         if self.mode is None:
             return probs, own
         if self.mode == "record":
-            self.recorded.append(own.detach())
+            self.recorded.append(own.detach().to(self.dtype))
             return probs, own
         if not self.targets:
             raise RuntimeError("routing replay: a router ran more forwards than there are micro-batches (activation "
@@ -205,10 +207,10 @@ class RoutingReplay:
                              "use no recompute, or selective recompute without 'moe' (e.g. 'moe_act')")
         release_megatron_router_replay(model_chunks)
         self.routers = moe_routers(model_chunks)
-        self.slots = [_RouterSlot() for _ in self.routers]
+        self.replay, self.topk, self.dtype = bool(replay), int(topk), route_dtype(num_experts)
+        self.slots = [_RouterSlot(self.dtype) for _ in self.routers]
         for router, slot in zip(self.routers, self.slots):
             router.router_replay = slot
-        self.replay, self.topk, self.dtype = bool(replay), int(topk), route_dtype(num_experts)
         self.sequence_parallel = bool(getattr(configs[0], "sequence_parallel", False)) if configs else False
 
     @classmethod
@@ -246,7 +248,7 @@ class RoutingReplay:
             self.reset()
         for batch, routes in zip(micro_batches, per_batch):
             device = batch.tokens.device
-            batch.routed_experts = [r.to(device=device, dtype=self.dtype) for r in unpack_routes(routes, batch)]
+            batch.routed_experts = [r.to(device) for r in unpack_routes(routes, batch)]
 
     def _stacked_records(self, micro_batches: Sequence) -> list[Tensor]:
         """``[T, L, k]`` per micro-batch (the first ``len(micro_batches)`` recorded forwards), all-gathered over
@@ -257,7 +259,7 @@ class RoutingReplay:
                 raise RuntimeError(f"routing replay: a router recorded {len(slot.recorded)} forwards for {count} "
                                    "micro-batches")
         if not self.slots:
-            return [torch.zeros(int(b.tokens.numel()), 0, self.topk, dtype=torch.long) for b in micro_batches]
+            return [torch.zeros(int(b.tokens.numel()), 0, self.topk, dtype=self.dtype) for b in micro_batches]
         out = []
         for m in range(count):
             local = torch.stack([slot.recorded[m] for slot in self.slots], dim=1)  # [T_local, L, k]
@@ -316,15 +318,17 @@ def _sequence_shard(x: Tensor) -> Tensor:
 
 
 def _gather_sequence_shards(local: Tensor) -> Tensor:
-    """The full ``[T, ...]`` from every TP rank's ``[T / tp, ...]`` shard (rank order)."""
+    """The full ``[T, ...]`` from every TP rank's ``[T / tp, ...]`` shard (rank order); exchanged as int32 (gloo and NCCL
+    have no int16 collectives), returned in ``local``'s dtype."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1:
         return local
-    parts = [torch.empty_like(local) for _ in range(tp)]
-    torch.distributed.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(parts)
+    wide = local.to(torch.int32).contiguous()
+    parts = [torch.empty_like(wide) for _ in range(tp)]
+    torch.distributed.all_gather(parts, wide, group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts).to(local.dtype)
 
 
 def route_flip_metrics(counts: Mapping[str, float], device: torch.device, *, counts_rank: bool
