@@ -318,8 +318,8 @@ def _sequence_shard(x: Tensor) -> Tensor:
 
 
 def _gather_sequence_shards(local: Tensor) -> Tensor:
-    """The full ``[T, ...]`` from every TP rank's ``[T / tp, ...]`` shard (rank order); exchanged as int32 (gloo and NCCL
-    have no int16 collectives), returned in ``local``'s dtype."""
+    """The full ``[T, ...]`` from every TP rank's ``[T / tp, ...]`` shard (rank order); exchanged as int32
+    (gloo and NCCL have no int16 collectives), returned in ``local``'s dtype."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -35,8 +35,8 @@ def _engine(replay: bool, family: str = "qwen3_moe", parallel=None, lr: float = 
     from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
 
     seed_everything(SEED)
-    return PolicyEngine(_arch(family, **(hf_changes or {})), parallel or ParallelConfig(), OptimConfig(lr=lr, clip_grad=0.0),
-                        LossConfig(), moe_routing_replay=replay)
+    return PolicyEngine(_arch(family, **(hf_changes or {})), parallel or ParallelConfig(),
+                        OptimConfig(lr=lr, clip_grad=0.0), LossConfig(), moe_routing_replay=replay)
 
 
 def _batches(pad_multiple: int = 1, groups=((9, 5, 12), (7, 3, 8, 6)), seed: int = 0):
