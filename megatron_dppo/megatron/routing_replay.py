@@ -305,6 +305,23 @@ class RoutingReplay:
             self.reset()
 
 
+    # -- the metric -------------------------------------------------------------------------------------
+    def flip_metrics(self, counts: Mapping[str, float], device: torch.device) -> dict[str, float]:
+        """``{"moe/route_flip_rate": flips / choices}`` from ``replaying``'s counts summed over the world (each
+        rank's own routers: every pipeline stage, DP/EP rank, and TP shard under sequence parallelism; without
+        it the TP ranks route the same tokens, so TP rank 0 counts alone). Empty when nothing was compared.
+        Collective: every rank calls it."""
+        from megatron.core import parallel_state
+
+        counts_rank = self.sequence_parallel or parallel_state.get_tensor_model_parallel_rank() == 0
+        local = [counts.get("flips", 0.0), counts.get("choices", 0.0)] if counts_rank else [0.0, 0.0]
+        totals = torch.tensor(local, dtype=torch.float64, device=device)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(totals)
+        flips, choices = totals.tolist()
+        return {"moe/route_flip_rate": flips / choices} if choices else {}
+
+
 def _sequence_shard(x: Tensor) -> Tensor:
     """This TP rank's contiguous ``T / tp`` rows of ``x`` (sequence parallelism's split of the sequence dim)."""
     from megatron.core import parallel_state
@@ -329,16 +346,3 @@ def _gather_sequence_shards(local: Tensor) -> Tensor:
     parts = [torch.empty_like(wide) for _ in range(tp)]
     torch.distributed.all_gather(parts, wide, group=parallel_state.get_tensor_model_parallel_group())
     return torch.cat(parts).to(local.dtype)
-
-
-def route_flip_metrics(counts: Mapping[str, float], device: torch.device, *, counts_rank: bool
-                       ) -> dict[str, float]:
-    """``{"moe/route_flip_rate": flips / choices}`` summed over every rank of the world (each rank's own
-    routers: all pipeline stages, DP/EP ranks, TP shards under sequence parallelism; ``counts_rank`` False for
-    TP ranks that duplicate TP rank 0's tokens). Empty when nothing was compared. Collective: every rank calls."""
-    local = [counts.get("flips", 0.0), counts.get("choices", 0.0)] if counts_rank else [0.0, 0.0]
-    totals = torch.tensor(local, dtype=torch.float64, device=device)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(totals)
-    flips, choices = totals.tolist()
-    return {"moe/route_flip_rate": flips / choices} if choices else {}

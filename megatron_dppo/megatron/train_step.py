@@ -75,7 +75,7 @@ from .logprobs import compute_logprobs as _forward_only_logprobs
 from .logprobs import forward_thd, run_pipeline_schedule, vocab_parallel_logprobs
 from .model import ModelArch, build_model_chunks, default_dtype
 from .parallel import ParallelConfig
-from .routing_replay import RoutingReplay, release_megatron_router_replay, route_flip_metrics
+from .routing_replay import RoutingReplay, release_megatron_router_replay
 
 logger = logging.getLogger(__name__)
 
@@ -509,11 +509,8 @@ class PolicyEngine:
             torch.distributed.all_reduce(stats, group=parallel_state.get_data_parallel_group())
         s = dict(zip(_STAT_NAMES, stats.tolist()))
         tokens = max(s["tokens"], 1.0)
-        routes = {}
-        if self.routing is not None:  # collective: every rank
-            routes = route_flip_metrics(route_counts, self.device, counts_rank=self.parallel.sp or (
-                parallel_state.get_tensor_model_parallel_rank() == 0))
-        return routes | {
+        flips = self.routing.flip_metrics(route_counts, self.device) if self.routing else {}  # collective
+        return flips | {
             "loss": s["numerator"] / denominator,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "lr": lr,
