@@ -152,8 +152,8 @@ def test_replay_uses_the_recorded_experts_after_the_router_moved(world, family):
 # ----------------------------------------------------------------------------------------------------------
 # (b) replay is a no-op when the choices agree
 # ----------------------------------------------------------------------------------------------------------
-def _step_outputs(replay: bool):
-    engine = _engine(replay)
+def _step_outputs(replay: bool, hf_changes: dict):
+    engine = _engine(replay, hf_changes=hf_changes)
     batches = _batches()
     engine.fill_logprobs(batches)
     metrics = engine.train_step(batches, denominator=4.0)
@@ -162,13 +162,16 @@ def _step_outputs(replay: bool):
     return engine, batches, metrics, grads, params
 
 
-def test_replay_changes_nothing_when_the_choices_agree(world):
+@pytest.mark.parametrize("hf_changes", [{}, {"norm_topk_prob": False}],
+                         ids=["topk_then_softmax", "softmax_then_topk"])
+def test_replay_changes_nothing_when_the_choices_agree(world, hf_changes):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from megatron_dppo.megatron.routing_replay import moe_routers
 
-    e_off, b_off, m_off, g_off, p_off = _step_outputs(False)
-    e_on, b_on, m_on, g_on, p_on = _step_outputs(True)
+    e_off, b_off, m_off, g_off, p_off = _step_outputs(False, hf_changes)
+    e_on, b_on, m_on, g_on, p_on = _step_outputs(True, hf_changes)
+    assert e_on.modules[0].config.moe_router_pre_softmax == ("norm_topk_prob" in hf_changes)
     assert m_on["moe/route_flip_rate"] == 0.0 and m_off["moe/route_flip_rate"] == 0.0
     assert m_on["loss"] == m_off["loss"] and m_on["grad_norm"] == m_off["grad_norm"]
     assert m_on["loss"] != 0.0 and m_on["grad_norm"] > 0.0
