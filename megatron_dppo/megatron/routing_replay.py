@@ -24,8 +24,10 @@ The three steps
    shard under sequence parallelism), and takes the next one at each forward call. The queue relies on what
    every Megatron pipeline schedule guarantees: a model chunk runs its micro-batches' forwards in order, once
    each. Activation recompute would run some routers' forwards twice (the full-layer or the ``moe`` selective
-   recompute), so ``RoutingReplay`` refuses it; ``moe_act`` recompute (experts only) is fine. At the end of
-   the pass every queue must be empty, and all replay state is dropped (also after an exception).
+   recompute): replay refuses it, and without replay the routers are then left alone (no flip metric);
+   ``moe_act`` recompute (experts only) is fine. At the end of the pass every queue must be empty, and all
+   replay state is dropped (also after an exception). The load-balancing auxiliary loss, when on, keeps
+   computing its statistics from the router's own top-k (Megatron computes them apart from the routing).
 
 Parallelism: expert parallelism needs nothing (each rank's router sees this rank's tokens; expert ids are
 global); pipeline parallelism: each stage records and replays its own layers; sequence parallelism: the router
@@ -34,8 +36,8 @@ without sequence parallelism would have every TP rank route all ``T`` tokens ide
 the flips counted on TP rank 0 only), but Megatron-Core 0.16's ``MoELayer`` refuses to train MoE that way. Context
 parallelism is not supported by the engine.
 
-The flip rate: in the training forward each router also computes its own top-k (free: the scores are there)
-and counts the (token, layer, k) choices where a recorded expert is not among its own (padding excluded):
+The flip rate: in the training forward each router also computes its own top-k (one ``topk`` on scores it has
+anyway) and counts the (token, layer, k) choices where a recorded expert is not among its own (padding excluded):
 ``moe/route_flip_rate`` = flips / choices. With replay on it says how often replay overrode the router; with
 replay off (routes still recorded when the old-log-prob pass runs) it is the real flip rate, the routing
 mismatch replay would remove.
