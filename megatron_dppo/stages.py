@@ -292,10 +292,11 @@ def old_logprobs_needed(cfg: Any, loss_cfg: Any) -> bool:
     the same value (bit for bit on CPU, tests/megatron/test_train_step.py) and the same gradient, one forward
     pass less. It is needed when the ratio can differ from 1 (several updates per rollout: live after the first),
     for rollout correction (its weights compare the rollout engine with these old log-probs before the update),
-    or when forced with ``train.recompute_old_logprobs``. A KL term needs the REFERENCE pass, not this one
+    or when forced with ``train.recompute_old_logprobs``. MoE routing replay (``model.moe_routing_replay``) needs
+    it too: the pass records the experts the update replays. A KL term needs the REFERENCE pass, not this one
     (``fill_logprobs`` decides that from ``loss_cfg.kl_coef``)."""
     return bool(cfg.train.recompute_old_logprobs or several_updates_per_rollout(cfg)
-                or loss_cfg.rollout_correction != "none")
+                or loss_cfg.rollout_correction != "none" or cfg.model.moe_routing_replay)
 
 
 def fill_old_and_reference_logprobs(run: Run, packed: list[list]) -> None:

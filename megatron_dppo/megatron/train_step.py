@@ -58,6 +58,7 @@ everywhere on CPU (``model.default_dtype``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ from .logprobs import compute_logprobs as _forward_only_logprobs
 from .logprobs import forward_thd, run_pipeline_schedule, vocab_parallel_logprobs
 from .model import ModelArch, build_model_chunks, default_dtype
 from .parallel import ParallelConfig
+from .routing_replay import RoutingReplay, release_megatron_router_replay
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +270,8 @@ class PolicyEngine:
         ]
         for chunk in self.model_chunks:
             chunk.broadcast_params()  # DP replicas start identical whatever their seeds
+        # MoE: the routers' record / replay slots (routing_replay; replay with model.moe_routing_replay)
+        self.routing = RoutingReplay.for_policy(chunks, arch, replay=bool(overrides.get("moe_routing_replay")))
 
         # 3. optimizer
         opt_kwargs = dict(
@@ -304,6 +308,7 @@ class PolicyEngine:
             for ref in self.reference_chunks:
                 ref.requires_grad_(False)
                 ref.eval()
+            release_megatron_router_replay(self.reference_chunks)  # the reference routes freely
             self.sync_reference_from_policy()
 
     # ------------------------------------------------------------------------------------------------------
@@ -398,7 +403,10 @@ class PolicyEngine:
         """Set ``batch.old_logprobs`` (policy) and, when the loss has a KL term (or ``reference``),
         ``batch.ref_logprobs`` of every micro-batch, in place (kept on the batch's own device)."""
         if old:
-            for b, lp in zip(micro_batches, self.compute_logprobs(micro_batches, "policy")):
+            # MoE: the experts chosen here are recorded per sequence (batch.routed_experts) for the replay
+            with self.routing.recording(micro_batches) if self.routing else contextlib.nullcontext():
+                logps = self.compute_logprobs(micro_batches, "policy")
+            for b, lp in zip(micro_batches, logps):
                 b.old_logprobs = lp.to(b.tokens.device)
         want_ref = self.loss_cfg.kl_coef > 0 if reference is None else reference
         if want_ref:
@@ -456,6 +464,9 @@ class PolicyEngine:
             sequences      sequences of the step, all DP ranks
             micro_batches  micro-batches per DP rank (after padding)
             update_ok      1.0, or 0.0 when the optimizer skipped the update (fp16 overflow / non-finite norm)
+            moe/route_flip_rate  MoE policies whose batches carry recorded routes (``fill_logprobs``): fraction of
+                           recorded (token, layer, k) expert choices the routers' own top-k no longer makes; with
+                           ``moe_routing_replay`` the recorded experts are used all the same (``routing_replay``)
         """
         from megatron.core import parallel_state
 
@@ -475,7 +486,9 @@ class PolicyEngine:
             output = forward_thd(model, batch)
             return output, lambda out, b=batch: self._loss_func(b, denominator, out)
 
-        losses = run_pipeline_schedule(self.model_chunks, batches, forward_step, forward_only=False)
+        # MoE: the routers replay (or, without model.moe_routing_replay, compare with) the recorded experts
+        with self.routing.replaying(batches) if self.routing else contextlib.nullcontext({}) as route_counts:
+            losses = run_pipeline_schedule(self.model_chunks, batches, forward_step, forward_only=False)
         update_ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
         # the train forward's own log-probs (the weights before this update), one per input micro-batch
@@ -496,7 +509,8 @@ class PolicyEngine:
             torch.distributed.all_reduce(stats, group=parallel_state.get_data_parallel_group())
         s = dict(zip(_STAT_NAMES, stats.tolist()))
         tokens = max(s["tokens"], 1.0)
-        return {
+        flips = self.routing.flip_metrics(route_counts, self.device) if self.routing else {}  # collective
+        return flips | {
             "loss": s["numerator"] / denominator,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "lr": lr,

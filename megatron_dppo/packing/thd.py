@@ -68,6 +68,8 @@ class ThdBatch:
     old_logprobs: Tensor | None = None  # float [T], filled by the engine
     ref_logprobs: Tensor | None = None  # float [T], filled by the engine
     rollout_weight: Tensor | None = None  # float [T], rollout-correction factor of the pg term (stages.py), or None
+    # MoE routing replay: per sequence (order of sample_ids) the [n_i, L, k] expert ids the engine recorded
+    routed_experts: list[Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
