@@ -215,12 +215,18 @@ class HFRolloutEngine:
 
         Raises ValueError on an unknown name or a shape mismatch, and (``require_all``) when some parameter got no
         tensor. A tied output layer is covered by its embedding. On error the model may be partly updated."""
+        from megatron_dppo.convert.hf_fused import fused_target
+
         targets = self.model.state_dict(keep_vars=True)
-        covered: set[int] = set()
+        covered: dict[int, int] = {}  # parameter -> elements written (MoE experts arrive one slice at a time)
         count = 0
         with torch.no_grad():
             for name, tensor in weights:
-                target = targets.get(name)
+                target, owner = targets.get(name), None
+                if target is None:  # a per-expert checkpoint name; transformers 5 holds the experts fused
+                    fused = fused_target(targets, name)
+                    if fused is not None:
+                        owner, target = targets[fused[0]], fused[1]
                 if target is None:
                     sample = ", ".join(list(targets)[:3])
                     raise ValueError(f"unknown weight {name!r} for {type(self.model).__name__} "
@@ -229,10 +235,11 @@ class HFRolloutEngine:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} but the model expects "
                                      f"{tuple(target.shape)}")
                 target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
-                covered.add(id(target))
+                owner = target if owner is None else owner
+                covered[id(owner)] = covered.get(id(owner), 0) + target.numel()
                 count += 1
         if require_all:
-            missing = [n for n, p in self.model.named_parameters() if id(p) not in covered]
+            missing = [n for n, p in self.model.named_parameters() if covered.get(id(p), 0) < p.numel()]
             if missing:
                 raise ValueError(f"the weight stream did not cover {len(missing)} parameters, e.g. {missing[:3]}")
         return count
