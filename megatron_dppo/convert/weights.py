@@ -125,8 +125,8 @@ def export_hf_weights(model_chunks: Sequence[nn.Module] | nn.Module, arch: Any,
     expert buckets etp * ep). Yielded tensors own their storage.
 
     Mixture-of-Experts: expert weights travel in buckets of their own. Every EP rank holds the same local names
-    (``local_experts.0..E/ep-1``) for different experts, so an expert bucket is all-gathered over the expert-TP
-    group (the slices of each expert) and then over the EP group (the experts of every EP rank); EP rank ``j``'s
+    (``local_experts.0..E/ep-1``) for different experts, so an expert bucket is all-gathered over the EP group
+    (the experts of every EP rank) and then over the expert-TP group (the slices of each expert); EP rank ``j``'s
     local expert ``i`` is yielded as global expert ``j * E/ep + i``. Every expert of every layer is yielded.
 
     Tied embeddings: only ``model.embed_tokens.weight`` is yielded (the last stage's copy is skipped).

@@ -205,17 +205,56 @@ def test_config_rebuilt_from_the_architecture_describes_the_same_model(name):
     assert ModelArch.from_hf_config(cfg) == arch
 
 
+def test_cli_round_trip_and_expert_parallel_world_check(tmp_path, capsys):
+    """The conversion tools take MoE folders (hf -> megatron -> hf bit-exact) and --ep / --etp: at ep=2 one
+    process is refused with the world size the layout needs."""
+    from megatron_dppo.convert.tools import hf_to_megatron_main, megatron_to_hf_main
+
+    src = save_hf_model("mixtral", tmp_path / "hf")
+    assert hf_to_megatron_main([str(src), str(tmp_path / "meg")]) == 0
+    assert megatron_to_hf_main([str(tmp_path / "meg"), str(tmp_path / "back")]) == 0
+    _assert_bit_exact(_folder_state(tmp_path / "back"), _folder_state(src))
+    capsys.readouterr()
+    assert hf_to_megatron_main([str(src), str(tmp_path / "out"), "--tp", "2", "--ep", "4"]) == 2
+    assert (r"needs exactly lcm(tp, ep*etp)*pp=4 processes, this job has 1" in capsys.readouterr().err)
+    assert hf_to_megatron_main([str(src), str(tmp_path / "out"), "--ep", "3"]) == 2
+    assert "num_experts=4 is not divisible by ep=3" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_moe_training_checkpoint_exports_to_hf(tmp_path):
+    """A PolicyEngine training checkpoint of an MoE policy converts back to HF bit-exact, also with the config
+    rebuilt from the architecture the checkpoint records (its MoE part included)."""
+    from megatron_dppo.megatron.checkpoint import save_checkpoint
+    from megatron_dppo.megatron.train_step import PolicyEngine
+
+    src = save_hf_model("qwen3_moe", tmp_path / "hf")
+    arch = _arch("qwen3_moe")
+    with single_process_world():
+        engine = PolicyEngine(arch, ParallelConfig(), dtype=torch.float32)
+        load_hf_folder(engine.model_chunks, src, arch)
+        save_checkpoint(engine, tmp_path / "train")
+        from_arch = convert_megatron_to_hf(tmp_path / "train", tmp_path / "back_arch")
+    _assert_bit_exact(_folder_state(from_arch), _folder_state(src))
+    ids = tokens(length=SEQ)
+    assert torch.equal(hf_logits(from_arch, ids), hf_logits(src, ids))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # several processes (gloo)
 # ------------------------------------------------------------------------------------------------------------
-LAYOUTS = {  # name -> (tp, ep, etp, sp); world 2 each. ~15-25 s each (two fresh processes, three models):
-    # EP2xTP2 (experts over EP, attention over TP, the checkpoint reshard) runs by default, the others are slow
+LAYOUTS = {  # name -> (tp, ep, etp, sp); world 2 each
     "ep2xtp2": (2, 2, 1, True),
     "ep2": (1, 2, 1, False),
     "tp2": (2, 1, 1, True),
     "etp2": (1, 1, 2, False),
 }
-_SLOW = pytest.mark.slow
+# Two fresh processes per case (~10 s of imports) and the per-model work: the default suite runs EP2xTP2 (experts
+# over EP, attention over TP, a checkpoint written and exported at that layout) on Qwen3-MoE (dense and sparse
+# layers); every layout on all three models is slow (~15-35 s each).
+LAYOUT_CASES = [pytest.param("ep2xtp2", ("qwen3_moe",), id="ep2xtp2-qwen3_moe")] + [
+    pytest.param(layout, tuple(NAMES), id=f"{layout}-all", marks=pytest.mark.slow) for layout in LAYOUTS]
 
 
 def _worker(hf_dirs: dict[str, str], tp: int, ep: int, etp: int, sp: bool, save_to: str | None):
@@ -239,8 +278,9 @@ def _worker(hf_dirs: dict[str, str], tp: int, ep: int, etp: int, sp: bool, save_
         whole = dict(export_hf_weights(chunks, arch, bucket_bytes=1 << 30))
         out[name] = {"logits": logits, "small": small, "whole": whole, "read": sorted(set(read)),
                      "ep_rank": ps.get_expert_model_parallel_rank(), "export_s": seconds}
-    if save_to is not None:  # the last model, written at this layout (resharded to TP1/EP1 by the test)
-        convert_hf_to_megatron(hf_dir, save_to, tp=tp, ep=ep, etp=etp)
+    if save_to is not None:  # the last model, written at this layout (resharded to TP1/EP1 by the test) and
+        convert_hf_to_megatron(hf_dir, save_to, tp=tp, ep=ep, etp=etp)  # exported back at this layout
+        convert_megatron_to_hf(save_to, save_to + "_back", tp=tp, ep=ep, etp=etp)
     return out
 
 
@@ -249,10 +289,10 @@ def _experts_read(read: list[str]) -> set[int]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", [pytest.param(n, marks=() if n == "ep2xtp2" else _SLOW) for n in LAYOUTS])
-def test_layout_logits_and_export_equal_single_process(layout, tmp_path):
+@pytest.mark.parametrize("layout, names", LAYOUT_CASES)
+def test_layout_logits_and_export_equal_single_process(layout, names, tmp_path):
     tp, ep, etp, sp = LAYOUTS[layout]
-    hf_dirs = {name: save_hf_model(name, tmp_path / name) for name in NAMES}
+    hf_dirs = {name: save_hf_model(name, tmp_path / name) for name in names}
     ids = tokens(length=SEQ)
     single = {}
     with single_process_world():
@@ -284,7 +324,8 @@ def test_layout_logits_and_export_equal_single_process(layout, tmp_path):
             assert len({n for n, _ in r["small"]}) == len(r["small"])
             _assert_bit_exact(dict(r["small"]), r["whole"])
             _assert_bit_exact(r["whole"], state)
-    if save_to is not None:  # the checkpoint written at tp2 x ep2 reads back at TP1/EP1, bit-exact
+    if save_to is not None:  # the checkpoint written at tp2 x ep2 reads back at TP1/EP1 and at tp2 x ep2, bit-exact
         with single_process_world():
             back = convert_megatron_to_hf(save_to, tmp_path / "back")
-        _assert_bit_exact(_folder_state(back), _folder_state(hf_dirs[NAMES[-1]]))
+        _assert_bit_exact(_folder_state(back), _folder_state(hf_dirs[names[-1]]))
+        _assert_bit_exact(_folder_state(tmp_path / "meg_back"), _folder_state(hf_dirs[names[-1]]))
