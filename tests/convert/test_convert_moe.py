@@ -1,6 +1,6 @@
 """Mixture-of-Experts conversion (Qwen3-MoE in both router variants, Mixtral): the rules name exactly the tensors
 transformers writes, Megatron logits after import equal transformers', HF -> Megatron -> HF is bit-exact, and
-under EP2, TP2, EP2xTP2 and ETP2 (gloo) the logits equal the single-process ones, each EP rank reads only its own
+under EP2, TP2, EP2xTP2, ETP2, EP2xETP2 and PP2xEP2 (gloo) the logits equal the single-process ones, each EP rank reads only its own
 experts, and the streamed export (gathered over EP / expert-TP in small buckets) is the full, bit-exact model."""
 from __future__ import annotations
 
@@ -244,20 +244,22 @@ def test_moe_training_checkpoint_exports_to_hf(tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 # several processes (gloo)
 # ------------------------------------------------------------------------------------------------------------
-LAYOUTS = {  # name -> (tp, ep, etp, sp); world 2 each
-    "ep2xtp2": (2, 2, 1, True),
-    "ep2": (1, 2, 1, False),
-    "tp2": (2, 1, 1, True),
-    "etp2": (1, 1, 2, False),
+LAYOUTS = {  # name -> (tp, pp, ep, etp, sp); world lcm(tp, ep * etp) * pp: 2, or 4 for the last two
+    "ep2xtp2": (2, 1, 2, 1, True),
+    "ep2": (1, 1, 2, 1, False),
+    "tp2": (2, 1, 1, 1, True),
+    "etp2": (1, 1, 1, 2, False),
+    "ep2xetp2": (1, 1, 2, 2, False),  # both expert gathers at once
+    "pp2xep2": (1, 2, 2, 1, False),  # expert buckets broadcast over PP, then gathered over EP
 }
-# Two fresh processes per case (~10 s of imports) and the per-model work: the default suite runs EP2xTP2 (experts
-# over EP, attention over TP, a checkpoint written and exported at that layout) on Qwen3-MoE (dense and sparse
-# layers); every layout on all three models is slow (~15-35 s each).
+# Fresh processes per case (~10 s of imports) and the per-model work: the default suite runs EP2xTP2 (experts over
+# EP, attention over TP, a checkpoint written and exported at that layout) on Qwen3-MoE (dense and sparse layers);
+# every layout on all three models is slow (~15-35 s each at world 2).
 LAYOUT_CASES = [pytest.param("ep2xtp2", ("qwen3_moe",), id="ep2xtp2-qwen3_moe")] + [
     pytest.param(layout, tuple(NAMES), id=f"{layout}-all", marks=pytest.mark.slow) for layout in LAYOUTS]
 
 
-def _worker(hf_dirs: dict[str, str], tp: int, ep: int, etp: int, sp: bool, save_to: str | None):
+def _worker(hf_dirs: dict[str, str], tp: int, pp: int, ep: int, etp: int, sp: bool, save_to: str | None):
     """Every rank, for every model: load its share, run the forward, export twice (small and large buckets)."""
     from megatron.core import parallel_state as ps
 
@@ -267,11 +269,11 @@ def _worker(hf_dirs: dict[str, str], tp: int, ep: int, etp: int, sp: bool, save_
     for name, hf_dir in hf_dirs.items():
         source = HFCheckpoint(hf_dir)
         arch = ModelArch.from_hf_config(source.config)
-        parallel = ParallelConfig(tp=tp, ep=ep, etp=etp, sp=sp)
+        parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp, sp=sp)
         initialize_parallel(parallel, seed=7, arch=arch)
         chunks = build_model_chunks(arch, parallel, torch.float32)
         read = load_hf_weights(chunks, arch, source.get)
-        logits = megatron_logits(chunks, tokens(length=SEQ))
+        logits = megatron_logits(chunks, tokens(length=SEQ))  # None off the last pipeline stage
         start = time.perf_counter()
         small = list(export_hf_weights(chunks, arch, bucket_bytes=16 * 1024))
         seconds = time.perf_counter() - start
@@ -291,7 +293,9 @@ def _experts_read(read: list[str]) -> set[int]:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout, names", LAYOUT_CASES)
 def test_layout_logits_and_export_equal_single_process(layout, names, tmp_path):
-    tp, ep, etp, sp = LAYOUTS[layout]
+    from megatron_dppo.convert.checkpoint import conversion_world_size
+
+    tp, pp, ep, etp, sp = LAYOUTS[layout]
     hf_dirs = {name: save_hf_model(name, tmp_path / name) for name in names}
     ids = tokens(length=SEQ)
     single = {}
@@ -303,20 +307,24 @@ def test_layout_logits_and_export_equal_single_process(layout, names, tmp_path):
             single[name] = megatron_logits(chunks, ids)
     save_to = tmp_path / "meg" if layout == "ep2xtp2" else None
     start = time.perf_counter()
-    results = run_distributed(_worker, world_size=2, args=({n: str(d) for n, d in hf_dirs.items()}, tp, ep, etp, sp,
-                                                           str(save_to) if save_to else None), timeout=400)
-    print(f"\n{layout}: {time.perf_counter() - start:.1f} s for the 2-rank run")
+    world = conversion_world_size(tp, pp, ep, etp)
+    results = run_distributed(_worker, world_size=world, args=({n: str(d) for n, d in hf_dirs.items()}, tp, pp, ep,
+                                                               etp, sp, str(save_to) if save_to else None),
+                              timeout=400)
+    print(f"\n{layout}: {time.perf_counter() - start:.1f} s for the {world}-rank run")
     for name, folder in hf_dirs.items():
         state = _folder_state(folder)
         reference = hf_logits(folder, ids)
         experts = _arch(name).moe.num_experts
+        assert sum(result[name]["logits"] is not None for result in results) == world // pp
         for rank, result in enumerate(results):
             r = result[name]
-            vs_single = (r["logits"] - single[name]).abs().max().item()
-            vs_hf = (r["logits"] - reference).abs().max().item()
-            print(f"  {name} rank {rank}: max |logit diff| vs single process {vs_single:.2e}, vs transformers "
-                  f"{vs_hf:.2e}; small-bucket export {r['export_s']:.2f} s")
-            assert vs_single <= LAYOUT_ATOL and vs_hf <= LOGITS_ATOL
+            if r["logits"] is not None:  # every rank of the last pipeline stage
+                vs_single = (r["logits"] - single[name]).abs().max().item()
+                vs_hf = (r["logits"] - reference).abs().max().item()
+                print(f"  {name} rank {rank}: max |logit diff| vs single process {vs_single:.2e}, vs transformers "
+                      f"{vs_hf:.2e}; small-bucket export {r['export_s']:.2f} s")
+                assert vs_single <= LAYOUT_ATOL and vs_hf <= LOGITS_ATOL
             # each EP rank reads exactly its own block of experts
             per_rank = experts // ep
             assert _experts_read(r["read"]) == set(range(r["ep_rank"] * per_rank, (r["ep_rank"] + 1) * per_rank))
