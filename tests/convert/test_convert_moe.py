@@ -1,10 +1,12 @@
 """Mixture-of-Experts conversion (Qwen3-MoE in both router variants, Mixtral): the rules name exactly the tensors
 transformers writes, Megatron logits after import equal transformers', HF -> Megatron -> HF is bit-exact, and
-under EP2, TP2, EP2xTP2, ETP2, EP2xETP2 and PP2xEP2 (gloo) the logits equal the single-process ones, each EP rank reads only its own
-experts, and the streamed export (gathered over EP / expert-TP in small buckets) is the full, bit-exact model."""
+under EP2, TP2, EP2xTP2, ETP2, EP2xETP2 and PP2xEP2 (gloo) the logits equal the single-process ones, each EP
+rank reads only its own experts, and the streamed export (gathered over EP / expert-TP in small buckets) is the
+full, bit-exact model."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -193,6 +195,24 @@ def test_streamed_export_fills_a_transformers_rollout_engine(name, tmp_path):
     assert len(lacking) == len(stream) - arch.moe.num_sparse_layers
     with pytest.raises(ValueError, match="did not cover"):
         HFRolloutEngine(build_hf_model(name, seed=1)).load_weights(iter(lacking))
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(norm_topk_prob=False), "norm_topk_prob (moe_router_pre_softmax)"),
+    (dict(mlp_only_layers=[2]), "mlp_only_layers / decoder_sparse_step (moe_layer_freq)"),
+    (dict(num_experts_per_tok=1), "num_experts_per_tok (moe_router_topk)"),
+    (dict(moe_intermediate_size=16), "moe_intermediate_size (moe_ffn_hidden_size)"),
+])
+def test_built_model_is_checked_against_the_moe_config(change, field):
+    """A Megatron model that computes a different router / layer pattern than the HF config is refused by name."""
+    from megatron_dppo.convert.validate import check_megatron_model
+
+    arch = _arch("qwen3_moe")
+    with single_process_world():
+        (model,) = build_model_chunks(arch, ParallelConfig(), torch.float32)
+        check_megatron_model(TINY_MOE["qwen3_moe"], arch, model)
+        with pytest.raises(ValueError, match=re.escape(f"HF config field {field}")):
+            check_megatron_model(dict(TINY_MOE["qwen3_moe"], **change), arch, model)
 
 
 @pytest.mark.parametrize("name", NAMES)
