@@ -342,20 +342,18 @@ def _moe_decoder_table(arch: Any, spec: str, *, qk_norm: bool, block: str, route
     H = f"model.layers.*.{block}."
     table = [replace(m, layers=DENSE_LAYERS) if ".mlp." in m.megatron else m  # dense MLP (+ TE's fused norm)
              for m in _decoder_table(arch, spec, qkv_bias=False, qk_norm=qk_norm)]
-    if spec == TE_SPEC:  # TEGroupedMLP; the sparse layer's norm is a module of its own
-        fc1, fc2 = L + "mlp.experts.linear_fc1.weight#", L + "mlp.experts.linear_fc2.weight#"
+    # SequentialMLP (local spec; also the TE spec without grouped GEMM) and TEGroupedMLP (TE spec, grouped GEMM)
+    experts = [("mlp.experts.local_experts.#.linear_fc1.weight", "mlp.experts.local_experts.#.linear_fc2.weight")]
+    if spec == TE_SPEC:  # the sparse layer's norm is a module of its own there
+        experts.append(("mlp.experts.linear_fc1.weight#", "mlp.experts.linear_fc2.weight#"))
         table.append(ReplicatedMapping(L + "pre_mlp_layernorm.weight",
                                        _w("model.layers.*.post_attention_layernorm.weight"), _dims("H"), SPARSE_LAYERS))
-    else:  # SequentialMLP
-        fc1, fc2 = (L + "mlp.experts.local_experts.#.linear_fc1.weight",
-                    L + "mlp.experts.local_experts.#.linear_fc2.weight")
+    table.append(ReplicatedMapping(L + "mlp.router.weight", _w(H + router), _dims("E", "H"), SPARSE_LAYERS))
     expert = H + "experts.#."
-    table += [
-        ReplicatedMapping(L + "mlp.router.weight", _w(H + router), _dims("E", "H"), SPARSE_LAYERS),
-        ExpertGatedMLPMapping(fc1, {"gate": expert + gate, "up": expert + up},
-                              {"gate": ("FE", "H"), "up": ("FE", "H")}, SPARSE_LAYERS),
-        ExpertRowParallelMapping(fc2, _w(expert + down), _dims("H", "FE"), SPARSE_LAYERS),
-    ]
+    for fc1, fc2 in experts:
+        table += [ExpertGatedMLPMapping(L + fc1, {"gate": expert + gate, "up": expert + up},
+                                        {"gate": ("FE", "H"), "up": ("FE", "H")}, SPARSE_LAYERS),
+                  ExpertRowParallelMapping(L + fc2, _w(expert + down), _dims("H", "FE"), SPARSE_LAYERS)]
     return table
 
 

@@ -72,6 +72,8 @@ def test_te_spec_names_resolve_to_global_hf_names():
                                               "up": "model.layers.2.mlp.experts.3.up_proj.weight"}
     r = index.resolve("decoder.layers.0.mlp.experts.linear_fc2.weight1")
     assert isinstance(r.mapping, ExpertRowParallelMapping) and r.local_expert == 1
+    r = index.resolve("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight")  # TE without grouped GEMM
+    assert isinstance(r.mapping, ExpertRowParallelMapping) and r.local_expert == 1
     r = index.resolve("decoder.layers.0.pre_mlp_layernorm.weight")
     assert r.mapping.hf_names(0) == {"weight": "model.layers.0.post_attention_layernorm.weight"}
     assert not r.mapping.exists_in_layer(arch, 1) and r.mapping.exists_in_layer(arch, 0)
