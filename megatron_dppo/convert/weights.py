@@ -122,7 +122,8 @@ def export_hf_weights(model_chunks: Sequence[nn.Module] | nn.Module, arch: Any,
     broadcast from its owning stage over the PP group, all-gathered over the TP group, cut into full Megatron
     tensors, converted with the family's mapping rules and yielded. Peak extra memory is about
     ``(n + 1) * bucket_bytes / n`` plus the tensors the consumer keeps, with ``n`` the gather width (tp; for
-    expert buckets etp * ep). Yielded tensors own their storage.
+    expert buckets ``ep * etp``, and ``(n + ep + 1) * bucket_bytes / n`` when etp > 1: the EP-gathered copies stay
+    until their expert-TP gathers are done). Yielded tensors own their storage.
 
     Mixture-of-Experts: expert weights travel in buckets of their own. Every EP rank holds the same local names
     (``local_experts.0..E/ep-1``) for different experts, so an expert bucket is all-gathered over the EP group
