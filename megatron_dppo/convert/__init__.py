@@ -1,8 +1,11 @@
-"""Checkpoint conversion Hugging Face <-> Megatron-Core (Llama incl. SmolLM2, Qwen2, Qwen3).
+"""Checkpoint conversion Hugging Face <-> Megatron-Core (Llama incl. SmolLM2, Qwen2, Qwen3; Mixture-of-Experts:
+Qwen3-MoE, Mixtral).
 
-mapping.py     typed mapping rules (replicated, column/row parallel, vocab, QKV interleave, gated MLP, tied output)
-               and one table per family; expected HF tensor names/shapes and their validation
-weights.py     export_hf_weights (streaming, gathered over TP/PP in buckets) and load_hf_weights (per-rank shards)
+mapping.py     typed mapping rules (replicated, column/row parallel, vocab, QKV interleave, gated MLP, tied output,
+               per-expert gated MLP / down projection) and one table per family; expected HF tensor names/shapes
+               and their validation
+weights.py     export_hf_weights (streaming, gathered over TP/PP and, for experts, EP/expert-TP in buckets) and
+               load_hf_weights (per-rank shards: TP slices, this EP rank's experts)
 checkpoint.py  convert_hf_to_megatron / convert_megatron_to_hf (whole folders, atomic output)
 validate.py    HF config <-> Megatron TransformerConfig / GPTModel agreement
 hf_io.py       lazy safetensors reader, sharded safetensors writer, tokenizer-file copying

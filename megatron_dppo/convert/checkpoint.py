@@ -1,7 +1,10 @@
 """Whole-checkpoint conversion: HF folder <-> Megatron dist checkpoint, at any TP/PP.
 
 Both functions run inside a world of exactly ``tp * pp`` processes (``torchrun --nproc-per-node=TP*PP``, srun,
-mpirun, or one plain process for TP=PP=1) and create the process groups themselves when none exist.
+mpirun, or one plain process for TP=PP=1) and create the process groups themselves when none exist. Mixture-of-
+Experts models may also be split over ``ep`` (expert parallel) and ``etp`` (expert tensor parallel) ranks; the
+world is then ``lcm(tp, ep * etp) * pp`` processes (``conversion_world_size``): data-parallel replicas of the
+dense weights where the expert layout needs more ranks than TP.
 
 Layout of a converted Megatron checkpoint (``out_dir``)::
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -73,15 +77,24 @@ def _prepare_env_for_single_process() -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
 
-def _check_parallel(arch: Any, tp: int, pp: int, vpp: int | None = None) -> Any:
+def conversion_world_size(tp: int, pp: int, ep: int = 1, etp: int = 1) -> int:
+    """Processes a conversion at this layout runs on: ``lcm(tp, ep * etp) * pp`` (``tp * pp`` for dense models)."""
+    return math.lcm(tp, ep * etp) * pp
+
+
+def _check_parallel(arch: Any, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int = 1) -> Any:
     from megatron_dppo.megatron.parallel import ParallelConfig, validate_parallel
 
-    cfg = ParallelConfig(tp=tp, pp=pp, vpp=vpp)
-    validate_parallel(arch, cfg, tp * pp)  # the model's divisibility first: names heads / layers / vocab
+    # sequence parallelism changes no weight; Megatron needs it when TP ranks route tokens to experts
+    cfg = ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, sp=tp > 1 and ep * etp > 1)
+    needed = conversion_world_size(tp, pp, ep, etp)
+    validate_parallel(arch, cfg, needed)  # the model's divisibility first: names heads / layers / vocab / experts
     world = _world_size_hint()
-    if world != tp * pp:
-        raise ValueError(f"conversion at tp={tp}, pp={pp} needs exactly tp*pp={tp * pp} processes, "
-                         f"this job has {world} (launch with torchrun --nproc-per-node={tp * pp})")
+    if world != needed:
+        what = f"tp={tp}, pp={pp}" + (f", ep={ep}, etp={etp}" if ep * etp > 1 else "")
+        formula = "tp*pp" if ep * etp == 1 else "lcm(tp, ep*etp)*pp"
+        raise ValueError(f"conversion at {what} needs exactly {formula}={needed} processes, "
+                         f"this job has {world} (launch with torchrun --nproc-per-node={needed})")
     return cfg
 
 
@@ -93,7 +106,9 @@ def _init_parallel(cfg: Any, arch: Any) -> None:
     if parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_tensor_model_parallel_world_size() == cfg.tp
             and parallel_state.get_pipeline_model_parallel_world_size() == cfg.pp
-            and parallel_state.get_virtual_pipeline_model_parallel_world_size() == cfg.vpp):
+            and parallel_state.get_virtual_pipeline_model_parallel_world_size() == cfg.vpp
+            and parallel_state.get_expert_model_parallel_world_size() == cfg.ep
+            and parallel_state.get_expert_tensor_parallel_world_size() == cfg.etp):
         return  # reuse the caller's groups
     _prepare_env_for_single_process()
     initialize_parallel(cfg, seed=1234, arch=arch)  # reuses an existing default process group
@@ -239,10 +254,12 @@ def load_hf_folder(chunks: list, hf_dir: str | os.PathLike, arch: Any | None = N
 # ----------------------------------------------------------------------------------------------------------------
 
 def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, pp: int = 1,
-                           dtype: torch.dtype = torch.float32, overwrite: bool = False) -> Path:
+                           dtype: torch.dtype = torch.float32, overwrite: bool = False, ep: int = 1,
+                           etp: int = 1) -> Path:
     """Convert an HF folder (safetensors + config.json + tokenizer files) to a Megatron dist checkpoint.
 
-    Collective over the ``tp * pp`` processes of the job. Validation (before anything is created): the HF
+    Collective over the ``tp * pp`` processes of the job (MoE with ``ep``/``etp``: ``conversion_world_size``; each
+    EP rank reads only its own experts). Validation (before anything is created): the HF
     config converts to a supported architecture (unsupported ``model_type`` / field -> ValueError naming it),
     ``tp``/``pp`` shard it (heads, KV heads, FFN, vocabulary, layers), the safetensors hold exactly the expected
     tensors with the expected shapes (missing / unexpected / shape mismatch listed by name), ``out_dir`` is free.
@@ -252,7 +269,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
     source = HFCheckpoint(hf_dir)
     arch = arch_from_hf_config(source.config, f"HF config {hf_dir / 'config.json'}")
-    parallel = _check_parallel(arch, tp, pp)
+    parallel = _check_parallel(arch, tp, pp, ep=ep, etp=etp)
     validate_hf_tensors(source.shapes, arch)
     _check_output(out_dir, overwrite)
 
@@ -271,7 +288,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
             (tmp / HF_SUBDIR).mkdir()
             shutil.copy2(hf_dir / "config.json", tmp / HF_SUBDIR / "config.json")
             copy_tokenizer_files(hf_dir, tmp / HF_SUBDIR)
-            meta = {"format": FORMAT, "tp": tp, "pp": pp, "dtype": torch_dtype_name(dtype),
+            meta = {"format": FORMAT, "tp": tp, "pp": pp, "ep": ep, "etp": etp, "dtype": torch_dtype_name(dtype),
                     "source": str(hf_dir.absolute()), "arch": _arch_dict(arch)}
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -296,7 +313,8 @@ def find_model_checkpoint(ckpt_dir: Path) -> Path:
                      f"{ckpt_dir}/metadata.json or a training-checkpoint root with a 'latest' file)")
 
 
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def arch_to_hf_config(arch: Any) -> dict:
@@ -315,8 +333,23 @@ def arch_to_hf_config(arch: Any) -> dict:
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_kv_heads,
         head_dim=arch.head_dim, rope_theta=arch.rope_theta, rms_norm_eps=arch.norm_eps,
         tie_word_embeddings=arch.tie_embeddings, max_position_embeddings=arch.max_position_embeddings,
-        initializer_range=arch.init_std, hidden_act="silu")
+        initializer_range=arch.init_std, hidden_act="silu", **_moe_hf_fields(arch))
     return cfg.to_dict()
+
+
+def _moe_hf_fields(arch: Any) -> dict:
+    """The config.json fields of the sparse blocks (none for dense families)."""
+    moe = arch.moe
+    if moe is None:
+        return {}
+    common = dict(num_experts_per_tok=moe.topk, router_aux_loss_coef=moe.router_aux_loss_coef)
+    if arch.family == "mixtral":  # every layer sparse; intermediate_size is the expert's
+        if moe.expert_ffn_hidden_size != arch.ffn_hidden_size or not all(moe.sparse_layers):
+            raise ValueError(f"a Mixtral config cannot express {moe} with ffn_hidden_size={arch.ffn_hidden_size}")
+        return dict(common, num_local_experts=moe.num_experts, sliding_window=None)
+    dense = [i for i, sparse in enumerate(moe.sparse_layers) if not sparse]
+    return dict(common, num_experts=moe.num_experts, moe_intermediate_size=moe.expert_ffn_hidden_size,
+                norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=dense)
 
 
 def _arch_from_checkpoint_meta(model_dir: Path) -> Any | None:
@@ -330,7 +363,14 @@ def _arch_from_checkpoint_meta(model_dir: Path) -> Any | None:
     except Exception:  # noqa: BLE001 - no common state / other format
         return None
     arch = (common.get("meta") or {}).get("arch") if isinstance(common, dict) else None
-    return ModelArch(**arch) if isinstance(arch, dict) else None
+    if not isinstance(arch, dict):
+        return None
+    if isinstance(arch.get("moe"), dict):  # dataclasses.asdict flattened the MoE part
+        from megatron_dppo.megatron.moe import MoEArch
+
+        moe = dict(arch["moe"], sparse_layers=tuple(arch["moe"]["sparse_layers"]))
+        arch = dict(arch, moe=MoEArch(**moe))
+    return ModelArch(**arch)
 
 
 def _resolve_hf_config(ckpt_dir: Path, model_dir: Path, hf_config: str | os.PathLike | None
@@ -355,8 +395,9 @@ def _resolve_hf_config(ckpt_dir: Path, model_dir: Path, hf_config: str | os.Path
 def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, pp: int = 1,
                            dtype: torch.dtype | None = None, hf_config: str | os.PathLike | None = None,
                            overwrite: bool = False, max_shard_bytes: int = 5 * 1024 ** 3,
-                           bucket_bytes: int = 256 * 1024 ** 2) -> Path:
-    """Convert a Megatron checkpoint (saved at any TP/PP; resharded on load) to an HF folder.
+                           bucket_bytes: int = 256 * 1024 ** 2, ep: int = 1, etp: int = 1) -> Path:
+    """Convert a Megatron checkpoint (saved at any TP/PP/EP; resharded on load) to an HF folder, running at
+    ``tp``/``pp`` (and, MoE, ``ep``/``etp``).
 
     ``ckpt_dir``: a converted checkpoint (``model/`` + ``hf/``), a bare dist-checkpoint folder, or a training
     checkpoint root / step folder (its model weights are read; optimizer and RNG state are ignored).
@@ -369,7 +410,7 @@ def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLi
     model_dir = find_model_checkpoint(ckpt_dir)
     cfg, tokenizer_dir, cfg_source = _resolve_hf_config(ckpt_dir, model_dir, hf_config)
     arch = arch_from_hf_config(cfg, f"HF config from {cfg_source}")
-    parallel = _check_parallel(arch, tp, pp)
+    parallel = _check_parallel(arch, tp, pp, ep=ep, etp=etp)
     _check_output(out_dir, overwrite)
     if dtype is None:
         name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"

@@ -32,22 +32,42 @@ Rules
 Layer norm names depend on the Megatron layer spec: the local spec has ``input_layernorm.weight`` and
 ``pre_mlp_layernorm.weight``; the Transformer Engine spec fuses them into ``linear_qkv.layer_norm_weight`` and
 ``linear_fc1.layer_norm_weight``. ``detect_spec`` picks the right names from the model's parameter names.
+
+Mixture-of-Experts (qwen3_moe, mixtral; ``megatron_dppo.megatron.moe``)
+------------------------------------------------------------------------
+A rule exists in every layer, or only in the dense or only in the sparse (MoE) layers (``layers``). Expert rules
+(``expert = True``) carry a second wildcard, ``#``, for the expert index, and differ from the dense rules in two
+ways only: their split runs over the *expert*-tensor-parallel group (``parallel.etp``) instead of TP, and the
+Megatron name holds the rank-*local* expert index (``local_experts.<i>`` / ``weight<i>``) while the HF name holds
+the *global* one; ``weights.py`` translates between them with the EP rank (``moe.global_expert_index``).
+
+``ExpertGatedMLPMapping``  per-expert HF gate/up (Qwen3-MoE ``gate_proj``/``up_proj``, Mixtral ``w1``/``w3``) <->
+                           the expert's ``linear_fc1 = [gate; up]``; ETP rank t holds ``[gate_t; up_t]``.
+``ExpertRowParallelMapping``  per-expert down projection (``down_proj`` / ``w2``) <-> ``linear_fc2``, split along
+                           its input features over ETP.
+The router (``mlp.router.weight`` [E, H] <-> HF ``mlp.gate`` / ``block_sparse_moe.gate``) is replicated.
+Expert names: ``mlp.experts.local_experts.<i>.linear_fc{1,2}.weight`` (local spec, ``SequentialMLP``) or
+``mlp.experts.linear_fc{1,2}.weight<i>`` (TE spec, ``TEGroupedMLP``). With the TE spec a sparse layer keeps a
+separate ``pre_mlp_layernorm.weight`` (the norm is fused into ``linear_fc1`` only in dense layers).
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, ClassVar, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 LOCAL_SPEC = "local"
 TE_SPEC = "te"
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+EXPERT_WILDCARD = "#"  # the expert index in a name pattern ("*" is the layer index)
+ALL_LAYERS, DENSE_LAYERS, SPARSE_LAYERS = "all", "dense", "sparse"  # where a layer rule exists
 
 # Symbolic dimensions used in the tables, resolved against the architecture by ``resolve_dims``.
-#   V vocab, H hidden, F ffn, Q = heads * head_dim, KV = kv_heads * head_dim, D = head_dim
+#   V vocab, H hidden, F ffn, Q = heads * head_dim, KV = kv_heads * head_dim, D = head_dim,
+#   E experts, FE expert ffn (MoE)
 Dims = tuple[str, ...]
 
 
@@ -61,7 +81,18 @@ def resolve_dims(dims: Dims, arch: Any) -> tuple[int, ...]:
         "KV": arch.num_kv_heads * arch.head_dim,
         "D": arch.head_dim,
     }
+    moe = getattr(arch, "moe", None)
+    if moe is not None:
+        table.update(E=moe.num_experts, FE=moe.expert_ffn_hidden_size)
     return tuple(table[d] for d in dims)
+
+
+def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
+    if layer is not None:
+        pattern = pattern.replace("*", str(layer))
+    if expert is not None:
+        pattern = pattern.replace(EXPERT_WILDCARD, str(expert))
+    return pattern
 
 
 def _chunk(tensor: Tensor, parts: int, dim: int) -> list[Tensor]:
@@ -74,31 +105,43 @@ def _chunk(tensor: Tensor, parts: int, dim: int) -> list[Tensor]:
 class ParamMapping:
     """One Megatron parameter <-> one or more HF tensors.
 
-    ``megatron`` and the values of ``hf`` are name patterns where ``*`` is the global layer index.
+    ``megatron`` and the values of ``hf`` are name patterns where ``*`` is the global layer index and ``#``
+    (expert rules only) the expert index: local on the Megatron side, global on the HF side.
     ``hf`` maps a role (``"weight"``, ``"q"``, ``"gate"``...) to an HF name pattern; ``hf_dims`` gives each role's
-    symbolic HF shape. ``tp_dim`` is the dimension split over TP ranks (None: replicated).
+    symbolic HF shape. ``tp_dim`` is the dimension split over TP ranks (expert rules: over expert-TP ranks;
+    None: replicated). ``layers``: the rule exists in every layer, only in dense or only in sparse (MoE) layers.
     """
 
     megatron: str
     hf: Mapping[str, str]
     hf_dims: Mapping[str, Dims]
+    layers: str = ALL_LAYERS
     tp_dim: ClassVar[int | None] = None
     export: ClassVar[bool] = True  # False: import-only (a copy of a weight exported elsewhere)
+    expert: ClassVar[bool] = False  # True: one tensor per expert, split over EP (which experts) and ETP
 
     # --- names -------------------------------------------------------------------------------------------
-    def megatron_name(self, layer: int | None = None) -> str:
-        return self.megatron if layer is None else self.megatron.replace("*", str(layer))
+    def megatron_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        return _fill(self.megatron, layer, expert)
 
-    def hf_names(self, layer: int | None = None) -> dict[str, str]:
-        return {role: (n if layer is None else n.replace("*", str(layer))) for role, n in self.hf.items()}
+    def hf_names(self, layer: int | None = None, expert: int | None = None) -> dict[str, str]:
+        return {role: _fill(n, layer, expert) for role, n in self.hf.items()}
 
-    def hf_shapes(self, arch: Any, layer: int | None = None) -> dict[str, tuple[int, ...]]:
-        names = self.hf_names(layer)
+    def hf_shapes(self, arch: Any, layer: int | None = None, expert: int | None = None) -> dict[str, tuple[int, ...]]:
+        names = self.hf_names(layer, expert)
         return {names[role]: resolve_dims(self.hf_dims[role], arch) for role in self.hf}
 
     @property
     def is_layer(self) -> bool:
         return "*" in self.megatron
+
+    def exists_in_layer(self, arch: Any, layer: int) -> bool:
+        """Whether layer ``layer`` of ``arch`` has this parameter (dense vs MoE layers of an MoE model)."""
+        if self.layers == ALL_LAYERS:
+            return True
+        moe = getattr(arch, "moe", None)
+        sparse = moe is not None and moe.sparse_layers[layer]
+        return sparse == (self.layers == SPARSE_LAYERS)
 
     # --- tensor transforms (full, TP-unsharded tensors) ----------------------------------------------------
     def hf_to_megatron(self, hf: Mapping[str, Tensor], arch: Any, full_shape: Sequence[int]) -> Tensor:
@@ -208,6 +251,20 @@ class GatedMLPMapping(ColumnParallelMapping):
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
+@dataclass(frozen=True)
+class ExpertGatedMLPMapping(GatedMLPMapping):
+    """One expert's HF gate / up projections <-> its ``linear_fc1 = [gate; up]``; split over expert-TP ranks."""
+
+    expert: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class ExpertRowParallelMapping(RowParallelMapping):
+    """One expert's HF down projection <-> its ``linear_fc2``, split along input features over expert-TP ranks."""
+
+    expert: ClassVar[bool] = True
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Family tables
 # ----------------------------------------------------------------------------------------------------------------
@@ -276,11 +333,54 @@ def qwen3_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
     return _decoder_table(arch, spec, qkv_bias=False, qk_norm=True)
 
 
+def _moe_decoder_table(arch: Any, spec: str, *, qk_norm: bool, block: str, router: str,
+                       gate: str, up: str, down: str) -> list[ParamMapping]:
+    """The Llama-style decoder with sparse layers: the dense MLP rules only in dense layers, and in sparse layers
+    the router and the experts, HF names ``model.layers.<l>.<block>.{router}`` and
+    ``model.layers.<l>.<block>.experts.<e>.{gate,up,down}.weight``."""
+    L = "decoder.layers.*."
+    H = f"model.layers.*.{block}."
+    table = [replace(m, layers=DENSE_LAYERS) if ".mlp." in m.megatron else m  # dense MLP (+ TE's fused norm)
+             for m in _decoder_table(arch, spec, qkv_bias=False, qk_norm=qk_norm)]
+    # SequentialMLP (local spec; also the TE spec without grouped GEMM) and TEGroupedMLP (TE spec, grouped GEMM)
+    experts = [("mlp.experts.local_experts.#.linear_fc1.weight", "mlp.experts.local_experts.#.linear_fc2.weight")]
+    if spec == TE_SPEC:  # the sparse layer's norm is a module of its own there
+        experts.append(("mlp.experts.linear_fc1.weight#", "mlp.experts.linear_fc2.weight#"))
+        table.append(ReplicatedMapping(L + "pre_mlp_layernorm.weight",
+                                       _w("model.layers.*.post_attention_layernorm.weight"), _dims("H"), SPARSE_LAYERS))
+    table.append(ReplicatedMapping(L + "mlp.router.weight", _w(H + router), _dims("E", "H"), SPARSE_LAYERS))
+    expert = H + "experts.#."
+    for fc1, fc2 in experts:
+        table += [ExpertGatedMLPMapping(L + fc1, {"gate": expert + gate, "up": expert + up},
+                                        {"gate": ("FE", "H"), "up": ("FE", "H")}, SPARSE_LAYERS),
+                  ExpertRowParallelMapping(L + fc2, _w(expert + down), _dims("H", "FE"), SPARSE_LAYERS)]
+    return table
+
+
+def qwen3_moe_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
+    """Qwen3-MoE: Qwen3 attention (q/k norm); router ``mlp.gate``, experts ``mlp.experts.<e>.{gate,up,down}_proj``;
+    layers in ``mlp_only_layers`` (or off ``decoder_sparse_step``) keep the dense ``mlp.{gate,up,down}_proj``."""
+    return _moe_decoder_table(arch, spec, qk_norm=True, block="mlp", router="gate.weight",
+                              gate="gate_proj.weight", up="up_proj.weight", down="down_proj.weight")
+
+
+def mixtral_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
+    """Mixtral: Llama attention; every layer sparse, router ``block_sparse_moe.gate``, experts
+    ``block_sparse_moe.experts.<e>.{w1 (gate), w3 (up), w2 (down)}``."""
+    return _moe_decoder_table(arch, spec, qk_norm=False, block="block_sparse_moe", router="gate.weight",
+                              gate="w1.weight", up="w3.weight", down="w2.weight")
+
+
 FAMILY_TABLES: dict[str, Callable[[Any, str], list[ParamMapping]]] = {
     "llama": llama_table,
     "qwen2": qwen2_table,
     "qwen3": qwen3_table,
+    "qwen3_moe": qwen3_moe_table,
+    "mixtral": mixtral_table,
 }
+# (qkv_bias, qk_norm) of each family
+_FAMILY_SWITCHES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True),
+                    "qwen3_moe": (False, True), "mixtral": (False, False)}
 
 
 def mapping_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
@@ -289,10 +389,12 @@ def mapping_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
         raise ValueError(f"unsupported model family {arch.family!r}; supported: {sorted(FAMILY_TABLES)}")
     if spec not in (LOCAL_SPEC, TE_SPEC):
         raise ValueError(f"unknown layer spec {spec!r}; expected {LOCAL_SPEC!r} or {TE_SPEC!r}")
-    expected = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}[arch.family]
+    expected = _FAMILY_SWITCHES[arch.family]
     got = (bool(arch.qkv_bias), bool(arch.qk_norm))
     if got != expected:
         raise ValueError(f"family {arch.family!r} expects (qkv_bias, qk_norm)={expected}, the architecture has {got}")
+    if (getattr(arch, "moe", None) is not None) != (arch.family in ("qwen3_moe", "mixtral")):
+        raise ValueError(f"family {arch.family!r} and moe={getattr(arch, 'moe', None)} disagree")
     return FAMILY_TABLES[arch.family](arch, spec)
 
 
@@ -308,9 +410,24 @@ def detect_spec(megatron_names: Iterable[str]) -> str:
 # Name resolution
 # ----------------------------------------------------------------------------------------------------------------
 
+class Resolved(NamedTuple):
+    """A Megatron parameter name resolved against a table: its rule, global layer and (expert rules) the
+    rank-local expert index."""
+
+    mapping: ParamMapping
+    layer: int | None
+    local_expert: int | None
+
+
+def _name_regex(pattern: str) -> re.Pattern:
+    body = re.escape(pattern).replace(r"\*", r"(?P<layer>\d+)")
+    body = body.replace(re.escape(EXPERT_WILDCARD), r"(?P<expert>\d+)")
+    return re.compile(body + "$")
+
+
 @dataclass
 class MappingIndex:
-    """Finds the rule (and layer index) for a global Megatron parameter name."""
+    """Finds the rule (and layer / local expert index) for a global Megatron parameter name."""
 
     table: list[ParamMapping]
     _exact: dict[str, ParamMapping] = field(init=False, default_factory=dict)
@@ -319,19 +436,25 @@ class MappingIndex:
     def __post_init__(self) -> None:
         for m in self.table:
             if m.is_layer:
-                self._patterns.append((re.compile(re.escape(m.megatron).replace(r"\*", r"(\d+)") + "$"), m))
+                self._patterns.append((_name_regex(m.megatron), m))
             else:
                 self._exact[m.megatron] = m
 
-    def lookup(self, megatron_name: str) -> tuple[ParamMapping, int | None]:
+    def resolve(self, megatron_name: str) -> Resolved:
         if megatron_name in self._exact:
-            return self._exact[megatron_name], None
+            return Resolved(self._exact[megatron_name], None, None)
         for pattern, m in self._patterns:
             match = pattern.match(megatron_name)
             if match:
-                return m, int(match.group(1))
+                expert = match.groupdict().get("expert")
+                return Resolved(m, int(match.group("layer")), None if expert is None else int(expert))
         raise ValueError(f"no HF mapping for Megatron parameter {megatron_name!r} "
                          f"(known: {[m.megatron for m in self.table]})")
+
+    def lookup(self, megatron_name: str) -> tuple[ParamMapping, int | None]:
+        """(rule, global layer) of a name; ``resolve`` also gives an expert rule's local expert index."""
+        resolved = self.resolve(megatron_name)
+        return resolved.mapping, resolved.layer
 
 
 def expected_hf_shapes(arch: Any, spec: str = LOCAL_SPEC) -> dict[str, tuple[int, ...]]:
@@ -341,7 +464,10 @@ def expected_hf_shapes(arch: Any, spec: str = LOCAL_SPEC) -> dict[str, tuple[int
         if not m.export:
             continue
         for layer in (range(arch.num_layers) if m.is_layer else [None]):
-            shapes.update(m.hf_shapes(arch, layer))
+            if layer is not None and not m.exists_in_layer(arch, layer):
+                continue
+            for expert in (range(arch.moe.num_experts) if m.expert else [None]):
+                shapes.update(m.hf_shapes(arch, layer, expert))
     return shapes
 
 

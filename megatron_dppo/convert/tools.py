@@ -2,6 +2,7 @@
 
     python tools/convert_hf_to_megatron.py HF_DIR OUT_DIR [--tp 2 --pp 1]       (torchrun --nproc-per-node=TP*PP)
     python tools/convert_megatron_to_hf.py CKPT_DIR OUT_DIR [--tp 1 --pp 1] [--dtype bfloat16]
+    (Mixture-of-Experts: also --ep / --etp; then --nproc-per-node=lcm(TP, EP*ETP)*PP)
     python -m megatron_dppo.convert.gguf [GGUF] OUT_DIR                         (default: SmolLM2-135M-Instruct)
 
 A ValueError (bad config, unsupported model, missing/unexpected tensor, shape mismatch, TP/PP that does not
@@ -25,6 +26,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _parallel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE models (default 1)")
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor parallel size, MoE models (default 1)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
 
 
@@ -79,7 +82,8 @@ def hf_to_megatron_main(argv: Sequence[str] | None = None) -> int:
     from megatron_dppo.convert.checkpoint import convert_hf_to_megatron
 
     return _run(lambda: convert_hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp,
-                                               dtype=DTYPES[args.dtype], overwrite=args.overwrite))
+                                               dtype=DTYPES[args.dtype], overwrite=args.overwrite,
+                                               ep=args.ep, etp=args.etp))
 
 
 def megatron_to_hf_main(argv: Sequence[str] | None = None) -> int:
@@ -101,4 +105,4 @@ def megatron_to_hf_main(argv: Sequence[str] | None = None) -> int:
     return _run(lambda: convert_megatron_to_hf(
         args.ckpt_dir, args.out_dir, tp=args.tp, pp=args.pp,
         dtype=DTYPES[args.dtype] if args.dtype else None, hf_config=args.hf_config, overwrite=args.overwrite,
-        max_shard_bytes=int(args.max_shard_gb * 1024 ** 3)))
+        max_shard_bytes=int(args.max_shard_gb * 1024 ** 3), ep=args.ep, etp=args.etp))

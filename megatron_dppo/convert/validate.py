@@ -59,7 +59,7 @@ def check_megatron_model(cfg: Mapping[str, Any] | Any, arch: Any, model: Any) ->
          F.silu.__name__ if getattr(hf, "hidden_act", "silu") == "silu" else hf.hidden_act),
         ("mlp/o_proj bias (add_bias_linear)", tc.add_bias_linear, False),
         ("q/k/v bias (add_qkv_bias)", bool(tc.add_qkv_bias), hf.model_type == "qwen2"),
-        ("q_norm/k_norm (qk_layernorm)", bool(tc.qk_layernorm), hf.model_type == "qwen3"),
+        ("q_norm/k_norm (qk_layernorm)", bool(tc.qk_layernorm), hf.model_type in ("qwen3", "qwen3_moe")),
         ("tie_word_embeddings (share_embeddings_and_output_weights)",
          bool(model.share_embeddings_and_output_weights), bool(getattr(hf, "tie_word_embeddings", False))),
         ("vocab_size", getattr(model, "unpadded_vocab_size", model.vocab_size), hf.vocab_size),
@@ -69,7 +69,32 @@ def check_megatron_model(cfg: Mapping[str, Any] | Any, arch: Any, model: Any) ->
         ("rope_scaling linear (seq_len_interpolation_factor)", interpolation,
          factor if rope_type == "linear" else None),
     ]
+    pairs += _moe_pairs(hf, tc)
     for field, megatron_value, hf_value in pairs:
         if megatron_value != hf_value:
             raise ValueError(f"HF config field {field}: the Megatron model has {megatron_value!r}, "
                              f"the HF config needs {hf_value!r}")
+
+
+def _moe_pairs(hf: Any, tc: Any) -> list[tuple[str, Any, Any]]:
+    """The sparse blocks (Qwen3-MoE / Mixtral): experts, top-k, expert size, which layers are sparse, router."""
+    from megatron_dppo.megatron.moe import moe_from_hf_config
+
+    if hf.model_type not in ("qwen3_moe", "mixtral"):
+        return [("num_experts (num_moe_experts)", getattr(tc, "num_moe_experts", None), None)]
+    experts = hf.num_experts if hf.model_type == "qwen3_moe" else hf.num_local_experts
+    ffn = hf.moe_intermediate_size if hf.model_type == "qwen3_moe" else hf.intermediate_size
+    norm_topk = bool(getattr(hf, "norm_topk_prob", False)) if hf.model_type == "qwen3_moe" else True
+    freq = tc.moe_layer_freq  # a list (1 = MoE layer), or an int N: every N-th layer from the first
+    if isinstance(freq, int):
+        freq = [1 if i % freq == 0 else 0 for i in range(tc.num_layers)]
+    return [
+        ("num_experts (num_moe_experts)", tc.num_moe_experts, experts),
+        ("num_experts_per_tok (moe_router_topk)", tc.moe_router_topk, hf.num_experts_per_tok),
+        ("moe_intermediate_size (moe_ffn_hidden_size)", tc.moe_ffn_hidden_size, ffn),
+        ("mlp_only_layers / decoder_sparse_step (moe_layer_freq)", list(freq),
+         moe_from_hf_config(hf, hf.model_type).layer_pattern()),
+        # top-k of softmax without renormalization (Qwen3-MoE norm_topk_prob=false) is Megatron's pre-softmax router
+        ("norm_topk_prob (moe_router_pre_softmax)", bool(tc.moe_router_pre_softmax), not norm_topk),
+        ("router scores (moe_router_score_function)", tc.moe_router_score_function, "softmax"),
+    ]
