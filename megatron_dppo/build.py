@@ -192,10 +192,11 @@ def full_hf_config(hf_config: dict) -> dict:
     """A complete config.json (transformers fills the family defaults) for the rollout engine."""
     from transformers import AutoConfig
 
+    from megatron_dppo.convert.checkpoint import HF_ARCHITECTURES
+
     fields = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures")}
     full = AutoConfig.for_model(hf_config["model_type"], **fields).to_dict()
-    full.setdefault("architectures", [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                       "qwen3": "Qwen3ForCausalLM"}[hf_config["model_type"]]])
+    full.setdefault("architectures", [HF_ARCHITECTURES[hf_config["model_type"]]])
     return full
 
 

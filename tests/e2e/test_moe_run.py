@@ -37,6 +37,9 @@ def test_moe_dppo_resume_equals_straight_run(tmp_path):
     assert [r["step"] for r in rl] == [0, 1, 2, 3]
     assert all(r["reward/std"] > 0 and r["train/grad_norm"] > 0 and r["train/update_ok"] == 1.0 for r in rl)
     assert all(r["prune/completion_kept_fraction"] < 1.0 for r in rl)
+    # routing replay ran: the old-log-prob pass recorded, the update replayed and measured the router's drift
+    assert all(0.0 <= r["train/moe/route_flip_rate"] <= 1.0 for r in rl)
+    assert "(0.05M active: 4 experts, top 2, routing replay)" in proc.stdout and "ep 2, etp 1" in proc.stdout
     assert sorted(p.name for p in (straight / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000006"]
 
     resumed = tmp_path / "resumed"
