@@ -129,9 +129,9 @@ def _expert_problems(arch: "ModelArch", cfg: ParallelConfig, world_size: int) ->
     if world_size % grid:
         problems.append(f"world size {world_size} is not divisible by etp*ep*pp = {cfg.etp}*{cfg.ep}*{cfg.pp} = "
                         f"{grid} (the expert layout must tile each pipeline stage)")
-    if cfg.tp > 1 and cfg.ep * cfg.etp > 1 and not cfg.sp:
-        problems.append(f"tp={cfg.tp} with expert parallelism (ep={cfg.ep}, etp={cfg.etp}) needs sequence "
-                        "parallelism (sp=true): each TP rank must route its own tokens")
+    if cfg.tp > 1 and not cfg.sp:  # Megatron's MoE layer refuses to train TP without SP at the first forward
+        problems.append(f"tp={cfg.tp} in a Mixture-of-Experts model needs sequence parallelism (sp=true): each TP "
+                        "rank routes its own share of the tokens")
     return problems
 
 
