@@ -160,6 +160,28 @@ def ensure_moe_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+def reduce_expert_grads_over_expert_grid(model) -> int:
+    """Mark every routed-expert parameter of ``model`` expert-parallel (``allreduce = False``); returns how many.
+
+    Megatron-Core 0.16 marks expert weights that way only when ``expert_model_parallel_size > 1``; at ``ep = 1``
+    they count as dense, so ``DistributedDataParallel`` reduces their gradients over the dense data-parallel
+    group and the optimizer measures their norm over the dense model-parallel group. That is only right when
+    the expert grid equals the dense one (``etp == tp``). With ``tp > 1, etp = 1`` (whole experts, sequence
+    parallel) every TP rank routes its own tokens through its own replica of all experts, and each replica's
+    gradient is partial: it must be summed over the expert-data-parallel group (which spans those TP ranks),
+    which is what the expert buffers do. Marking them always also keeps the optimizer's structure (a dense and
+    an expert optimizer) the same at every ``ep``."""
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, BaseMoELayer):
+            for param in module.experts.parameters():
+                param.allreduce = False
+                marked += 1
+    return marked
+
+
 def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_size: int) -> int:
     """Global expert id of the ``local_index``-th expert on EP rank ``ep_rank`` (contiguous blocks per rank)."""
     if num_experts % ep_size:
