@@ -152,7 +152,14 @@ def _layout(engine) -> dict:
         "cp": engine.parallel.cp,
         "dp": parallel_state.get_data_parallel_world_size(),
         "sp": engine.parallel.sp,
+        "ep": engine.parallel.ep,
+        "etp": engine.parallel.etp,
     }
+
+
+# layout entries a dp_reshardable DistributedOptimizer state cannot change (ep / etp: the expert parameters' state
+# is sharded over the expert-data-parallel group, which they define)
+_MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp")
 
 
 def _rng_state() -> dict:
@@ -501,15 +508,17 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
         if fmt != engine.optim_cfg.dist_ckpt_optim_format:
             opt_possible, opt_reason = False, (f"DistributedOptimizer format differs (checkpoint {fmt}, engine "
                                                f"{engine.optim_cfg.dist_ckpt_optim_format})")
-        elif fmt == "dp_reshardable" and any(saved[k] != here[k] for k in ("tp", "pp", "vpp", "cp")):
+        elif fmt == "dp_reshardable" and any(saved.get(k, 1) != here[k] for k in _MODEL_PARALLEL_KEYS):
             opt_possible, opt_reason = False, (
-                f"the dp_reshardable DistributedOptimizer state reshards over DP only; saved tp/pp/vpp/cp="
-                f"{[saved[k] for k in ('tp', 'pp', 'vpp', 'cp')]}, now {[here[k] for k in ('tp', 'pp', 'vpp', 'cp')]}")
+                f"the dp_reshardable DistributedOptimizer state reshards over DP only; saved "
+                f"{'/'.join(_MODEL_PARALLEL_KEYS)}={[saved.get(k, 1) for k in _MODEL_PARALLEL_KEYS]}, now "
+                f"{[here[k] for k in _MODEL_PARALLEL_KEYS]} (use dist_ckpt_optim_format=fully_reshardable to "
+                "change them)")
     if load_optimizer and not opt_possible:
         raise ValueError(f"{path}: cannot load the optimizer state: {opt_reason}; pass load_optimizer=False "
                          "to load the weights only")
     do_opt = opt_possible if load_optimizer is None else bool(load_optimizer)
-    same_layout = saved == here
+    same_layout = {"ep": 1, "etp": 1, **saved} == here  # checkpoints before ep/etp were recorded: dense, 1
     if load_rng and not same_layout:
         raise ValueError(f"{path}: RNG states were saved at layout {saved}, the engine runs at {here}; pass "
                          "load_rng=False")
