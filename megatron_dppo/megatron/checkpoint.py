@@ -215,17 +215,20 @@ def _init_optimizer_state(engine) -> None:
 
 
 def _saved_distopt_step(opt_state) -> float | None:
-    """Adam's step as the DistributedOptimizer saved it (``optimizer.param_groups[*].step``), or None."""
+    """Adam's step as the DistributedOptimizer saved it (``optimizer.param_groups[*].step``), or None. A chained
+    optimizer (MoE models: one for the dense and one for the expert parameters) saves one such state per
+    sub-optimizer under keys 0, 1, ...; their steps agree (Megatron synchronizes them before saving)."""
     if not isinstance(opt_state, dict):
         return None
-    inner = opt_state.get("optimizer")
-    if isinstance(inner, dict) and isinstance(inner.get("param_groups"), list):
-        steps = {float(g["step"]) for g in inner["param_groups"] if g.get("step") is not None}
-        if len(steps) == 1:
-            return steps.pop()
-        if len(steps) > 1:
-            raise ValueError(f"checkpoint has different Adam steps per parameter group: {sorted(steps)}")
-    return None
+    parts = [opt_state[k] for k in sorted(opt_state) if isinstance(k, int)] or [opt_state]
+    steps = set()
+    for part in parts:
+        inner = part.get("optimizer") if isinstance(part, dict) else None
+        if isinstance(inner, dict) and isinstance(inner.get("param_groups"), list):
+            steps |= {float(g["step"]) for g in inner["param_groups"] if g.get("step") is not None}
+    if len(steps) > 1:
+        raise ValueError(f"checkpoint has different Adam steps per parameter group: {sorted(steps)}")
+    return steps.pop() if steps else None
 
 
 def _fix_adam_steps(engine, step: float | None) -> None:
