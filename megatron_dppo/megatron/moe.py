@@ -36,6 +36,7 @@ forward pass chose and makes a later forward use them.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any
@@ -180,6 +181,38 @@ def reduce_expert_grads_over_expert_grid(model) -> int:
                 param.allreduce = False
                 marked += 1
     return marked
+
+
+@contextlib.contextmanager
+def aux_loss_per_routed_token(configs, routed_tokens: int):
+    """While it is open, scale Megatron's load-balancing loss so that one optimizer step adds
+    ``moe_aux_loss_coeff * sum_layers sum_m (T_m / T) * aux_m`` to the objective: the per-layer switch loss
+    ``aux_m`` of each micro-batch ``m`` (``T_m`` routed positions; all micro-batches of all DP ranks together
+    route ``T = routed_tokens``), i.e. the token-weighted mean, so its weight relative to the policy loss does not
+    depend on the batch size, the micro-batching, DP, TP or the fixed denominator ``D`` of the policy loss.
+
+    Why a scale is needed: with ``calculate_per_token_loss`` (our fixed-denominator mode) Megatron's router
+    attaches ``aux_r * n_r`` (``n_r`` = the positions this rank routed) and relies on ``finalize_model_grads``
+    dividing every gradient by the step's loss-token count, which the engine skips (the policy loss is already
+    divided by ``D``). Unscaled, the aux gradient would grow with the number of tokens. Sequence parallelism splits
+    a micro-batch's ``T_m`` positions over the TP ranks (``n_r = T_m / tp``) and each rank's ``aux_r`` is its share
+    of ``aux_m`` (the router gradient is then summed over TP), hence the factor ``T_m / n_r``. The router reads
+    ``config.moe_aux_loss_coeff`` at every forward, and the coefficient divides out of the loss it logs."""
+    configs = [c for c in configs if getattr(c, "num_moe_experts", None) and c.moe_aux_loss_coeff]
+    if not configs:
+        yield
+        return
+    if routed_tokens <= 0:
+        raise ValueError(f"routed_tokens={routed_tokens} must be > 0")
+    saved = [c.moe_aux_loss_coeff for c in configs]
+    try:
+        for c, coeff in zip(configs, saved):
+            split = c.tensor_model_parallel_size if c.sequence_parallel else 1
+            c.moe_aux_loss_coeff = coeff * split / routed_tokens
+        yield
+    finally:
+        for c, coeff in zip(configs, saved):
+            c.moe_aux_loss_coeff = coeff
 
 
 def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_size: int) -> int:

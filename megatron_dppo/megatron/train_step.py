@@ -73,6 +73,7 @@ from .cpu import ensure_device_backend
 from .logprobs import compute_logprobs as _forward_only_logprobs
 from .logprobs import forward_thd, run_pipeline_schedule, vocab_parallel_logprobs
 from .model import ModelArch, build_model_chunks, default_dtype
+from .moe import aux_loss_per_routed_token
 from .parallel import ParallelConfig
 
 logger = logging.getLogger(__name__)
@@ -438,6 +439,17 @@ class PolicyEngine:
         num_tokens = mask.sum().to(torch.int)
         return numerator / denominator, num_tokens, {"stats": stats, "logp": logp.detach()}
 
+    def _routed_tokens(self, batches) -> int:
+        """Positions of all micro-batches of all DP ranks (MoE load-balancing loss: ``moe.aux_loss_per_routed_token``)."""
+        from megatron.core import parallel_state
+
+        if self.arch.moe is None or not any(c.config.moe_aux_loss_coeff for c in self.model_chunks):
+            return 0
+        n = torch.tensor([sum(int(b.tokens.numel()) for b in batches)], dtype=torch.int64, device=self.device)
+        if parallel_state.get_data_parallel_world_size() > 1:
+            torch.distributed.all_reduce(n, group=parallel_state.get_data_parallel_group())
+        return int(n.item())
+
     def train_step(self, micro_batches: Sequence, denominator: float) -> dict[str, float]:
         """One optimizer update on this rank's packed micro-batches.
 
@@ -475,7 +487,8 @@ class PolicyEngine:
             output = forward_thd(model, batch)
             return output, lambda out, b=batch: self._loss_func(b, denominator, out)
 
-        losses = run_pipeline_schedule(self.model_chunks, batches, forward_step, forward_only=False)
+        with aux_loss_per_routed_token([c.config for c in self.model_chunks], self._routed_tokens(batches)):
+            losses = run_pipeline_schedule(self.model_chunks, batches, forward_step, forward_only=False)
         update_ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
         # the train forward's own log-probs (the weights before this update), one per input micro-batch

@@ -62,10 +62,11 @@ def _loss_cfg():
 
 def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, tp: int = 1, ep: int = 1,
                       etp: int = 1, sp: bool = False, distributed_optimizer: bool = False,
-                      save_after: str | None = None):
+                      save_after: str | None = None, aux_coeff: float = 0.0, pad_multiple: int | None = None):
     """Load (``save``: create and write) the single-process weights from ``root``, fill perturbed old/ref
     log-probs, one train step, log-probs again. ``save_after``: then checkpoint there (weights + Adam state) and
-    take a second step on the same micro-batches. Returns per-sample completion log-probs, metrics, and (tp = 1)
+    take a second step on the same micro-batches. ``aux_coeff``: the load-balancing loss on; ``pad_multiple``: of
+    the packed micro-batches (default: what the layout needs). Returns per-sample completion log-probs, metrics, and (tp = 1)
     the parameters under global names right after loading / after each step."""
     from megatron.core import parallel_state
 
@@ -80,7 +81,7 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
     initialize_parallel(parallel, F.SEED, arch)
     loss_cfg = _loss_cfg()
     optim = OptimConfig(lr=1e-2, clip_grad=1.0, weight_decay=0.01, use_distributed_optimizer=distributed_optimizer)
-    engine = PolicyEngine(arch, parallel, optim, loss_cfg)
+    engine = PolicyEngine(arch, parallel, optim, loss_cfg, **({"moe_aux_loss_coeff": aux_coeff} if aux_coeff else {}))
     if save:
         save_checkpoint(engine, root)
     else:
@@ -91,7 +92,7 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
 
     data = F.make_sequences()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    batches = F.rank_micro_batches(data, loss_cfg, dp_rank, dp_size, thd_pad_multiple(tp, 1, sp))
+    batches = F.rank_micro_batches(data, loss_cfg, dp_rank, dp_size, pad_multiple or thd_pad_multiple(tp, 1, sp))
     D = loss_denominator(loss_cfg.aggregation, data["B"], data["G"])
     logp = engine.compute_logprobs(batches, "policy")
     before = F.per_sample_completion_logp(batches, logp)
@@ -282,3 +283,113 @@ def test_ep2_resume_equals_straight_run(tmp_path, distributed_optimizer):
     assert results[0]["straight"][0][1] > 0
     if distributed_optimizer:  # dp_reshardable state at another ep: a clear error, not a silent mis-load
         assert "tp/pp/vpp/cp/ep/etp=[1, 1, None, 1, 2, 1], now [1, 1, None, 1, 1, 1]" in results[0]["refusal"]
+
+
+@pytest.mark.multiproc
+def test_load_balancing_loss_equals_single_process_at_tp2_sp_ep2(ep1_reference):
+    """With the load-balancing loss on, TP2+SP x EP2 equals one process on the same micro-batches (padded to 2
+    for both): each TP rank routes half of every micro-batch and attaches its share (the tp factor of
+    moe.aux_loss_per_routed_token). The coefficient is large enough to move the update visibly."""
+    root, no_aux = ep1_reference
+    ref = moe_layout_worker(str(root / "weights"), aux_coeff=1.0, pad_multiple=2)
+    assert max((ref["after"][s] - no_aux["after"][s]).abs().max() for s in ref["after"]) > 1e-3
+    results = run_distributed(moe_layout_worker, 2, args=(str(root / "weights"),),
+                              kwargs=dict(LAYOUTS["tp2_sp_ep2"], aux_coeff=1.0), timeout=300)
+    for res in results:
+        _assert_same_step(ref, res)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Single process: packing, load-balancing loss
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", sorted(TINY_MOE_CONFIGS))
+def test_packed_thd_equals_one_sequence_at_a_time(world, family):
+    """Routing is per token and attention per sequence: each sequence's log-probs in a packed micro-batch equal
+    those of the sequence alone (its own micro-batch)."""
+    from megatron_dppo.megatron.logprobs import compute_logprobs
+    from megatron_dppo.megatron.model import build_model_chunks
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
+    from megatron_dppo.packing import build_thd_batch
+
+    arch = moe_arch(family)
+    initialize_parallel(ParallelConfig(), F.SEED, arch)
+    chunks = build_model_chunks(arch, ParallelConfig())
+    packed = packed_batches()
+    alone = [build_thd_batch([seq], [2], [int(sid)], [0.0], [1.0]) for b in packed
+             for seq, sid in zip(_sequences_of(b), b.sample_ids.tolist())]
+    values = {}
+    for batches in (packed, alone):
+        for b, (lp, _) in zip(batches, compute_logprobs(chunks, batches)):
+            for sid, v in zip(b.sample_ids.tolist(), b.completion_values(lp)):
+                values.setdefault(sid, []).append(v)
+    assert len(values) == 7 and all(len(v) == 2 for v in values.values())
+    for sid, (in_pack, by_itself) in values.items():
+        torch.testing.assert_close(in_pack, by_itself, rtol=0, atol=2e-6, msg=f"sequence {sid}")
+
+
+def _sequences_of(batch) -> list[list[int]]:
+    cu = batch.cu_seqlens_padded.tolist()
+    lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
+    return [batch.tokens[cu[i]: cu[i] + lengths[i]].tolist() for i in range(len(lengths))]
+
+
+def _aux_engine(coeff: float | None):
+    from megatron_dppo.algo.losses import LossConfig
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
+    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+
+    arch = moe_arch()
+    initialize_parallel(ParallelConfig(), F.SEED, arch)
+    extra = {} if coeff is None else {"moe_aux_loss_coeff": coeff}
+    return PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=0.0, clip_grad=0.0), LossConfig(), **extra)
+
+
+def test_load_balancing_loss_is_the_token_weighted_switch_loss(world):
+    """model.moe_aux_loss_coeff = c adds exactly grad(c * sum_layers sum_m (T_m / T) * aux_m) to the gradient,
+    aux_m = E / (k T_m^2) * sum_e f_e P_e (f_e: tokens routed to expert e, P_e: summed softmax scores) recomputed
+    here from the routers' inputs; coefficient 0 changes nothing (bit for bit)."""
+    from megatron_dppo.megatron.logprobs import forward_thd
+
+    coeff = 0.3
+    data = F.make_sequences(num_prompts=3, group=4, seed=3)
+    grads = {}
+    for name, c in (("default", None), ("zero", 0.0), ("aux", coeff)):
+        engine = _aux_engine(c)
+        batches = F.rank_micro_batches(data, engine.loss_cfg, 0, 1, 1, capacity=20)
+        engine.fill_logprobs(batches)
+        engine.train_step(batches, 12.0)
+        grads[name] = {n: p.main_grad.clone() for n, p in engine.modules[0].named_parameters()}
+    assert len(batches) >= 2 and len({int(b.tokens.numel()) for b in batches}) > 1  # unequal T_m
+    for n in grads["default"]:
+        assert torch.equal(grads["zero"][n], grads["default"][n]), n
+
+    # reference: the switch loss from the router inputs, on the (unchanged: lr 0) weights of the last engine
+    module = engine.modules[0]
+    module.eval()
+    routers = [m for n, m in module.named_modules() if n.endswith("mlp.router")]
+    assert len(routers) == 3
+    inputs = []
+    hooks = [r.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0]))) for r in routers]
+    E, k = engine.arch.moe.num_experts, engine.arch.moe.topk
+    total_tokens = sum(int(b.tokens.numel()) for b in batches)
+    objective = 0.0
+    for b in batches:
+        inputs.clear()
+        forward_thd(module, b)
+        for router, h in inputs:
+            scores = torch.softmax(h.reshape(-1, h.shape[-1]).float() @ router.weight.float().t(), dim=-1)
+            T = scores.shape[0]
+            f = torch.zeros_like(scores).scatter(1, scores.topk(k, dim=1).indices, 1.0).sum(0)
+            aux = E / (k * T * T) * (f * scores.sum(0)).sum()
+            objective = objective + coeff * aux * T / total_tokens
+    for h in hooks:
+        h.remove()
+    params = dict(module.named_parameters())
+    reference = torch.autograd.grad(objective, list(params.values()), allow_unused=True)
+    router_changed = 0
+    for (n, p), r in zip(params.items(), reference):
+        diff = grads["aux"][n] - grads["zero"][n]
+        expected = torch.zeros_like(diff) if r is None else r
+        torch.testing.assert_close(diff, expected, rtol=1e-4, atol=1e-7, msg=n)
+        router_changed += int("router" in n and diff.abs().max() > 1e-5)
+    assert router_changed == 3
