@@ -62,7 +62,8 @@ def _loss_cfg():
 
 def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, tp: int = 1, ep: int = 1,
                       etp: int = 1, sp: bool = False, distributed_optimizer: bool = False,
-                      save_after: str | None = None, aux_coeff: float = 0.0, pad_multiple: int | None = None):
+                      save_after: str | None = None, aux_coeff: float = 0.0, pad_multiple: int | None = None,
+                      hf_changes: dict | None = None):
     """Load (``save``: create and write) the single-process weights from ``root``, fill perturbed old/ref
     log-probs, one train step, log-probs again. ``save_after``: then checkpoint there (weights + Adam state) and
     take a second step on the same micro-batches. ``aux_coeff``: the load-balancing loss on; ``pad_multiple``: of
@@ -76,7 +77,7 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
     from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
     from megatron_dppo.packing import thd_pad_multiple
 
-    arch = moe_arch(family)
+    arch = moe_arch(family, **(hf_changes or {}))
     parallel = ParallelConfig(tp=tp, sp=sp, ep=ep, etp=etp)
     initialize_parallel(parallel, F.SEED, arch)
     loss_cfg = _loss_cfg()
@@ -155,6 +156,28 @@ LAYOUTS = {
 }
 
 
+OTHER_ROUTERS = {
+    # every layer sparse, no QK norm; top-k of the logits, softmax over the k (moe_router_pre_softmax False)
+    "mixtral": ("mixtral", {}),
+    # softmax over all experts, top-k, no renormalization (moe_router_pre_softmax True)
+    "qwen3_moe_unnormalized": ("qwen3_moe", {"norm_topk_prob": False}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("model", sorted(OTHER_ROUTERS))
+@pytest.mark.parametrize("layout", ["dp2_ep2", "tp2_sp_ep2"])
+def test_other_families_and_routers_equal_single_process(tmp_path, world, model, layout):
+    family, hf_changes = OTHER_ROUTERS[model]
+    weights = str(tmp_path / "weights")
+    ref = moe_layout_worker(weights, family=family, save=True, hf_changes=hf_changes)
+    results = run_distributed(moe_layout_worker, 2, args=(weights,),
+                              kwargs=dict(LAYOUTS[layout], family=family, hf_changes=hf_changes), timeout=300)
+    for res in results:
+        _assert_same_step(ref, res)
+
+
 @pytest.fixture(scope="module")
 def dp2_ep2_run(ep1_reference):
     """The common layout, also checkpointed after its first step (weights + Adam state) and stepped again."""
@@ -163,8 +186,12 @@ def dp2_ep2_run(ep1_reference):
                            kwargs=dict(LAYOUTS["dp2_ep2"], save_after=str(root / "ep2_step1")), timeout=300)
 
 
+SLOW_LAYOUTS = ("tp2_sp_etp2",)
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_LAYOUTS else k
+                                    for k in sorted(LAYOUTS)])
 def test_layout_equals_single_process(ep1_reference, layout, request):
     root, ref = ep1_reference
     if layout == "dp2_ep2":
@@ -271,7 +298,8 @@ def moe_resume_worker(root: str, ep: int = 2, distributed_optimizer: bool = Fals
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "distributed_adam"])
+@pytest.mark.parametrize("distributed_optimizer", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["adam", "distributed_adam"])
 def test_ep2_resume_equals_straight_run(tmp_path, distributed_optimizer):
     """DP2xEP2: step, step, save, step, step == a perturbed fresh engine that loads and takes the same two steps:
     identical losses and grad norms, parameters and Adam moments/steps (dense and expert optimizers) equal."""
