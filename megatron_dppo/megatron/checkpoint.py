@@ -24,10 +24,11 @@ What is saved:
 
 ==================  =====================================================================================
 ``model``           the policy chunks' ``sharded_state_dict`` (global, layout-independent keys: a checkpoint
-                    written at one TP/PP/VPP/DP layout loads at any other)
+                    written at one TP/PP/VPP/DP/EP/ETP layout loads at any other; experts under their global
+                    index)
 ``reference``       the frozen reference chunks (keys prefixed ``reference.``), when the engine has one
-``optimizer``       Adam state + fp32 main params. Regular optimizer: per-parameter sharded tensors (fully
-                    reshardable). DistributedOptimizer: ``OptimConfig.dist_ckpt_optim_format``;
+``optimizer``       Adam state + fp32 main params (MoE models: a dense and an expert optimizer, chained).
+                    Regular optimizer: per-parameter sharded tensors (fully reshardable). DistributedOptimizer: ``OptimConfig.dist_ckpt_optim_format``;
                     ``dp_reshardable`` (default; reshards over DP only) or ``fully_reshardable`` (any
                     TP/PP/DP; gathers on DP rank 0 when saving). Both resume bit-exactly. Not written
                     before the first update (no state yet).
@@ -475,7 +476,7 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
 
     The model loads at any TP/PP/VPP/DP layout. ``load_optimizer`` / ``load_rng`` default to "when
     possible": the optimizer state when the checkpoint has one of the same kind (regular: any layout;
-    DistributedOptimizer ``dp_reshardable``: same TP/PP/VPP), the RNG states at the identical layout.
+    DistributedOptimizer ``dp_reshardable``: same TP/PP/VPP/EP/ETP), the RNG states at the identical layout.
     Passing True where it is impossible raises ``ValueError``. ``verify``: check the files against the manifest
     first (``hash`` | ``size``; None when the caller has just done so); a damaged checkpoint raises
     ``CheckpointError`` naming the files. Returns the ``extra`` dict saved with it.

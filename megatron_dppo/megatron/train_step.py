@@ -19,6 +19,9 @@ switched off, precisely:
    (no ``/ num_microbatches``, no ``* cp_size``), and backward accumulates ``grad N_{r,m} / D`` over micro-batches.
 2. The same flag makes ``DistributedDataParallel`` use ``gradient_scaling_factor = 1``: the data-parallel
    reduction is a plain SUM over ranks (``average_in_collective`` stays False).
+   Mixture-of-Experts weights are summed the same way over the expert-data-parallel group (their own buffers,
+   ``moe.reduce_expert_grads_over_expert_grid``); the router's load-balancing loss, when on, is scaled per step
+   by ``moe.aux_loss_per_routed_token``.
 3. With that flag Megatron's ``finalize_model_grads`` would divide by the all-reduced token count; our
    ``finalize_model_grads_func`` calls it with ``num_tokens=None`` instead, so nothing else rescales.
 
