@@ -28,8 +28,9 @@ What is saved:
                     index)
 ``reference``       the frozen reference chunks (keys prefixed ``reference.``), when the engine has one
 ``optimizer``       Adam state + fp32 main params (MoE models: a dense and an expert optimizer, chained).
-                    Regular optimizer: per-parameter sharded tensors (fully reshardable). DistributedOptimizer: ``OptimConfig.dist_ckpt_optim_format``;
-                    ``dp_reshardable`` (default; reshards over DP only) or ``fully_reshardable`` (any
+                    Regular optimizer: per-parameter sharded tensors (fully reshardable). DistributedOptimizer:
+                    ``OptimConfig.dist_ckpt_optim_format``; ``dp_reshardable`` (default; reshards over DP
+                    only, same TP/PP/VPP/EP/ETP) or ``fully_reshardable`` (any
                     TP/PP/DP; gathers on DP rank 0 when saving). Both resume bit-exactly. Not written
                     before the first update (no state yet).
 ``rng``             per global rank: python ``random``, numpy, torch CPU (and CUDA) generators and

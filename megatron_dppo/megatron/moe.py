@@ -24,8 +24,9 @@ local spec (``SequentialMLP``: a loop over experts, any device), or as ``mlp.exp
 the Transformer Engine spec (``TEGroupedMLP``: one grouped GEMM for all local experts, ``moe_grouped_gemm``).
 Under expert parallelism (``parallel.ep``) EP rank ``j`` holds the experts ``j * E/ep ... (j + 1) * E/ep - 1``
 (``global_expert_index``); expert-tensor parallelism (``parallel.etp``) splits each expert like a dense MLP.
-Expert gradients are summed over the expert-data-parallel group at every ``ep`` (``reduce_expert_grads_over_expert_grid``),
-and the optimizer chains a dense and an expert Adam whose gradient norms combine into one global norm.
+Expert gradients are summed over the expert-data-parallel group at every ``ep``
+(``reduce_expert_grads_over_expert_grid``), and the optimizer chains a dense and an expert Adam whose gradient
+norms combine into one global norm.
 
 The load-balancing auxiliary loss is off by default (``model.moe_aux_loss_coeff: 0``, router load balancing
 "none"): in RL the router should follow the reward, and slime trains Qwen3-MoE that way. When on, one step adds

@@ -443,7 +443,8 @@ class PolicyEngine:
         return numerator / denominator, num_tokens, {"stats": stats, "logp": logp.detach()}
 
     def _routed_tokens(self, batches) -> int:
-        """Positions of all micro-batches of all DP ranks (MoE load-balancing loss: ``moe.aux_loss_per_routed_token``)."""
+        """Positions of all micro-batches of all DP ranks when the MoE load-balancing loss is on (else 0; see
+        ``moe.aux_loss_per_routed_token``)."""
         from megatron.core import parallel_state
 
         if self.arch.moe is None or not any(c.config.moe_aux_loss_coeff for c in self.model_chunks):

@@ -67,8 +67,9 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
     """Load (``save``: create and write) the single-process weights from ``root``, fill perturbed old/ref
     log-probs, one train step, log-probs again. ``save_after``: then checkpoint there (weights + Adam state) and
     take a second step on the same micro-batches. ``aux_coeff``: the load-balancing loss on; ``pad_multiple``: of
-    the packed micro-batches (default: what the layout needs). Returns per-sample completion log-probs, metrics, and (tp = 1)
-    the parameters under global names right after loading / after each step."""
+    the packed micro-batches (default: what the layout needs); ``hf_changes``: to the tiny HF config. Returns
+    per-sample completion log-probs, metrics, and (tp = etp = 1) the parameters under global names right after
+    loading and after each step."""
     from megatron.core import parallel_state
 
     from megatron_dppo.algo.losses import loss_denominator
