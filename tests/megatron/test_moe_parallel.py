@@ -3,6 +3,9 @@ single-process checkpoint, resharded by dist_checkpointing) give the same log-pr
 weights at DP2xEP2, TP2+SP, TP2xEP2 (+SP) as in one process; packed THD micro-batches score like one sequence at a
 time; checkpoints move between EP sizes bit for bit; an EP2 run resumed from a checkpoint equals the straight run.
 
+Slow (``-m slow``): the expert-tensor-parallel layout, pipeline layouts (PP2, PP2 x VPP2, PP2 x DP2 x EP2),
+Mixtral and the unnormalized Qwen3-MoE router, a plain-Adam EP2 resume, a DistributedOptimizer moving EP2 -> EP1.
+
 Tolerances are the dense layout tests' (test_train_step.py): log-probs before the step atol 2e-6, loss and grad
 norm rel 1e-5, log-probs after one Adam step atol 1e-4 (Adam divides by sqrt(v): tiny gradient differences of the
 summation order grow). Weights moved by a checkpoint are compared with torch.equal.
@@ -60,10 +63,10 @@ def _loss_cfg():
                       aggregation="seq_mean_token_mean")
 
 
-def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, tp: int = 1, ep: int = 1,
-                      etp: int = 1, sp: bool = False, distributed_optimizer: bool = False,
-                      save_after: str | None = None, aux_coeff: float = 0.0, pad_multiple: int | None = None,
-                      hf_changes: dict | None = None):
+def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, tp: int = 1, pp: int = 1,
+                      vpp: int | None = None, ep: int = 1, etp: int = 1, sp: bool = False,
+                      distributed_optimizer: bool = False, save_after: str | None = None, aux_coeff: float = 0.0,
+                      pad_multiple: int | None = None, hf_changes: dict | None = None):
     """Load (``save``: create and write) the single-process weights from ``root``, fill perturbed old/ref
     log-probs, one train step, log-probs again. ``save_after``: then checkpoint there (weights + Adam state) and
     take a second step on the same micro-batches. ``aux_coeff``: the load-balancing loss on; ``pad_multiple``: of
@@ -79,7 +82,7 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
     from megatron_dppo.packing import thd_pad_multiple
 
     arch = moe_arch(family, **(hf_changes or {}))
-    parallel = ParallelConfig(tp=tp, sp=sp, ep=ep, etp=etp)
+    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, etp=etp)
     initialize_parallel(parallel, F.SEED, arch)
     loss_cfg = _loss_cfg()
     optim = OptimConfig(lr=1e-2, clip_grad=1.0, weight_decay=0.01, use_distributed_optimizer=distributed_optimizer)
@@ -89,7 +92,7 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
     else:
         load_checkpoint(engine, root, load_optimizer=False, load_rng=False)
         engine.sync_reference_from_policy()
-    keep_params = tp == 1 and etp == 1
+    keep_params = tp == 1 and etp == 1 and pp == 1
     loaded = global_params(engine) if keep_params else None
 
     data = F.make_sequences()
@@ -155,6 +158,22 @@ LAYOUTS = {
     "tp2_sp_ep2": dict(tp=2, ep=2, sp=True),
     "tp2_sp_etp2": dict(tp=2, etp=2, sp=True),
 }
+
+
+PIPELINE_LAYOUTS = {"pp2": (2, dict(pp=2)), "pp2_vpp2": (2, dict(pp=2, vpp=2)), "pp2_dp2_ep2": (4, dict(pp=2, ep=2))}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", sorted(PIPELINE_LAYOUTS))
+def test_pipeline_layouts_equal_single_process(ep1_reference, layout):
+    """MoE layers on pipeline stages (the dense layer 1 on the first stage), interleaved virtual stages, and
+    experts split over the two DP ranks of each stage (world 4)."""
+    root, ref = ep1_reference
+    world_size, kwargs = PIPELINE_LAYOUTS[layout]
+    for res in run_distributed(moe_layout_worker, world_size, args=(str(root / "weights"),), kwargs=kwargs,
+                               timeout=420):
+        _assert_same_step(ref, res)
 
 
 OTHER_ROUTERS = {
