@@ -213,6 +213,8 @@ SLOW_LAYOUTS = ("tp2_sp_etp2",)
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_LAYOUTS else k
                                     for k in sorted(LAYOUTS)])
 def test_layout_equals_single_process(ep1_reference, layout, request):
+    """Weights loaded from the single-process checkpoint: same log-probs, loss, (clipped) grad norm and updated
+    weights; and the layout really splits what it should (local experts per rank, expert-data-parallel size)."""
     root, ref = ep1_reference
     if layout == "dp2_ep2":
         results = request.getfixturevalue("dp2_ep2_run")
