@@ -69,8 +69,10 @@ class ModelConfig:
                 "scaled_dot_product_attention, any device), auto (te when it imports and works on CUDA, else varlen "
                 "on CUDA, else sdpa). An explicit choice that cannot work is an error, never a silent fallback.")
     moe_aux_loss_coeff: float = opt(0.0, "Mixture-of-Experts models: weight of the router's load-balancing "
-                                         "auxiliary loss; 0 = off (the default for RL: the router follows the "
-                                         "reward only).")
+                                         "auxiliary loss (Megatron's switch loss of each MoE layer and "
+                                         "micro-batch, averaged over the step's micro-batches weighted by their "
+                                         "tokens, summed over layers, added to the policy loss); 0 = off (the "
+                                         "default for RL: the router follows the reward only).")
     moe_routing_replay: bool = opt(False, "Mixture-of-Experts models: the training forward reuses the experts "
                                           "recorded for each token (by the old-log-prob pass, which then always "
                                           "runs) instead of routing again, so a policy update cannot flip a "

@@ -24,11 +24,13 @@ What is saved:
 
 ==================  =====================================================================================
 ``model``           the policy chunks' ``sharded_state_dict`` (global, layout-independent keys: a checkpoint
-                    written at one TP/PP/VPP/DP layout loads at any other)
+                    written at one TP/PP/VPP/DP/EP/ETP layout loads at any other; experts under their global
+                    index)
 ``reference``       the frozen reference chunks (keys prefixed ``reference.``), when the engine has one
-``optimizer``       Adam state + fp32 main params. Regular optimizer: per-parameter sharded tensors (fully
-                    reshardable). DistributedOptimizer: ``OptimConfig.dist_ckpt_optim_format``;
-                    ``dp_reshardable`` (default; reshards over DP only) or ``fully_reshardable`` (any
+``optimizer``       Adam state + fp32 main params (MoE models: a dense and an expert optimizer, chained).
+                    Regular optimizer: per-parameter sharded tensors (fully reshardable). DistributedOptimizer:
+                    ``OptimConfig.dist_ckpt_optim_format``; ``dp_reshardable`` (default; reshards over DP
+                    only, same TP/PP/VPP/EP/ETP) or ``fully_reshardable`` (any
                     TP/PP/DP; gathers on DP rank 0 when saving). Both resume bit-exactly. Not written
                     before the first update (no state yet).
 ``rng``             per global rank: python ``random``, numpy, torch CPU (and CUDA) generators and
@@ -152,7 +154,14 @@ def _layout(engine) -> dict:
         "cp": engine.parallel.cp,
         "dp": parallel_state.get_data_parallel_world_size(),
         "sp": engine.parallel.sp,
+        "ep": engine.parallel.ep,
+        "etp": engine.parallel.etp,
     }
+
+
+# layout entries a dp_reshardable DistributedOptimizer state cannot change (ep / etp: the expert parameters' state
+# is sharded over the expert-data-parallel group, which they define)
+_MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp")
 
 
 def _rng_state() -> dict:
@@ -208,17 +217,20 @@ def _init_optimizer_state(engine) -> None:
 
 
 def _saved_distopt_step(opt_state) -> float | None:
-    """Adam's step as the DistributedOptimizer saved it (``optimizer.param_groups[*].step``), or None."""
+    """Adam's step as the DistributedOptimizer saved it (``optimizer.param_groups[*].step``), or None. A chained
+    optimizer (MoE models: one for the dense and one for the expert parameters) saves one such state per
+    sub-optimizer under keys 0, 1, ...; their steps agree (Megatron synchronizes them before saving)."""
     if not isinstance(opt_state, dict):
         return None
-    inner = opt_state.get("optimizer")
-    if isinstance(inner, dict) and isinstance(inner.get("param_groups"), list):
-        steps = {float(g["step"]) for g in inner["param_groups"] if g.get("step") is not None}
-        if len(steps) == 1:
-            return steps.pop()
-        if len(steps) > 1:
-            raise ValueError(f"checkpoint has different Adam steps per parameter group: {sorted(steps)}")
-    return None
+    parts = [opt_state[k] for k in sorted(opt_state) if isinstance(k, int)] or [opt_state]
+    steps = set()
+    for part in parts:
+        inner = part.get("optimizer") if isinstance(part, dict) else None
+        if isinstance(inner, dict) and isinstance(inner.get("param_groups"), list):
+            steps |= {float(g["step"]) for g in inner["param_groups"] if g.get("step") is not None}
+    if len(steps) > 1:
+        raise ValueError(f"checkpoint has different Adam steps per parameter group: {sorted(steps)}")
+    return steps.pop() if steps else None
 
 
 def _fix_adam_steps(engine, step: float | None) -> None:
@@ -465,7 +477,7 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
 
     The model loads at any TP/PP/VPP/DP layout. ``load_optimizer`` / ``load_rng`` default to "when
     possible": the optimizer state when the checkpoint has one of the same kind (regular: any layout;
-    DistributedOptimizer ``dp_reshardable``: same TP/PP/VPP), the RNG states at the identical layout.
+    DistributedOptimizer ``dp_reshardable``: same TP/PP/VPP/EP/ETP), the RNG states at the identical layout.
     Passing True where it is impossible raises ``ValueError``. ``verify``: check the files against the manifest
     first (``hash`` | ``size``; None when the caller has just done so); a damaged checkpoint raises
     ``CheckpointError`` naming the files. Returns the ``extra`` dict saved with it.
@@ -501,15 +513,17 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
         if fmt != engine.optim_cfg.dist_ckpt_optim_format:
             opt_possible, opt_reason = False, (f"DistributedOptimizer format differs (checkpoint {fmt}, engine "
                                                f"{engine.optim_cfg.dist_ckpt_optim_format})")
-        elif fmt == "dp_reshardable" and any(saved[k] != here[k] for k in ("tp", "pp", "vpp", "cp")):
+        elif fmt == "dp_reshardable" and any(saved.get(k, 1) != here[k] for k in _MODEL_PARALLEL_KEYS):
             opt_possible, opt_reason = False, (
-                f"the dp_reshardable DistributedOptimizer state reshards over DP only; saved tp/pp/vpp/cp="
-                f"{[saved[k] for k in ('tp', 'pp', 'vpp', 'cp')]}, now {[here[k] for k in ('tp', 'pp', 'vpp', 'cp')]}")
+                f"the dp_reshardable DistributedOptimizer state reshards over DP only; saved "
+                f"{'/'.join(_MODEL_PARALLEL_KEYS)}={[saved.get(k, 1) for k in _MODEL_PARALLEL_KEYS]}, now "
+                f"{[here[k] for k in _MODEL_PARALLEL_KEYS]} (use dist_ckpt_optim_format=fully_reshardable to "
+                "change them)")
     if load_optimizer and not opt_possible:
         raise ValueError(f"{path}: cannot load the optimizer state: {opt_reason}; pass load_optimizer=False "
                          "to load the weights only")
     do_opt = opt_possible if load_optimizer is None else bool(load_optimizer)
-    same_layout = saved == here
+    same_layout = {"ep": 1, "etp": 1, **saved} == here  # checkpoints before ep/etp were recorded: dense, 1
     if load_rng and not same_layout:
         raise ValueError(f"{path}: RNG states were saved at layout {saved}, the engine runs at {here}; pass "
                          "load_rng=False")

@@ -39,7 +39,8 @@ import torch
 
 from . import compat
 from .cpu import allow_sequence_parallel_torch_norm, ensure_device_backend
-from .moe import MOE_ARCH_CONFIG_FIELDS, MoEArch, moe_block_spec, moe_config_kwargs, moe_from_hf_config
+from .moe import (MOE_ARCH_CONFIG_FIELDS, MoEArch, moe_block_spec, moe_config_kwargs, moe_from_hf_config,
+                  reduce_expert_grads_over_expert_grid)
 from .parallel import ParallelConfig, validate_parallel
 
 # HF model_type -> family
@@ -426,6 +427,8 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
         required += ("vp_stage",)
     model = GPTModel(**compat.supported_kwargs(GPTModel.__init__, kwargs, required=required))
     model.unpadded_vocab_size = arch.vocab_size  # logits of the padding rows are masked (logprobs.forward_thd)
+    if arch.moe is not None:
+        reduce_expert_grads_over_expert_grid(model)  # before DDP / the optimizer read the flags
     return model
 
 

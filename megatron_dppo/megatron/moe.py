@@ -24,9 +24,14 @@ local spec (``SequentialMLP``: a loop over experts, any device), or as ``mlp.exp
 the Transformer Engine spec (``TEGroupedMLP``: one grouped GEMM for all local experts, ``moe_grouped_gemm``).
 Under expert parallelism (``parallel.ep``) EP rank ``j`` holds the experts ``j * E/ep ... (j + 1) * E/ep - 1``
 (``global_expert_index``); expert-tensor parallelism (``parallel.etp``) splits each expert like a dense MLP.
+Expert gradients are summed over the expert-data-parallel group at every ``ep``
+(``reduce_expert_grads_over_expert_grid``), and the optimizer chains a dense and an expert Adam whose gradient
+norms combine into one global norm.
 
 The load-balancing auxiliary loss is off by default (``model.moe_aux_loss_coeff: 0``, router load balancing
-"none"): in RL the router should follow the reward, and slime trains Qwen3-MoE that way. Tokens travel between
+"none"): in RL the router should follow the reward, and slime trains Qwen3-MoE that way. When on, one step adds
+the token-weighted mean of the per-micro-batch switch losses (``aux_loss_per_routed_token``), whatever the
+batch size, micro-batching or layout. Tokens travel between
 EP ranks with Megatron's all-to-all dispatcher (works over NCCL and gloo; it is also the dispatcher Megatron
 allows with variable sequence lengths, which packed pipelines need). No token is ever dropped (no capacity
 factor): dropping would make the training forward differ from the rollout.
@@ -36,6 +41,7 @@ forward pass chose and makes a later forward use them.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +164,60 @@ def ensure_moe_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def reduce_expert_grads_over_expert_grid(model) -> int:
+    """Mark every routed-expert parameter of ``model`` expert-parallel (``allreduce = False``); returns how many.
+
+    Megatron-Core 0.16 marks expert weights that way only when ``expert_model_parallel_size > 1``; at ``ep = 1``
+    they count as dense, so ``DistributedDataParallel`` reduces their gradients over the dense data-parallel
+    group and the optimizer measures their norm over the dense model-parallel group. That is only right when
+    the expert grid equals the dense one (``etp == tp``). With ``tp > 1, etp = 1`` (whole experts, sequence
+    parallel) every TP rank routes its own tokens through its own replica of all experts, and each replica's
+    gradient is partial: it must be summed over the expert-data-parallel group (which spans those TP ranks),
+    which is what the expert buffers do. Marking them always also keeps the optimizer's structure (a dense and
+    an expert optimizer) the same at every ``ep``."""
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, BaseMoELayer):
+            for param in module.experts.parameters():
+                param.allreduce = False
+                marked += 1
+    return marked
+
+
+@contextlib.contextmanager
+def aux_loss_per_routed_token(configs, routed_tokens: int):
+    """While it is open, scale Megatron's load-balancing loss so that one optimizer step adds
+    ``moe_aux_loss_coeff * sum_layers sum_m (T_m / T) * aux_m`` to the objective: the per-layer switch loss
+    ``aux_m`` of each micro-batch ``m`` (``T_m`` routed positions; all micro-batches of all DP ranks together
+    route ``T = routed_tokens``), i.e. the token-weighted mean, so its weight relative to the policy loss does not
+    depend on the batch size, the micro-batching, DP, TP or the fixed denominator ``D`` of the policy loss.
+
+    Why a scale is needed: with ``calculate_per_token_loss`` (our fixed-denominator mode) Megatron's router
+    attaches ``aux_r * n_r`` (``n_r`` = the positions this rank routed) and relies on ``finalize_model_grads``
+    dividing every gradient by the step's loss-token count, which the engine skips (the policy loss is already
+    divided by ``D``). Unscaled, the aux gradient would grow with the number of tokens. Sequence parallelism splits
+    a micro-batch's ``T_m`` positions over the TP ranks (``n_r = T_m / tp``) and each rank's ``aux_r`` is its share
+    of ``aux_m`` (the router gradient is then summed over TP), hence the factor ``T_m / n_r``. The router reads
+    ``config.moe_aux_loss_coeff`` at every forward, and the coefficient divides out of the loss it logs."""
+    configs = [c for c in configs if getattr(c, "num_moe_experts", None) and c.moe_aux_loss_coeff]
+    if not configs:
+        yield
+        return
+    if routed_tokens <= 0:
+        raise ValueError(f"routed_tokens={routed_tokens} must be > 0")
+    saved = [c.moe_aux_loss_coeff for c in configs]
+    try:
+        for c, coeff in zip(configs, saved):
+            split = c.tensor_model_parallel_size if c.sequence_parallel else 1
+            c.moe_aux_loss_coeff = coeff * split / routed_tokens
+        yield
+    finally:
+        for c, coeff in zip(configs, saved):
+            c.moe_aux_loss_coeff = coeff
 
 
 def global_expert_index(local_index: int, num_experts: int, ep_rank: int, ep_size: int) -> int:

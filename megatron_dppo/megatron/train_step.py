@@ -19,6 +19,9 @@ switched off, precisely:
    (no ``/ num_microbatches``, no ``* cp_size``), and backward accumulates ``grad N_{r,m} / D`` over micro-batches.
 2. The same flag makes ``DistributedDataParallel`` use ``gradient_scaling_factor = 1``: the data-parallel
    reduction is a plain SUM over ranks (``average_in_collective`` stays False).
+   Mixture-of-Experts weights are summed the same way over the expert-data-parallel group (their own buffers,
+   ``moe.reduce_expert_grads_over_expert_grid``); the router's load-balancing loss, when on, is scaled per step
+   by ``moe.aux_loss_per_routed_token``.
 3. With that flag Megatron's ``finalize_model_grads`` would divide by the all-reduced token count; our
    ``finalize_model_grads_func`` calls it with ``num_tokens=None`` instead, so nothing else rescales.
 
@@ -74,6 +77,7 @@ from .cpu import ensure_device_backend
 from .logprobs import compute_logprobs as _forward_only_logprobs
 from .logprobs import forward_thd, run_pipeline_schedule, vocab_parallel_logprobs
 from .model import ModelArch, build_model_chunks, default_dtype
+from .moe import aux_loss_per_routed_token
 from .parallel import ParallelConfig
 from .routing_replay import RoutingReplay, release_megatron_router_replay
 
@@ -446,6 +450,18 @@ class PolicyEngine:
         num_tokens = mask.sum().to(torch.int)
         return numerator / denominator, num_tokens, {"stats": stats, "logp": logp.detach()}
 
+    def _routed_tokens(self, batches) -> int:
+        """Positions of all micro-batches of all DP ranks when the MoE load-balancing loss is on (else 0; see
+        ``moe.aux_loss_per_routed_token``)."""
+        from megatron.core import parallel_state
+
+        if self.arch.moe is None or not any(c.config.moe_aux_loss_coeff for c in self.model_chunks):
+            return 0
+        n = torch.tensor([sum(int(b.tokens.numel()) for b in batches)], dtype=torch.int64, device=self.device)
+        if parallel_state.get_data_parallel_world_size() > 1:
+            torch.distributed.all_reduce(n, group=parallel_state.get_data_parallel_group())
+        return int(n.item())
+
     def train_step(self, micro_batches: Sequence, denominator: float) -> dict[str, float]:
         """One optimizer update on this rank's packed micro-batches.
 
@@ -486,8 +502,11 @@ class PolicyEngine:
             output = forward_thd(model, batch)
             return output, lambda out, b=batch: self._loss_func(b, denominator, out)
 
-        # MoE: the routers replay (or, without model.moe_routing_replay, compare with) the recorded experts
-        with self.routing.replaying(batches) if self.routing else contextlib.nullcontext({}) as route_counts:
+        # MoE: the routers replay (or, without model.moe_routing_replay, compare with) the recorded experts, and the
+        # load-balancing loss (model.moe_aux_loss_coeff) is weighted per routed token of the whole step
+        replay = self.routing.replaying(batches) if self.routing else contextlib.nullcontext({})
+        aux = aux_loss_per_routed_token([c.config for c in self.model_chunks], self._routed_tokens(batches))
+        with replay as route_counts, aux:
             losses = run_pipeline_schedule(self.model_chunks, batches, forward_step, forward_only=False)
         update_ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
