@@ -493,5 +493,6 @@ def validate_hf_tensors(hf_shapes: Mapping[str, Sequence[int]], arch: Any) -> No
             problems.append(f"shape mismatch for {name!r}: checkpoint has {tuple(hf_shapes[name])}, "
                             f"the config implies {expected[name]}")
     if problems:
-        head = f"HF checkpoint does not match the {arch.family} architecture from its config ({len(problems)} problems):"
+        head = (f"HF checkpoint does not match the {arch.family} architecture from its config "
+                f"({len(problems)} problems):")
         raise ValueError("\n  ".join([head] + problems[:50] + (["..."] if len(problems) > 50 else [])))

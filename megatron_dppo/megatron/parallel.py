@@ -4,9 +4,10 @@ Layout (Megatron's default order ``tp-cp-ep-dp-pp``): ``world = tp * cp * dp * p
 ``dp`` is what is left. Mixture-of-Experts layers are laid out separately over the same ranks (Megatron's
 expert grid ``etp-ep-edp-pp``): ``world = etp * ep * edp * pp``, each expert split over ``etp`` ranks, the experts
 spread over ``ep`` ranks, and ``edp`` (expert data parallel) what is left; attention and dense layers keep
-``tp/dp``. ``ep`` usually spans the TP and DP ranks of a pipeline stage (e.g. tp=2, dp=4, ep=8, etp=1). ``validate_parallel`` checks every divisibility Megatron needs *before* any process
-group exists, so a bad configuration fails identically on every rank with a ``ValueError`` naming the numbers
-instead of hanging in a collective.
+``tp/dp``. ``ep`` usually spans the TP and DP ranks of a pipeline stage (e.g. tp=2, dp=4, ep=8, etp=1).
+``validate_parallel`` checks every divisibility Megatron needs *before* any process group exists, so a bad
+configuration fails identically on every rank with a ``ValueError`` naming the numbers instead of hanging in a
+collective.
 
 ``initialize_parallel`` reads rank/world/rendezvous from ``megatron_dppo.launch.discover_launch`` (torchrun,
 Slurm ``srun``, ``mpirun``, or a single process), creates the default process group (NCCL on GPU, gloo on CPU,

@@ -43,7 +43,8 @@ def test_dense_layers_and_router_variant():
     assert kwargs["moe_router_load_balancing_type"] == "none" and kwargs["moe_aux_loss_coeff"] == 0.0
     assert moe_config_kwargs(moe, ep=1, etp=1, aux_loss_coeff=1e-3)["moe_router_load_balancing_type"] == "aux_loss"
     # renormalized top-k == top-k of the logits, softmax over the k
-    assert moe_config_kwargs(ModelArch.from_hf_config(QWEN3_30B_A3B).moe, ep=1, etp=1)["moe_router_pre_softmax"] is False
+    renormed = ModelArch.from_hf_config(QWEN3_30B_A3B).moe
+    assert moe_config_kwargs(renormed, ep=1, etp=1)["moe_router_pre_softmax"] is False
 
 
 def test_unsupported_router_is_refused():

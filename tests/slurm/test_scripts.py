@@ -30,7 +30,8 @@ def test_there_is_something_to_check():
 
 
 def dry_run(recipe: Path, tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    settings = {"NODES", "GPUS_PER_NODE", "TP", "PP", "EP", "ETP", "CONFIG", "HF_MODEL", "MEGATRON_CKPT", "MEGATRON_CKPT_KEY"}
+    settings = {"NODES", "GPUS_PER_NODE", "TP", "PP", "EP", "ETP", "CONFIG", "HF_MODEL", "MEGATRON_CKPT",
+                "MEGATRON_CKPT_KEY"}
     full_env = {key: value for key, value in os.environ.items() if key not in settings}
     full_env.update({"DRY_RUN": "1", **env})
     return subprocess.run([str(recipe), *args], capture_output=True, text=True, cwd=tmp_path, env=full_env,
