@@ -28,8 +28,11 @@ def _inner_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
     if isinstance(optimizer, torch.optim.Optimizer):
         yield optimizer
         return
-    for child in getattr(optimizer, "chained_optimizers", None) or []:
-        yield from _inner_optimizers(child)
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:  # e.g. dense + expert optimizers of an MoE model; its .optimizer asserts a single one
+        for child in chained:
+            yield from _inner_optimizers(child)
+        return
     inner = getattr(optimizer, "optimizer", None)
     if inner is not None and inner is not optimizer:
         yield from _inner_optimizers(inner)

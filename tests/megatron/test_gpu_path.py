@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from _dist import single_process_world
-from _tiny import TINY_CONFIGS, packed_batches
+from _tiny import TINY_CONFIGS, TINY_MOE_CONFIGS, packed_batches
 
 
 @pytest.fixture(scope="module")
@@ -197,14 +197,16 @@ def test_varlen_module_equals_sdpa_twin_on_padded_thd(world):
 # ------------------------------------------------------------------------------------------------------------
 # Training-state offload: storages freed, restored bit-exact, training continues identically
 # ------------------------------------------------------------------------------------------------------------
-def test_train_state_offload_round_trip_is_bit_exact(world):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_train_state_offload_round_trip_is_bit_exact(world, family):
+    """Dense, and MoE, whose optimizer chains a dense and an expert optimizer: every Adam state of both leaves."""
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.model import ModelArch
-    from megatron_dppo.megatron.offload import engine_offloader, train_state_tensors
+    from megatron_dppo.megatron.offload import _inner_optimizers, engine_offloader, train_state_tensors
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
 
-    arch = ModelArch.from_hf_config(TINY_CONFIGS["qwen2"])
+    arch = ModelArch.from_hf_config({**TINY_CONFIGS, **TINY_MOE_CONFIGS}[family])
     seed_everything(5)
     engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-3), LossConfig(kl_coef=0.0),
                           dtype=torch.float32, reference=False)
@@ -215,6 +217,11 @@ def test_train_state_offload_round_trip_is_bit_exact(world):
     freed = offloader.offload()
     assert freed > 0 and offloader.offloaded
     assert all(t.untyped_storage().nbytes() == 0 for t in train_state_tensors(engine.model_chunks, engine.optimizer))
+    inner = list(_inner_optimizers(engine.optimizer))
+    assert len(inner) == (2 if arch.moe else 1)
+    adam = [t for opt in inner for state in opt.state.values() for t in state.values() if torch.is_tensor(t)
+            and t.numel() > 1]
+    assert adam and all(t.untyped_storage().nbytes() == 0 for t in adam)
     assert offloader.onload() == freed and not offloader.offloaded
     after = list(train_state_tensors(engine.model_chunks, engine.optimizer))
     assert len(after) == len(before)
