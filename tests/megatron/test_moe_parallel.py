@@ -129,18 +129,12 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
 
 
 def _assert_same_step(ref, got):
-    assert sorted(ref["before"]) == sorted(got["before"])
-    for sid in ref["before"]:
-        torch.testing.assert_close(got["before"][sid], ref["before"][sid], rtol=0, atol=2e-6)
-    r, g = ref["metrics"][0], got["metrics"][0]
-    assert g["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-8)
-    assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
-    assert r["grad_norm"] > 1.0  # clipped (clip_grad 1): the norm scales every expert and dense gradient
-    for key in ("tokens", "sequences", "clip_fraction"):
-        assert g[key] == pytest.approx(r[key], rel=1e-9)
-    assert g["kl"] == pytest.approx(r["kl"], rel=1e-4)
-    for sid in ref["after"]:
-        torch.testing.assert_close(got["after"][sid], ref["after"][sid], rtol=0, atol=1e-4)
+    """The dense layouts' check (log-probs, loss, grad norm, counts, KL, weights after one Adam step), and the step
+    was clipped (clip_grad 1), so the norm scaled every expert and dense gradient."""
+    from test_train_step import _assert_same_step as same_step
+
+    same_step(ref, got)
+    assert ref["metrics"][0]["grad_norm"] > 1.0
 
 
 @pytest.fixture(scope="module")
