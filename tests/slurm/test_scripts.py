@@ -94,3 +94,20 @@ def test_moe_recipe_lays_experts_inside_a_node(tmp_path):
 def test_impossible_layout_is_refused(tmp_path):
     out = dry_run(RECIPES[0], tmp_path, HF_MODEL="/models/m", NODES="1", GPUS_PER_NODE="8", TP="3")
     assert out.returncode == 2 and "not a multiple of TP*PP" in out.stderr
+
+
+@pytest.mark.parametrize("args, nproc", [(["--tp", "2", "--pp", "2"], 4), (["--tp", "2", "--ep", "8"], 8),
+                                         (["--tp=4", "--ep=2", "--etp=2", "--pp=2"], 8), (["--ep", "3", "--tp", "2"], 6)])
+def test_convert_job_starts_enough_converter_processes(tmp_path, args, nproc):
+    """convert.sbatch runs the converter on lcm(tp, ep*etp)*pp processes (what convert_hf_to_megatron needs for the
+    layout). torchrun is a recording stand-in here: it prints the process count it was asked for."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "torchrun").write_text('#!/bin/bash\necho "torchrun $*"\n')
+    (fake / "torchrun").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "1", "DPPO_CONVERT_CMD": "true"}
+    env.pop("DPPO_CONVERT_NPROC", None)
+    out = subprocess.run(["bash", str(REPO / "slurm/convert.sbatch"), "/models/m", "out", *args], capture_output=True,
+                         text=True, env=env, cwd=tmp_path, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert f"--nproc-per-node={nproc} " in out.stdout
