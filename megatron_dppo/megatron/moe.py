@@ -203,7 +203,8 @@ def aux_loss_per_routed_token(configs, routed_tokens: int):
     a micro-batch's ``T_m`` positions over the TP ranks (``n_r = T_m / tp``) and each rank's ``aux_r`` is its share
     of ``aux_m`` (the router gradient is then summed over TP), hence the factor ``T_m / n_r``. The router reads
     ``config.moe_aux_loss_coeff`` at every forward, and the coefficient divides out of the loss it logs."""
-    configs = [c for c in configs if getattr(c, "num_moe_experts", None) and c.moe_aux_loss_coeff]
+    # once per config object (chunks may share one): scaling it twice would divide by T twice
+    configs = list({id(c): c for c in configs if getattr(c, "num_moe_experts", None) and c.moe_aux_loss_coeff}.values())
     if not configs:
         yield
         return
