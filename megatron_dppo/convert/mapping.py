@@ -59,6 +59,8 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, NamedTuple, Seque
 import torch
 from torch import Tensor
 
+from megatron_dppo.megatron.moe import MOE_FAMILIES
+
 LOCAL_SPEC = "local"
 TE_SPEC = "te"
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
@@ -393,7 +395,7 @@ def mapping_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
     got = (bool(arch.qkv_bias), bool(arch.qk_norm))
     if got != expected:
         raise ValueError(f"family {arch.family!r} expects (qkv_bias, qk_norm)={expected}, the architecture has {got}")
-    if (getattr(arch, "moe", None) is not None) != (arch.family in ("qwen3_moe", "mixtral")):
+    if (getattr(arch, "moe", None) is not None) != (arch.family in MOE_FAMILIES):
         raise ValueError(f"family {arch.family!r} and moe={getattr(arch, 'moe', None)} disagree")
     return FAMILY_TABLES[arch.family](arch, spec)
 

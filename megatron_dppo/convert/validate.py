@@ -38,6 +38,8 @@ def check_megatron_model(cfg: Mapping[str, Any] | Any, arch: Any, model: Any) ->
     """
     import torch.nn.functional as F
 
+    from megatron_dppo.megatron.model import QK_NORM_FAMILIES
+
     hf = _hf_config_object(cfg)
     tc = model.config
     heads = hf.num_attention_heads
@@ -59,7 +61,7 @@ def check_megatron_model(cfg: Mapping[str, Any] | Any, arch: Any, model: Any) ->
          F.silu.__name__ if getattr(hf, "hidden_act", "silu") == "silu" else hf.hidden_act),
         ("mlp/o_proj bias (add_bias_linear)", tc.add_bias_linear, False),
         ("q/k/v bias (add_qkv_bias)", bool(tc.add_qkv_bias), hf.model_type == "qwen2"),
-        ("q_norm/k_norm (qk_layernorm)", bool(tc.qk_layernorm), hf.model_type in ("qwen3", "qwen3_moe")),
+        ("q_norm/k_norm (qk_layernorm)", bool(tc.qk_layernorm), hf.model_type in QK_NORM_FAMILIES),
         ("tie_word_embeddings (share_embeddings_and_output_weights)",
          bool(model.share_embeddings_and_output_weights), bool(getattr(hf, "tie_word_embeddings", False))),
         ("vocab_size", getattr(model, "unpadded_vocab_size", model.vocab_size), hf.vocab_size),
@@ -78,9 +80,9 @@ def check_megatron_model(cfg: Mapping[str, Any] | Any, arch: Any, model: Any) ->
 
 def _moe_pairs(hf: Any, tc: Any) -> list[tuple[str, Any, Any]]:
     """The sparse blocks (Qwen3-MoE / Mixtral): experts, top-k, expert size, which layers are sparse, router."""
-    from megatron_dppo.megatron.moe import moe_from_hf_config
+    from megatron_dppo.megatron.moe import MOE_FAMILIES, moe_from_hf_config
 
-    if hf.model_type not in ("qwen3_moe", "mixtral"):
+    if hf.model_type not in MOE_FAMILIES:
         return [("num_experts (num_moe_experts)", getattr(tc, "num_moe_experts", None), None)]
     experts = hf.num_experts if hf.model_type == "qwen3_moe" else hf.num_local_experts
     ffn = hf.moe_intermediate_size if hf.model_type == "qwen3_moe" else hf.intermediate_size

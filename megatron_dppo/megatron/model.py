@@ -39,8 +39,8 @@ import torch
 
 from . import compat
 from .cpu import allow_sequence_parallel_torch_norm, ensure_device_backend
-from .moe import (MOE_ARCH_CONFIG_FIELDS, MoEArch, moe_block_spec, moe_config_kwargs, moe_from_hf_config,
-                  reduce_expert_grads_over_expert_grid)
+from .moe import (MOE_ARCH_CONFIG_FIELDS, MOE_FAMILIES, MoEArch, moe_block_spec, moe_config_kwargs,
+                  moe_from_hf_config, reduce_expert_grads_over_expert_grid)
 from .parallel import ParallelConfig, validate_parallel
 
 # HF model_type -> family
@@ -95,7 +95,7 @@ class ModelArch:
 
     @property
     def is_moe_family(self) -> bool:
-        return self.family in ("qwen3_moe", "mixtral")
+        return self.family in MOE_FAMILIES
 
     # ------------------------------------------------------------------------------------------------------
     @classmethod
@@ -138,7 +138,7 @@ class ModelArch:
 
         theta, rope_type, factor = _rope_from_config(hf)
         tie = getattr(hf, "tie_word_embeddings", False)
-        moe = moe_from_hf_config(hf, family) if family in ("qwen3_moe", "mixtral") else None
+        moe = moe_from_hf_config(hf, family) if family in MOE_FAMILIES else None
         return cls(
             family=family,
             vocab_size=int(hf.vocab_size),
