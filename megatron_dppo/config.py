@@ -253,6 +253,21 @@ class AlgoConfig:
     mode: Literal["bernoulli", "fixed_size", "deterministic"] = opt(
         "bernoulli", "DPPO draw: bernoulli (independent, unbiased), fixed_size (exactly floor(r*|candidates|), "
                      "exact-probability weights), deterministic (lowest scores first; biased, ablation only).")
+    dppo_keep: Literal["uniform", "optimal"] = opt(
+        "uniform", "DPPO keep probabilities: uniform = the paper's rule (candidates kept with 1 - r, the rest with 1); "
+                   "optimal = variance-optimal pi = clip(c * s, keep_floor, 1) per unit at the same expected budget "
+                   "(r_q / r_o = expected fraction of drawn prompts / generated completions pruned), s = the "
+                   "prompt's history score, resp. |A| * L^keep_length_exponent / pi_q; completions with A = 0 get "
+                   "pi = 0 when loss.kl_coef == 0 (their gradient is exactly zero). docs/algorithms.md, "
+                   "\"Variance-optimal keep probabilities\".")
+    keep_floor: float = opt(0.1, "dppo_keep=optimal: the least keep probability pi_min of every unit that can carry "
+                                 "gradient (every seen prompt; completions with A != 0, and all of them with a KL "
+                                 "term). In (0, 1]; > 0 is what keeps the prompt level unbiased when a prompt's "
+                                 "signal changes. 0.1: docs/benchmarks.md, \"Variance-optimal pruning\".")
+    keep_length_exponent: float = opt(0.0, "dppo_keep=optimal: alpha in the completion proxy |A| * L^alpha for a "
+                                           "completion's gradient norm (L = completion tokens). 0: fits the "
+                                           "measured per-sequence gradient norms of the default loss (seq-mean-"
+                                           "token-mean) best; docs/benchmarks.md, \"Variance-optimal pruning\".")
     history_ema: Optional[float] = opt(None, "DPPO prompt history: EMA factor for the mean-|A| score across "
                                              "visits; null = the last visit's score.")
     cppo_rate: float = opt(0.5, "CPPO pruning rate P in [0, 1).")
@@ -269,6 +284,12 @@ class AlgoConfig:
         _check(0 <= self.cppo_rate < 1, "algo.cppo_rate", self.cppo_rate, "a rate in [0, 1)")
         _check(self.history_ema is None or 0 < self.history_ema <= 1, "algo.history_ema", self.history_ema,
                "null or in (0, 1]")
+        _check(0 < self.keep_floor <= 1, "algo.keep_floor", self.keep_floor,
+               "in (0, 1] (a floor of 0 would never revisit a prompt whose last group had one reward for all)")
+        _check(math.isfinite(self.keep_length_exponent), "algo.keep_length_exponent", self.keep_length_exponent,
+               "a finite number")
+        _check(not (self.dppo_keep == "optimal" and self.mode == "deterministic"), "algo.mode", self.mode,
+               "bernoulli or fixed_size with algo.dppo_keep=optimal (deterministic has no keep probabilities)")
 
 
 LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")

@@ -139,7 +139,9 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
 
     pruner: DPPOPruner | CPPOPruner | None = None
     if cfg.algo.pruner == "dppo":
-        pruner = DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode)
+        pruner = DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode, keep=cfg.algo.dppo_keep,
+                            length_exponent=cfg.algo.keep_length_exponent, keep_floor=cfg.algo.keep_floor,
+                            zero_advantage_gradient=loss_cfg.kl_coef > 0)
     elif cfg.algo.pruner == "cppo":
         pruner = CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
 

@@ -146,7 +146,9 @@ def select_completions(run: Run, prompt_cut: PruneResult, rollout: Rollout, adva
     if D.is_main() and len(rollout.prompts):
         gen = make_generator(cfg.train.seed, step, "completions")
         if isinstance(run.pruner, DPPOPruner):
-            decided = run.pruner.select_completions(advantages, gen)
+            lengths = torch.tensor([[len(c) for c in comps] for comps in rollout.completions], dtype=torch.float64)
+            decided = run.pruner.select_completions(advantages, gen, lengths=lengths,
+                                                    prompt_prob=prompt_cut.probabilities()[prompt_cut.keep])
         elif isinstance(run.pruner, CPPOPruner):
             decided = (run.pruner.select_allocated(advantages, cfg.train.prompts_per_step, gen)
                        if run.pruner.allocation else run.pruner.select_completions(advantages, gen))
@@ -169,7 +171,7 @@ def _drop_zero_variance(decided: PruneResult, zero_var: PruneResult) -> PruneRes
     keep = decided.keep & zero_var.keep
     prob = decided.probabilities().double()
     return PruneResult(keep=keep, weight=torch.where(keep, decided.weight, torch.zeros_like(decided.weight)),
-                       keep_prob=prob, candidate=decided.candidate)
+                       keep_prob=prob, candidate=decided.candidate, score=decided.score)
 
 
 def build_train_batch(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,

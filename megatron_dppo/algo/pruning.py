@@ -16,6 +16,18 @@ DPPO (unbiased; :class:`DPPOPruner`)
     Variance (bernoulli mode, g_qi = per-unit term already divided by D, g_q = sum_i g_qi):
         Var(ghat_q) = sum_i (1/pi_{i|q} - 1) g_qi^2 ;  Var(J_hat) = sum_q [(1/pi_q - 1) g_q^2 + Var(ghat_q)/pi_q].
 
+Variance-optimal keep probabilities (``keep="optimal"``; :mod:`megatron_dppo.algo.optimal_keep`)
+    Instead of one rate for the candidates, each unit gets pi = clip(c * s, pi_min, 1), c solved per decision so
+    that the EXPECTED kept count is (1 - r) times the units (the rates keep their meaning as budgets). Scores s:
+    prompt level s_q = h_q (never-seen prompts pi_q = 1, every seen prompt at least pi_min, ``keep_floor``: a
+    prompt whose last group was all-correct can be informative now, and only the floor keeps that unbiased);
+    completion level s_qi = |A_qi| * L_qi^alpha / pi_q over all generated completions of the batch at once
+    (``length_exponent`` alpha). A completion with A = 0 has an exactly zero policy-gradient term: it gets pi = 0
+    (pruned for free) unless the loss has a term that does not vanish at A = 0 (``zero_advantage_gradient``, a KL
+    term), when it gets the floor. A rate of 0 keeps everything (bit for bit the unpruned step).
+    ``bernoulli``: independent draws with these pi; ``fixed_size``: systematic sampling in a random order, whose
+    inclusion probabilities are exactly pi (floor or ceil of sum pi units kept); ``deterministic``: refused.
+
 Selection modes
     ``bernoulli``     independent draws, keep prob exactly 1 - r (the theory).
     ``fixed_size``    prune exactly n = floor(r * |C|) of the |C| candidates of a decision set (the batch at prompt
@@ -57,10 +69,12 @@ import torch
 from torch import Tensor
 
 from ._checks import check_choice, check_finite, check_float_tensor, check_rate, floor_with_tolerance
+from .optimal_keep import completion_scores, predicted_relative_variance, systematic_sample, water_fill
 
 logger = logging.getLogger(__name__)
 
 DPPO_MODES = ("bernoulli", "fixed_size", "deterministic")
+DPPO_KEEPS = ("uniform", "optimal")
 CPPO_SCOPES = ("group", "batch")
 
 _warned_deterministic = False
@@ -78,17 +92,20 @@ class PruneResult:
     keep_prob: float64 probability with which each unit was kept (1 for non-candidates). For ``deterministic``
                mode it is the nominal 1 - n/|C| used for the weight; for CPPO it is 1 (no reweighting).
     candidate: bool tensor, units that were eligible for pruning (None when not applicable).
+    score:     float64 proxy for each unit's gradient norm the decision saw (DPPO: h_q, resp. |A| L^alpha / pi_q;
+               None otherwise); ``predicted_rel_variance`` is computed from it.
     """
 
     keep: Tensor
     weight: Tensor
     keep_prob: Tensor | None = None
     candidate: Tensor | None = None
+    score: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.keep.dtype != torch.bool:
             raise ValueError(f"PruneResult.keep must be a bool tensor, got {self.keep.dtype}")
-        for name in ("weight", "keep_prob", "candidate"):
+        for name in ("weight", "keep_prob", "candidate", "score"):
             value = getattr(self, name)
             if value is not None and value.shape != self.keep.shape:
                 raise ValueError(
@@ -115,6 +132,14 @@ class PruneResult:
     def num_kept(self) -> int:
         return int(self.keep.sum())
 
+    @property
+    def predicted_rel_variance(self) -> float:
+        """sum (1 - pi)/pi * s^2 / sum s^2 over the units with score s > 0: the relative variance the decision would
+        add if unit gradients were orthogonal with norms s (NaN without scores or when every score is 0)."""
+        if self.score is None:
+            return float("nan")
+        return predicted_relative_variance(self.probabilities(), self.score)
+
     def probabilities(self) -> Tensor:
         """keep_prob, or (for results built by hand) 1/weight on kept units and NaN on pruned ones."""
         if self.keep_prob is not None:
@@ -123,13 +148,15 @@ class PruneResult:
         return torch.where(self.keep, 1.0 / w, torch.full_like(w, math.nan))
 
 
-def _result(keep: Tensor, keep_prob: Tensor, candidate: Tensor | None, device: torch.device) -> PruneResult:
+def _result(keep: Tensor, keep_prob: Tensor, candidate: Tensor | None, device: torch.device,
+            score: Tensor | None = None) -> PruneResult:
     weight = torch.where(keep, 1.0 / keep_prob, torch.zeros_like(keep_prob)).to(torch.float32)
     return PruneResult(
         keep=keep.to(device),
         weight=weight.to(device),
         keep_prob=keep_prob.to(device),
         candidate=None if candidate is None else candidate.to(device),
+        score=None if score is None else score.to(device),
     )
 
 
@@ -216,12 +243,32 @@ def completion_candidates(advantages: Tensor) -> Tensor:
 
 
 class DPPOPruner:
-    """Hierarchical unbiased pruning: prompts before rollout (rate r_q), completions after advantages (rate r_o)."""
+    """Hierarchical unbiased pruning: prompts before rollout (rate r_q), completions after advantages (rate r_o).
 
-    def __init__(self, r_q: float, r_o: float, mode: str = "bernoulli") -> None:
+    keep="uniform": candidates kept with 1 - r (the paper's rule); keep="optimal": variance-optimal keep
+    probabilities at the same expected budget (module docstring), with ``length_exponent`` alpha of the completion
+    proxy |A| L^alpha, the floor ``keep_floor`` (pi_min) and ``zero_advantage_gradient`` (True when the loss has a
+    term whose gradient does not vanish at A = 0, e.g. KL: zero-advantage completions then get the floor, not 0).
+    """
+
+    def __init__(self, r_q: float, r_o: float, mode: str = "bernoulli", keep: str = "uniform",
+                 length_exponent: float = 0.0, keep_floor: float = 0.1,
+                 zero_advantage_gradient: bool = False) -> None:
         self.r_q = check_rate("r_q", r_q)
         self.r_o = check_rate("r_o", r_o)
         self.mode = check_choice("DPPO mode", mode, DPPO_MODES)
+        self.keep = check_choice("DPPO keep rule", keep, DPPO_KEEPS)
+        if keep == "optimal" and mode == "deterministic":
+            raise ValueError("DPPO keep='optimal' draws at random with per-unit probabilities; mode 'deterministic' "
+                             "has no probabilities to weight by (valid with optimal: bernoulli, fixed_size)")
+        if isinstance(length_exponent, bool) or not isinstance(length_exponent, (int, float)) \
+                or not math.isfinite(length_exponent):
+            raise ValueError(f"length_exponent must be a finite number, got {length_exponent!r}")
+        if isinstance(keep_floor, bool) or not isinstance(keep_floor, (int, float)) or not 0.0 <= keep_floor <= 1.0:
+            raise ValueError(f"keep_floor must be in [0, 1], got {keep_floor!r}")
+        self.length_exponent = float(length_exponent)
+        self.keep_floor = float(keep_floor)
+        self.zero_advantage_gradient = bool(zero_advantage_gradient)
         if mode == "deterministic":
             global _warned_deterministic
             if not _warned_deterministic:
@@ -232,7 +279,9 @@ class DPPOPruner:
                 )
 
     def __repr__(self) -> str:
-        return f"DPPOPruner(r_q={self.r_q}, r_o={self.r_o}, mode={self.mode!r})"
+        extra = (f", length_exponent={self.length_exponent}, keep_floor={self.keep_floor}, "
+                 f"zero_advantage_gradient={self.zero_advantage_gradient}") if self.keep == "optimal" else ""
+        return f"DPPOPruner(r_q={self.r_q}, r_o={self.r_o}, mode={self.mode!r}, keep={self.keep!r}{extra})"
 
     def select_prompts(self, history: Tensor, generator: torch.Generator | None = None) -> PruneResult:
         """Prompt-level decision for history [B] (NaN = never seen); leading dims = independent decisions."""
@@ -244,18 +293,67 @@ class DPPOPruner:
             bad = history[history < 0][0].item()
             raise ValueError(f"history scores are mean |A| and must be >= 0 (or NaN for unseen), got {bad}")
         _require_generator(self.mode, generator)
-        candidate = prompt_candidates(history).cpu()
-        keep, keep_prob = _select(candidate, history.detach().cpu(), self.r_q, self.mode, generator)
-        return _result(keep, keep_prob, candidate, history.device)
+        h = history.detach().cpu().double()
+        unseen = torch.isnan(h)
+        score = torch.where(unseen, torch.zeros_like(h), h)
+        if self.keep == "uniform":
+            candidate = prompt_candidates(history).cpu()
+            keep, keep_prob = _select(candidate, h, self.r_q, self.mode, generator)
+            return _result(keep, keep_prob, candidate, history.device, score)
+        if self.r_q == 0.0:
+            keep_prob = torch.ones_like(h)
+        else:
+            budget = (1.0 - self.r_q) * h.shape[-1]
+            keep_prob = water_fill(score, budget, floor=self.keep_floor, forced=unseen)
+        keep = self._draw(keep_prob, generator)
+        return _result(keep, keep_prob, keep_prob < 1.0, history.device, score)
 
-    def select_completions(self, advantages: Tensor, generator: torch.Generator | None = None) -> PruneResult:
-        """Completion-level decision for full-group advantages [B, G]; leading dims = independent decisions."""
+    def select_completions(self, advantages: Tensor, generator: torch.Generator | None = None,
+                           lengths: Tensor | None = None, prompt_prob: Tensor | None = None,
+                           generated: Tensor | None = None) -> PruneResult:
+        """Completion-level decision for full-group advantages [B, G]; leading dims = independent decisions.
+
+        For keep="optimal" (and for the reported proxy in either rule): ``lengths`` [B, G] completion tokens,
+        ``prompt_prob`` [B] the prompts' keep probabilities pi_q, and ``generated`` [B] which rows exist (a prompt
+        pruned at prompt level has no completions: its row takes no part in the decision; default all). The
+        optimal rule water-fills over every generated completion of the batch at once."""
         advantages = check_float_tensor("advantages", advantages, min_dim=2)
         check_finite("advantages", advantages)
         _require_generator(self.mode, generator)
-        candidate = completion_candidates(advantages).cpu()
-        keep, keep_prob = _select(candidate, advantages.detach().abs().cpu(), self.r_o, self.mode, generator)
-        return _result(keep, keep_prob, candidate, advantages.device)
+        a = advantages.detach().cpu()
+        for name, t, dims in (("lengths", lengths, a.shape), ("prompt_prob", prompt_prob, a.shape[:-1]),
+                              ("generated", generated, a.shape[:-1])):
+            if t is not None and tuple(t.shape) != tuple(dims):
+                raise ValueError(f"{name} must have shape {tuple(dims)} for advantages {tuple(a.shape)}, "
+                                 f"got {tuple(t.shape)}")
+        score = completion_scores(a, None if lengths is None else lengths.cpu(), self.length_exponent,
+                                  None if prompt_prob is None else prompt_prob.cpu())
+        if self.keep == "uniform":
+            candidate = completion_candidates(a)
+            keep, keep_prob = _select(candidate, a.abs(), self.r_o, self.mode, generator)
+            return _result(keep, keep_prob, candidate, advantages.device, score)
+        rows = torch.ones(a.shape[:-1], dtype=torch.bool) if generated is None else generated.cpu().bool()
+        units = rows.unsqueeze(-1).expand(a.shape)
+        if self.r_o == 0.0:
+            keep_prob = torch.ones(a.shape, dtype=torch.float64)
+        else:
+            score = torch.where(units, score, torch.zeros_like(score))
+            may_carry_gradient = (score > 0) | self.zero_advantage_gradient
+            floor = torch.where(units & may_carry_gradient, self.keep_floor, 0.0).double()
+            flat = lambda t: t.flatten(-2)  # noqa: E731 - one decision over every completion of the batch
+            budget = (1.0 - self.r_o) * units.flatten(-2).sum(-1).double()
+            keep_prob = water_fill(flat(score), budget, floor=flat(floor)).view(a.shape)
+        keep = self._draw(keep_prob, generator, flatten=True) & units
+        return _result(keep, keep_prob, units & (keep_prob < 1.0), advantages.device, score)
+
+    def _draw(self, keep_prob: Tensor, generator: torch.Generator | None, flatten: bool = False) -> Tensor:
+        """Keep mask for per-unit probabilities: independent coins (bernoulli) or a systematic sample (fixed_size)
+        over the last dim (the last two with ``flatten``: one sample over the whole batch of completions)."""
+        if self.mode == "bernoulli":
+            u = torch.rand(keep_prob.shape, generator=generator, dtype=torch.float64)
+            return u < keep_prob
+        p = keep_prob.flatten(-2) if flatten else keep_prob
+        return systematic_sample(p, generator).view(keep_prob.shape)
 
 
 def combine(prompt: PruneResult, completion: PruneResult) -> PruneResult:
@@ -521,4 +619,8 @@ def pruning_stats(
         stats[f"{prefix}{level}_ess"] = result.ess
         if result.candidate is not None:
             stats[f"{prefix}{level}_candidates"] = float(result.num_candidates)
+        if result.score is not None:
+            predicted = result.predicted_rel_variance
+            if math.isfinite(predicted):
+                stats[f"{prefix}{level}_predicted_rel_var"] = predicted
     return stats

@@ -18,11 +18,12 @@ def _run(tmp_path, name, preset, algo):
     return rl, checkpoint_tensors(latest_checkpoint(out))
 
 
-@pytest.mark.parametrize("preset", ["grpo", pytest.param("dapo", marks=pytest.mark.slow),
-                                    pytest.param("dr_grpo", marks=pytest.mark.slow)])
-def test_dppo_with_zero_rates_equals_no_pruning(tmp_path, preset):
+@pytest.mark.parametrize("preset, keep", [("grpo", "uniform"), ("grpo", "optimal"),
+                                          pytest.param("dapo", "uniform", marks=pytest.mark.slow),
+                                          pytest.param("dr_grpo", "uniform", marks=pytest.mark.slow)])
+def test_dppo_with_zero_rates_equals_no_pruning(tmp_path, preset, keep):
     base, w_base = _run(tmp_path, "none", preset, {"pruner": "none"})
-    dppo, w_dppo = _run(tmp_path, "dppo0", preset, {"pruner": "dppo", "r_q": 0.0, "r_o": 0.0})
+    dppo, w_dppo = _run(tmp_path, "dppo0", preset, {"pruner": "dppo", "r_q": 0.0, "r_o": 0.0, "dppo_keep": keep})
 
     assert all(r["train/grad_norm"] > 0 for r in base)  # the runs really trained
     for a, b in zip(base, dppo):
