@@ -71,6 +71,17 @@ def max_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def sum_over_ranks(value: float) -> float:
+    """The sum of ``value`` over all ranks, on every rank (collective; float64, exact for small sums)."""
+    if not is_initialized() or world_size() == 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    return float(t.item())
+
+
 def all_ranks(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on all of them (e.g. every rank finished writing its shard)."""
     return max_over_ranks(0 if flag else 1) == 0

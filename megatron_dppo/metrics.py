@@ -18,18 +18,27 @@ from typing import Any, Iterator
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase of one step: ``with timer("generate"): ...``."""
+    """Wall-clock seconds per named phase of one step: ``with timer("generate"): ...``; and the process CPU
+    seconds (user + system, every thread of this process: ``time.process_time``) spent inside the same phases.
+
+    ``time/step`` is the sum of the phases' wall clock; ``cpu_seconds`` the sum of their CPU time on this rank (the
+    trainer sums it over ranks into ``time/step_cpu``). CPU seconds are what a loaded, shared machine does not
+    inflate much: they count the work, not the waiting for a core. CPU time of child processes (e.g. a reward
+    function run in a subprocess) is not included.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds = 0.0
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            self.cpu_seconds += time.process_time() - cpu_start
 
     def as_metrics(self) -> dict[str, float]:
         out = {f"time/{k}": v for k, v in self.seconds.items()}

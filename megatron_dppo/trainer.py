@@ -147,6 +147,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     # 14. Metrics (docs/algorithms.md, "Metrics").
     metrics.update(step_metrics(run, prompt_cut, completion_cut, total_cut, rollout, batch))
     metrics.update(timer.as_metrics())
+    metrics["time/step_cpu"] = D.sum_over_ranks(timer.cpu_seconds)  # process CPU seconds of the step, all ranks
     metrics.update(run.handover.take_metrics())  # GPU memory per handover phase (none on CPU)
     metrics["throughput/tokens_per_s"] = metrics["tokens/trained_sequences"] / max(metrics["time/step"], 1e-9)
     write_audit(run, step, prompts, prompt_cut, rollout, advantages, total_cut)
