@@ -27,6 +27,8 @@ def test_quickstart_short_reward_rises(tmp_path):
     assert any(r["prune/prompt_kept_fraction"] < 1.0 for r in rl)  # prompts came back and DPPO pruned some
     assert all(r["prune/completion_kept_fraction"] < 1.0 for r in rl)
     assert all(r["packing/density"] > 0.4 for r in rl)
+    # the CPU clock of a step: positive, and at one thread a single process spends at most about its wall time
+    assert all(0 < r["time/step_cpu"] < 1.5 * r["time/step"] + 0.05 for r in rl)
     # console: one line per 10 steps with reward, kept fractions, density and time per phase; the plot
     lines = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if line.startswith("step ")]
     assert len(lines) == 4 and all("reward" in l and "kept prompts" in l and "density" in l and "generate=" in l

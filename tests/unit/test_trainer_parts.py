@@ -126,3 +126,21 @@ def test_a_job_script_stop_file_stops_with_code_zero(tmp_path, monkeypatch):
         assert stop.poll() is None
         stop_file.touch()
         assert stop.poll() == STOP_REQUESTED == 0 and stop.received is None
+
+
+def test_phase_timer_counts_cpu_seconds_of_work_not_of_waiting():
+    """time/step_cpu's source: a busy phase costs about its wall time in CPU seconds, a sleeping one about none."""
+    import time
+
+    from megatron_dppo.metrics import PhaseTimer
+
+    timer = PhaseTimer()
+    with timer("sleep"):
+        time.sleep(0.3)
+    assert timer.cpu_seconds < 0.1
+    with timer("busy"):
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
+    assert timer.cpu_seconds > 0.2
+    assert timer.as_metrics()["time/step"] >= 0.6
