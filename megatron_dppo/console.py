@@ -35,11 +35,16 @@ def print_step(run: Run, step: int, m: dict) -> None:
     phases = " ".join(f"{k[5:]}={m[k]:.2f}s" for k in ("time/generate", "time/reward", "time/logprob",
                                                         "time/train", "time/weight_sync") if k in m)
     ev = " ".join(f"{k[5:]}={v:.3f}" for k, v in m.items() if k.startswith("eval/") and "pass@" in k)
+    # what a pruning decision is predicted to cost (relative variance per level) next to what the audit measured
+    cost = " ".join(f"{label} {m[k]:.3f}" for label, k in (("q", "prune/prompt_predicted_rel_var"),
+                                                           ("o", "prune/completion_predicted_rel_var")) if k in m)
+    cost = (f" | predicted rel. var {cost}" if cost else "") + \
+        (f" | audit cos {m['audit/cosine']:.3f}" if "audit/cosine" in m else "")
     line = (f"step {step:4d} | reward {m.get('reward/mean', float('nan')):.3f} (generated "
             f"{m.get('reward/mean_generated', float('nan')):.3f}, trained {m.get('reward/mean_kept', float('nan')):.3f})"
             f" | kept prompts {m['prune/prompt_kept_fraction']:.2f} completions "
             f"{m['prune/completion_kept_fraction']:.2f} | ESS {m['prune/total_ess']:.1f} | density "
-            f"{m.get('packing/density', 0):.2f} | {phases} | {m['throughput/tokens_per_s']:.0f} tok/s"
+            f"{m.get('packing/density', 0):.2f}{cost} | {phases} | {m['throughput/tokens_per_s']:.0f} tok/s"
             + (f" | {ev}" if ev else ""))
     if run.cfg.logging.progress_bar:
         from tqdm import tqdm
