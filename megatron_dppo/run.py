@@ -13,7 +13,8 @@ from typing import Any
 
 from megatron_dppo import distributed as D
 from megatron_dppo.algo.losses import LossConfig
-from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, PromptHistory
+from megatron_dppo.algo.prompt_history import PromptHistory
+from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner
 from megatron_dppo.build import (
     Prompt,
     build_hf_config,

@@ -25,10 +25,10 @@ from megatron_dppo.algo.losses import (
     reference_objective,
     sequence_token_weights,
 )
+from megatron_dppo.algo.prompt_history import PromptHistory
 from megatron_dppo.algo.pruning import (
     CPPOPruner,
     DPPOPruner,
-    PromptHistory,
     PruneResult,
     combine,
     make_generator,
