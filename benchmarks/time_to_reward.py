@@ -1,21 +1,24 @@
-"""Time to held-out accuracy on the CPU quickstart task: GRPO vs CPPO vs DPPO from the same warm-started policy
-(one seed; the multi-seed study is benchmarks/time_to_accuracy.py).
+"""Time to accuracy on the CPU quickstart task (in-distribution pass@1 from fresh samples of the training facts):
+GRPO vs CPPO vs DPPO from the same warm-started policy (one seed; the multi-seed study is
+benchmarks/time_to_accuracy.py).
 
 1. One supervised warm start (``train.sft_steps`` of ``--config``, default examples/quickstart.yaml) through the
    CLI with ``train.steps=0``: it saves a checkpoint (policy, optimizer, RNG, data cursor) and the tokenizer.
 2. For each pruner (``algo.pruner=none|cppo|dppo``, plus any ``--extra`` overrides) that directory is copied and
    the CLI resumes from it (``checkpoint.resume=must``), so every run starts from the same weights, optimizer
    state, tokenizer and data order; the RL steps, their seeds and evaluation prompts are identical.
-3. From each run's ``metrics.jsonl``: the held-out pass@1 at every evaluation (``eval/*/pass@1``, every
+3. From each run's ``metrics.jsonl``: the evaluation pass@1 at every evaluation (``eval/*/pass@1``, every
    ``eval.every`` steps), cumulative wall-clock of the RL steps (``time/step``: generate + reward + prune + pack +
-   logprob + train + weight sync; evaluation and start-up excluded), steps and seconds until the held-out pass@1
-   first reaches ``--eval-target``, and the whole process wall-clock. A PNG shows held-out pass@1 against steps
+   logprob + train + weight sync; evaluation and start-up excluded), steps and seconds until the evaluation pass@1
+   first reaches ``--eval-target``, and the whole process wall-clock. A PNG shows evaluation pass@1 against steps
    and against seconds.
 
-Methods are compared on HELD-OUT accuracy only. The training reward (``reward/mean``, the Horvitz-Thompson
-estimate over all drawn prompts for a pruned run) is printed as a diagnostic, never as the comparison: it is
-measured on different prompts for each method and, for DPPO, is an estimate from the generated prompts. One
-seed per method: for a comparison with confidence intervals use ``benchmarks/time_to_accuracy.py``.
+Methods are compared on evaluation accuracy only (the quickstart evaluates fresh samples of its training
+facts, ``data.arithmetic_eval_split=train``: in-distribution, not held-out). The training reward (``reward/mean``,
+the Horvitz-Thompson estimate over all drawn prompts for a pruned run) is printed as a diagnostic, never as the
+comparison: it is measured on different prompts for each method and, for DPPO, is an estimate from the
+generated prompts. One seed per method: for a comparison with confidence intervals use
+``benchmarks/time_to_accuracy.py``.
 
 Run (one run after the other; each run is the CLI in its own process):
     .venv/bin/python benchmarks/time_to_reward.py [--quick] [--out results.json] [--png curves.png]
@@ -92,10 +95,10 @@ def plot(results: list[dict], eval_target: float, png: Path) -> None:
     axes[1].set_xlabel("RL wall-clock (s, excl. eval)")
     for ax in axes:
         ax.axhline(eval_target, color="gray", linestyle="--", linewidth=0.8)
-        ax.set_ylabel("held-out pass@1")
+        ax.set_ylabel("in-distribution pass@1 (fresh samples)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("CPU quickstart, one seed: held-out accuracy of GRPO vs CPPO vs DPPO from the same warm start")
+    fig.suptitle("CPU quickstart, one seed: in-distribution accuracy of GRPO vs CPPO vs DPPO from the same warm start")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -104,11 +107,11 @@ def plot(results: list[dict], eval_target: float, png: Path) -> None:
 
 def markdown(rep: dict) -> str:
     c = rep["config"]
-    lines = [f"config {c['config']} + {' '.join(rep['common'])}; held-out target pass@1 >= {c['eval_target']} at an "
+    lines = [f"config {c['config']} + {' '.join(rep['common'])}; target pass@1 (in-distribution, fresh samples) >= {c['eval_target']} at an "
              "evaluation (every eval.every steps). Seconds = sum of RL step times (eval / start-up excluded). The "
              "training reward is a diagnostic (1/pi estimate over all drawn prompts), not the comparison.",
-             "", "| run | steps | held-out: steps to target | held-out: s to target | RL s | train+logprob s | "
-             "generate s | kept frac | tokens trained | final held-out pass@1 | train reward, last 5 steps | "
+             "", "| run | steps | eval: steps to target | eval: s to target | RL s | train+logprob s | "
+             "generate s | kept frac | tokens trained | final eval pass@1 | train reward, last 5 steps | "
              "process s |", "|---" * 12 + "|"]
     for r in rep["results"]:
         est = "not reached" if r.get("eval_steps_to_target") is None else str(r["eval_steps_to_target"])
@@ -127,7 +130,7 @@ def main(argv=None):
     ap.add_argument("--runs", nargs="+", default=list(PRUNERS), choices=list(PRUNERS))
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
     ap.add_argument("--eval-target", type=float, default=None,
-                    help="held-out pass@1 target (default 0.3; 0.15 with --quick)")
+                    help="evaluation pass@1 target (default 0.3; 0.15 with --quick)")
     ap.add_argument("--work-dir", type=Path, default=REPO / "runs" / "time_to_reward")
     ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run, e.g. algo.r_q=0.5")
     ap.add_argument("--timeout", type=float, default=3600)
@@ -170,7 +173,7 @@ def main(argv=None):
             s = cli(args, common + PRUNERS[name] + ["checkpoint.resume=must", f"train.output_dir={out}"],
                     work / f"{name}.log", args.timeout)
             results.append(summarize(name, read_metrics(out / "metrics.jsonl"), s, args.eval_target))
-            print(f"  {name}: {results[-1]['steps']} steps, {results[-1]['rl_seconds']:.1f} s RL, final held-out "
+            print(f"  {name}: {results[-1]['steps']} steps, {results[-1]['rl_seconds']:.1f} s RL, final eval "
                   f"pass@1 {results[-1]['final_eval_pass@1']:.3f}", flush=True)
     png = args.png or work / "time_to_reward.png"
     plot(results, args.eval_target, png)
