@@ -1,40 +1,61 @@
-"""Time to held-out accuracy: GRPO vs DPPO (two rate settings) vs CPPO vs the DAPO zero-variance filter, several
-seeds each, on the worked multi-step arithmetic task (examples/arithmetic_worked.yaml).
+"""Preregistered time-to-accuracy study: GRPO vs DPPO (several settings) vs CPPO vs the DAPO zero-variance filter
+on the CPU quickstart (examples/quickstart.yaml: a tiny Qwen2 learning single-digit + and - facts).
 
-What is compared, and how
--------------------------
-* The task: "3+4-2+6=" -> "7,5,11" (running totals; 2-4 single-digit operands, + and -). Short problems are
-  solved by every sample and long ones by none, so many groups have one reward for all (zero advantage) and
-  pruning has something to prune; completions range from 2 to 12 tokens. Accuracy = pass@1 on the HELD-OUT test
-  split (expressions never trained on; ``eval.max_prompts`` prompts x ``eval.samples`` samples), measured
-  before the first RL step and every ``eval.every`` steps. The training reward is never used to compare
-  methods (a pruned run's training reward is an estimate; see docs/algorithms.md, "Metrics").
-* Per seed, ONE supervised warm start (``train.steps=0``) is saved and copied for every method, which then
-  resumes from it (``checkpoint.resume=must``): within a seed all methods start from the same weights,
-  optimizer state, tokenizer, data order and evaluation prompts, so differences are paired.
-* Runs are interleaved (seed-major, the method order rotated from seed to seed) and ``--parallel`` of them run
-  at a time, so load from other users of the machine hits all methods alike.
-* Time = the sum of the RL steps' wall-clock (``time/step``: prompt pruning + generation + reward + completion
-  pruning + packing + old log-probs + update + weight sync); evaluation and start-up are excluded (they are
-  the same for every method). "End-to-end" speed-up = GRPO seconds per step / method seconds per step, which
-  includes generation (DPPO's pruned prompts are never generated). "Train-phase" speed-up = the same on
-  ``time/logprob + time/train``; its bound = GRPO trained tokens / method trained tokens.
-* Statistics over seeds: mean and a 95% Student-t confidence interval; speed-ups are per-seed paired ratios
-  (geometric mean, CI on the log ratio). Time to an accuracy level: RL seconds until the first evaluation at or
-  above the level (a run that never reaches it within the budget is counted as not reached, and the mean is
-  over the seeds that reached it, shown as "n/N").
+Design
+------
+* Task and metric. Each run: the quickstart's supervised warm start (``train.sft_steps``, 100), then ``--steps``
+  (150) RL steps of 64 prompts x 8 completions. Accuracy is IN-DISTRIBUTION pass@1 FROM FRESH SAMPLES, NOT
+  held-out: single-digit facts cannot be held out (one cannot infer "7+5" from the others), so the quickstart
+  evaluates on fresh draws of the training split (``data.arithmetic_eval_split=train``; the 180 facts of the
+  train split, drawn ``eval.max_prompts`` = 1024 times, which covers ~178-180 of them; the coverage per seed is
+  recorded) with ``eval.samples`` = 4 fresh completions each, before RL and every ``eval.every`` (25) steps.
+  The training reward is never used to compare arms.
+* Pairing. Per seed ONE warm start is trained and copied into every arm (``checkpoint.resume=must``): within a
+  seed all arms share weights, optimizer state, tokenizer, data order, evaluation prompts and evaluation sampling
+  seeds. Runs are interleaved (seed-major, arm order rotated per seed); ``--parallel`` run at once.
+* Clock (``--clock``). ``cpu`` (default): cumulative ``time/step_cpu`` (process CPU seconds of each RL step,
+  summed over ranks), robust to other users of a shared machine; ``wall``: cumulative ``time/step``. Evaluation
+  and start-up are excluded from both.
+* Curves. Each run's accuracy curve is smoothed by a 3-evaluation running mean and interpolated linearly in
+  time (benchmarks/_tta_stats.py); gain = smoothed accuracy - the run's own pre-RL accuracy.
 
-This measures the trainer as it is at the commit that produced the JSON (e.g. it recomputes old log-probs every
-step); faster step code changes the seconds, not the comparison's method.
+Two phases
+----------
+1. ``--calibrate``: GRPO only, on calibration seeds (101, 102) used for nothing else. Writes the preregistration
+   (``--prereg``, default docs/benchmarks/tta_prereg.json): G_cal = mean GRPO gain at the last step;
+   g* = 0.6 G_cal; T* = 0.5 x mean GRPO total RL seconds; non-inferiority margin = 0.25 G_cal; the arms, main
+   seeds, protocol, endpoints and the multiple-comparison rule; the git commit. G_cal < 0.10: ``"fit": false``
+   and the main phase refuses to run (the task does not move enough to compare anything).
+2. main (default): reads the preregistration (refuses if absent, unfit, or made for another clock / steps /
+   config / overrides), runs every arm on the main seeds (1..8) and analyses with the PREREGISTERED g*, T* and
+   margin only (nothing is re-derived from the main runs).
 
-Run (takes ~1 h on a shared 2-core box at the default size):
+Endpoints (paired per seed; 95% Student-t intervals over seeds)
+-----------------------------------------------------------------
+1. time to g*: first RL time the smoothed gain curve reaches g*; a run that never does is CENSORED at its total
+   RL time (counted there, flagged; n/N reached is reported). Paired ratio arm/GRPO, geometric mean, t on logs.
+2. gain at T*: arm - GRPO difference of the smoothed, interpolated gain at T* (a run that ended before T* holds
+   its last value, flagged).
+3. the papers' protocol: final smoothed accuracy at the last step, arm - GRPO; non-inferior iff the lower 95%
+   bound > -margin (one-sided test at 0.025); plus the total-RL-time ratio arm/GRPO.
+4. endpoints 1-3 against the DAPO filter instead of GRPO.
+Also: area under the smoothed gain curve over [0, T*] / T*, paired difference; kept fractions and zero-variance
+group share per evaluation interval. Holm over the DPPO arms (dppo-0.5, dppo-0.7, dppo-0.5-zvf, dppo-opt), one
+family per endpoint 1-3, family-wise alpha 0.05 (endpoint 3 one-sided 0.025); everything else is secondary
+(unadjusted p). ``dapo-filter`` is the negative control: with kl_coef = 0 its gradient equals GRPO's (dropped
+groups have zero advantage), so any difference it shows is noise.
+
+Run (a few hours on a shared 2-core box):
+    .venv/bin/python benchmarks/time_to_accuracy.py --calibrate
     .venv/bin/python benchmarks/time_to_accuracy.py --out docs/benchmarks/time_to_accuracy.json \\
-        --png docs/benchmarks/time_to_accuracy.png
-Re-analyse finished runs without training: add ``--reuse``.
+        --png docs/benchmarks/time_to_accuracy
+``--reuse`` re-analyses finished runs in the work dir; ``--resume`` continues an interrupted phase.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
 import json
 import math
 import os
@@ -47,20 +68,36 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _tta_stats as S  # noqa: E402
 from _common import REPO, machine, write_json  # noqa: E402
 
 from megatron_dppo.config import load_config  # noqa: E402
 
-METHODS = {
+METHODS = {  # nothing is tuned per arm
     "grpo": ["algo.pruner=none"],
+    "dapo-filter": ["algo.pruner=none", "algo.drop_zero_variance_groups=true"],
     "dppo-0.5": ["algo.pruner=dppo", "algo.r_q=0.5", "algo.r_o=0.5"],
     "dppo-0.7": ["algo.pruner=dppo", "algo.r_q=0.7", "algo.r_o=0.7"],
-    "cppo-0.5": ["algo.pruner=cppo", "algo.cppo_rate=0.5"],
-    "dapo-filter": ["algo.pruner=none", "algo.drop_zero_variance_groups=true"],
+    "dppo-0.5-zvf": ["algo.pruner=dppo", "algo.r_q=0.5", "algo.r_o=0.5", "algo.drop_zero_variance_groups=true"],
+    "dppo-opt": ["algo.pruner=dppo", "algo.dppo_keep=optimal", "algo.r_q=0.5", "algo.r_o=0.5", "algo.keep_floor=0.1",
+                 "algo.keep_length_exponent=0.0"],
+    "cppo-0.5-alloc": ["algo.pruner=cppo", "algo.cppo_rate=0.5", "algo.cppo_allocation=true"],
+    # ablations, on request only (--arms)
+    "dppo-0.5-prompt-only": ["algo.pruner=dppo", "algo.r_q=0.5", "algo.r_o=0"],
+    "dppo-0.5-completion-only": ["algo.pruner=dppo", "algo.r_q=0", "algo.r_o=0.5"],
 }
+DEFAULT_ARMS = ["grpo", "dapo-filter", "dppo-0.5", "dppo-0.7", "dppo-0.5-zvf", "dppo-opt", "cppo-0.5-alloc"]
+DPPO_FAMILY = ["dppo-0.5", "dppo-0.7", "dppo-0.5-zvf", "dppo-opt"]
 COMMON = ["logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false", "checkpoint.every=0",
-          "logging.print_every=10"]
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+          "logging.print_every=10", "data.arithmetic_eval_split=train"]
+EVAL_LABEL = "in-distribution pass@1 from fresh samples"
+ALPHA = 0.05
+RULES = {"g_star": 0.6, "T_star": 0.5, "margin": 0.25, "min_gain": 0.10}
+CLOCK_KEYS = {"cpu": "time/step_cpu", "wall": "time/step"}
+
+
+class PreregError(RuntimeError):
+    """The preregistration is absent, unfit, or does not match the command line."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -75,18 +112,18 @@ def cli(config: Path, overrides: list[str], log: Path, timeout: float) -> dict:
         f.write(" ".join(cmd) + "\n")
         f.flush()
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)
-        deadline = t0 + timeout
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
-            if time.perf_counter() > deadline:
+            if time.perf_counter() > t0 + timeout:
                 proc.kill()
+                proc.wait()
                 raise RuntimeError(f"{' '.join(cmd)} timed out after {timeout} s; log {log}")
             time.sleep(0.5)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed with exit {proc.returncode}; log {log}:\n{log.read_text()[-3000:]}")
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit {code}; log {log}:\n{log.read_text()[-3000:]}")
     return {"wall_s": time.perf_counter() - t0, "cpu_s": usage.ru_utime + usage.ru_stime}
 
 
@@ -99,18 +136,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def schedule(seeds: list[int], methods: list[str]) -> list[tuple[int, str]]:
-    """Seed-major, the method order rotated by one from seed to seed (each method runs early and late)."""
+def schedule(seeds: list[int], arms: list[str]) -> list[tuple[int, str]]:
+    """Seed-major, the arm order rotated by one from seed to seed (each arm runs early and late)."""
     out = []
     for k, seed in enumerate(seeds):
-        order = methods[k % len(methods):] + methods[:k % len(methods)]
+        order = arms[k % len(arms):] + arms[:k % len(arms)]
         out += [(seed, m) for m in order]
     return out
 
 
-def run_pool(jobs: list, worker, parallel: int) -> None:
-    """Run ``worker(job)`` over ``jobs`` in order with ``parallel`` threads (each starts a CLI process); returns the
-    (job, error) of the runs that failed."""
+def run_pool(jobs: list, worker, parallel: int) -> list:
+    """Run ``worker(job)`` over ``jobs`` in order with ``parallel`` threads; returns the (job, error) that failed."""
     lock, queue, errors = threading.Lock(), list(jobs), []
 
     def loop():
@@ -133,351 +169,518 @@ def run_pool(jobs: list, worker, parallel: int) -> None:
     return errors
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Reading one run
-# ----------------------------------------------------------------------------------------------------------
-def read_run(path: Path) -> dict:
+def train_runs(args, work: Path, seeds: list[int], arms: list[str], overrides: list[str]) -> dict:
+    """Warm start per seed, then every (seed, arm) from it; ``--resume`` keeps finished ones. Returns the
+    processes' wall / CPU seconds."""
+    cfg = load_config(args.config, overrides)
+    steps, sft_steps = cfg.train.steps, cfg.train.sft_steps
+    if work.exists() and not args.resume:
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    lock, process = threading.Lock(), {}
+    if args.resume and (work / "process.json").exists():
+        process.update(json.loads((work / "process.json").read_text()))
+
+    def record(key: str, value: dict) -> None:
+        with lock:
+            process[key] = value
+            (work / "process.json").write_text(json.dumps(process, indent=1))
+
+    def warm(seed: int) -> None:
+        out = work / f"warm{seed}"
+        if args.resume and count_phase(out, "sft") >= sft_steps and (out / "checkpoints" / "latest").exists():
+            return
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"[{time.strftime('%H:%M:%S')}] warm start seed {seed}", flush=True)
+        record(f"{seed}:warm", cli(args.config, overrides + [f"train.seed={seed}", "train.steps=0", "eval.every=0",
+                                                             f"train.output_dir={out}"], work / f"warm{seed}.log",
+                                   args.timeout))
+
+    def train(job: tuple[int, str]) -> None:
+        seed, arm = job
+        out = work / f"{arm}_s{seed}"
+        if args.resume and run_finished(out, steps):
+            return
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(work / f"warm{seed}", out)
+        print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}", flush=True)
+        record(f"{seed}:{arm}", cli(args.config, overrides + METHODS[arm] + [
+            f"train.seed={seed}", "checkpoint.resume=must", f"train.output_dir={out}"], work / f"{arm}_s{seed}.log",
+            args.timeout))
+        r = read_run(out, args.clock)
+        print(f"[{time.strftime('%H:%M:%S')}]   {arm} seed {seed}: {r['steps']} steps, "
+              f"{r['total']:.1f} {args.clock}-s, "
+              f"pass@1 {r['acc'][0]:.3f} -> {r['acc'][-1]:.3f}", flush=True)
+
+    failed = run_pool(seeds, warm, args.parallel)
+    warmed = [s for s in seeds if (work / f"warm{s}" / "checkpoints" / "latest").exists()]
+    failed += run_pool(schedule(warmed, arms), train, args.parallel)
+    if failed:
+        print(f"{len(failed)} run(s) failed: {[job for job, _ in failed]} (left out of the analysis)", flush=True)
+    return process
+
+
+def count_phase(path: Path, phase: str) -> int:
+    if not (path / "metrics.jsonl").exists():
+        return 0
     with open(path / "metrics.jsonl", encoding="utf-8") as f:
+        return sum(json.loads(line).get("phase") == phase for line in f if line.strip())
+
+
+def run_finished(path: Path, steps: int) -> bool:
+    return count_phase(path, "rl") >= steps and (path / "checkpoints" / "latest").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Protocol and preregistration
+# ----------------------------------------------------------------------------------------------------------
+def study_overrides(args) -> list[str]:
+    return COMMON + [f"train.steps={args.steps}", f"eval.every={args.eval_every}",
+                     f"eval.max_prompts={args.eval_prompts}", f"eval.samples={args.eval_samples}",
+                     f"eval.pass_k={min(4, args.eval_samples)}"] + list(args.extra)
+
+
+def protocol(args) -> dict:
+    """What the preregistration fixes and the main phase must match."""
+    config = Path(args.config).resolve()
+    return {"config": str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config),
+            "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(), "clock": args.clock,
+            "steps": args.steps, "overrides": study_overrides(args)}
+
+
+def protocol_mismatch(registered: dict, current: dict) -> list[str]:
+    return [f"{k}: preregistered {registered.get(k)!r}, command line {current.get(k)!r}"
+            for k in ("config", "config_sha256", "clock", "steps", "overrides") if registered.get(k) != current.get(k)]
+
+
+def load_prereg(path: Path, current: dict) -> dict:
+    """The preregistration at ``path``, checked against the current protocol; PreregError when it is absent,
+    unfit, or made for another protocol."""
+    if not Path(path).exists():
+        raise PreregError(f"no preregistration at {path}: run the calibration first (--calibrate --prereg {path})")
+    prereg = json.loads(Path(path).read_text())
+    if not prereg.get("fit", False):
+        raise PreregError(f"task unfit ({path}): {prereg.get('reason', 'fit is false')}")
+    diff = protocol_mismatch(prereg.get("protocol", {}), current)
+    if diff:
+        raise PreregError(f"the preregistration {path} was made for another protocol; run with its settings or "
+                          "calibrate again:\n  " + "\n  ".join(diff))
+    return prereg
+
+
+def git_info() -> dict:
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def eval_coverage(cfg, seed: int) -> dict:
+    """How many distinct facts the evaluation prompts of ``seed`` cover, of the training split's facts."""
+    from dataclasses import replace
+
+    from megatron_dppo.build import arithmetic_task
+
+    if cfg.data.task != "arithmetic":
+        return {}
+    task = arithmetic_task(replace(cfg, train=replace(cfg.train, seed=seed)))
+    d, n = cfg.data, cfg.data.arithmetic_train_size
+    start = n if d.arithmetic_eval_split == "train" else 0
+    evals = {task.expression(i, d.arithmetic_eval_split) for i in range(start, start + cfg.eval.max_prompts)}
+    out = {"eval_draws": cfg.eval.max_prompts, "eval_distinct": len(evals),
+           "train_records_distinct": len({task.expression(i, "train") for i in range(n)})}
+    if d.arithmetic_max_terms == 2 and d.arithmetic_max_operand <= 99:  # small enough to enumerate
+        facts = {f"{a}{o}{b}" for a in range(d.arithmetic_max_operand + 1) for b in range(d.arithmetic_max_operand + 1)
+                 for o in d.arithmetic_ops}
+        out["split_facts"] = sum(task._in_test(e) == (d.arithmetic_eval_split == "test") for e in facts)
+    return out
+
+
+def make_prereg(args, current: dict, gains: dict, totals: dict, arms: list[str], coverage: dict) -> dict:
+    g_cal = statistics.fmean(gains.values())
+    fit = g_cal >= args.min_gain
+    info = git_info()
+    return {
+        "study": "time_to_accuracy", "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "git_commit": info["commit"], "git_dirty": info["dirty"], "protocol": current,
+        "metric": EVAL_LABEL, "eval_coverage": coverage,
+        "calibration": {"seeds": [int(k) for k in gains], "gains": gains, "grpo_total_seconds": totals, "G_cal": g_cal,
+                        "gain_rule": "smoothed (3-evaluation running mean) pass@1 at the last step minus the "
+                                     "pre-RL pass@1 of the same run"},
+        "fit": fit, "min_gain": args.min_gain,
+        "reason": None if fit else f"G_cal = {g_cal:.4f} < {args.min_gain}: GRPO does not move in-distribution "
+                                   "pass@1 enough on this task for a time-to-accuracy comparison",
+        "g_star": RULES["g_star"] * g_cal, "g_star_rule": f"{RULES['g_star']} * G_cal",
+        "T_star": RULES["T_star"] * statistics.fmean(totals.values()),
+        "T_star_rule": f"{RULES['T_star']} * mean GRPO total RL {args.clock} seconds over the calibration seeds",
+        "margin": RULES["margin"] * g_cal,
+        "margin_rule": f"{RULES['margin']} * G_cal: a pruned arm may lose at most a quarter of GRPO's calibrated "
+                       "gain in final accuracy and still be non-inferior",
+        "arms": {a: METHODS[a] for a in arms}, "main_seeds": args.seeds, "clock": args.clock, "steps": args.steps,
+        "eval": {"every": args.eval_every, "prompts": args.eval_prompts, "samples": args.eval_samples,
+                 "label": EVAL_LABEL},
+        "endpoints": {
+            "1": "time to g* (smoothed, linearly interpolated gain curve); never reached = censored at the run's "
+                 "total RL time; paired ratio arm/GRPO, geometric mean, 95% t CI and two-sided t test on log ratios",
+            "2": "gain at T* (smoothed, interpolated; held after the run's end), paired difference arm - GRPO, "
+                 "95% t CI, two-sided t test",
+            "3": "final smoothed accuracy at the last step, arm - GRPO; non-inferior iff the lower 95% CI bound > "
+                 "-margin (one-sided t test of H0: diff <= -margin at 0.025); plus total-RL-time ratio arm/GRPO",
+            "4": "endpoints 1-3 with dapo-filter as the baseline (secondary)",
+            "auc": "area under the smoothed gain curve over [0, T*] / T*, paired difference to GRPO (secondary)"},
+        "multiple_comparisons": {
+            "method": "Holm", "family_alpha": ALPHA, "family": DPPO_FAMILY,
+            "rule": "one Holm family per endpoint 1, 2, 3: the DPPO arms vs GRPO; endpoints 1-2 two-sided at 0.05, "
+                    "endpoint 3 one-sided at 0.025 (the level of the two-sided 95% CI); every other comparison "
+                    "(cppo, dapo-filter, ablations, endpoint 4, AUC) is secondary, unadjusted"},
+        "negative_control": "dapo-filter: with kl_coef = 0 the dropped groups have zero advantage, so its gradient "
+                            "equals GRPO's; any difference it shows is noise",
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading one run and its endpoint values
+# ----------------------------------------------------------------------------------------------------------
+def read_run(path: Path, clock: str) -> dict:
+    with open(Path(path) / "metrics.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     rl = sorted((r for r in records if r.get("phase") == "rl"), key=lambda r: r["step"])
     ev = sorted((r for r in records if r.get("phase") == "eval"), key=lambda r: r["step"])
-    seconds, total = [], 0.0
-    for r in rl:
-        total += r["time/step"]
-        seconds.append(total)
-    key = next(k for k in ev[0] if k.endswith("/pass@1"))
+    if not rl or not ev or ev[0]["step"] != -1:
+        raise ValueError(f"{path}: needs RL records and a pre-RL evaluation (step -1)")
+    key = CLOCK_KEYS[clock]
+    if any(key not in r for r in rl):
+        raise ValueError(f"{path}: RL records lack {key!r} (a trainer without it?); use --clock "
+                         f"{'wall' if clock == 'cpu' else 'cpu'}")
+    cum = {c: [] for c in CLOCK_KEYS}
+    for c, k in CLOCK_KEYS.items():
+        total = 0.0
+        for r in rl:
+            total += r.get(k, math.nan)
+            cum[c].append(total)
+    keys = [k for k in ev[0] if k.endswith("/pass@1")]  # one eval set, or several and their average
+    eval_key = "eval/average/pass@1" if "eval/average/pass@1" in keys else keys[0]
     # an evaluation logged at step s follows RL step s (step -1: before the first RL step)
-    evals = [{"step": e["step"] + 1, "seconds": seconds[e["step"]] if e["step"] >= 0 else 0.0,
-              "pass@1": e[key]} for e in ev]
-
-    def mean(k, default=0.0):
-        return statistics.fmean(r.get(k, default) for r in rl)
-
-    return {"eval_key": key, "evals": evals, "steps": len(rl), "rl_seconds": total,
-            "s_per_step": total / len(rl), "generate_s_per_step": mean("time/generate"),
-            "train_s_per_step": mean("time/train") + mean("time/logprob"),
-            "tokens_trained_per_step": mean("tokens/trained_sequences"),
-            "tokens_generated_per_step": mean("tokens/generated"),
-            "prompt_kept_fraction": mean("prune/prompt_kept_fraction", 1.0),
-            "total_kept_fraction": mean("prune/total_kept_fraction", 1.0),
-            "total_ess": mean("prune/total_ess", float("nan")),
-            "zero_variance_groups": mean("reward/zero_variance_groups"),
-            "skipped_steps": sum(r.get("train/skipped", 0.0) for r in rl),
-            "grad_norm": mean("train/grad_norm", float("nan")),
-            "grad_norm_std": statistics.pstdev(r.get("train/grad_norm", 0.0) for r in rl),
-            "reward_mean": mean("reward/mean"), "reward_mean_generated": mean("reward/mean_generated", float("nan"))}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Statistics over seeds
-# ----------------------------------------------------------------------------------------------------------
-def ci(xs: list[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95% Student-t interval); half-width nan for fewer than 2 values."""
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    if not xs:
-        return float("nan"), float("nan")
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return m, float("nan")
-    return m, T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
-
-
-def ratio_ci(nums: list[float], dens: list[float]) -> tuple[float, float, float]:
-    """Paired ratios num/den: geometric mean and its 95% interval (t on the log ratios)."""
-    logs = [math.log(n / d) for n, d in zip(nums, dens) if n and d and n > 0 and d > 0]
-    m, h = ci(logs)
-    if math.isnan(m):
-        return float("nan"), float("nan"), float("nan")
-    h = 0.0 if math.isnan(h) else h
-    return math.exp(m), math.exp(m - h), math.exp(m + h)
-
-
-def time_to_level(run: dict, level: float, gain: bool = False) -> tuple[float | None, int | None]:
-    """(RL seconds, steps) to the first evaluation at or above ``level`` (with ``gain``: at or above the run's own
-    pre-RL accuracy + ``level``, i.e. a gain over the warm start, which differs from seed to seed)."""
-    target = level + (run["evals"][0]["pass@1"] if gain else 0.0)
-    hit = next((e for e in run["evals"][1:] if e["pass@1"] >= target - 1e-12), None) if gain else \
-        next((e for e in run["evals"] if e["pass@1"] >= target), None)
-    return (None, None) if hit is None else (hit["seconds"], hit["step"])
-
-
-def accuracy_at(run: dict, t: float) -> float:
-    """Accuracy of the last evaluation at or before RL time t (what a user stopping at t would have)."""
-    ev = [e for e in run["evals"] if e["seconds"] <= t + 1e-9]
-    return ev[-1]["pass@1"] if ev else float("nan")
-
-
-def analyse(runs: dict, methods: list[str], seeds: list[int], levels: list[float], gain: bool = False) -> dict:
-    base = "grpo" if "grpo" in methods else methods[0]
-    out = {"methods": {}, "levels": levels, "baseline": base, "levels_are_gains": gain}
-    for m in methods:
-        rs = [runs[(s, m)] for s in seeds if (s, m) in runs and (s, base) in runs]
-        bs = [runs[(s, base)] for s in seeds if (s, m) in runs and (s, base) in runs]
-        if not rs:
-            continue
-        steps = [e["step"] for e in rs[0]["evals"]]
-        acc_by_step = [ci([r["evals"][i]["pass@1"] for r in rs if i < len(r["evals"])]) for i in range(len(steps))]
-        # the same minus each seed's own pre-RL accuracy: removes the warm starts' seed-to-seed spread
-        gain_by_step = [ci([r["evals"][i]["pass@1"] - r["evals"][0]["pass@1"] for r in rs if i < len(r["evals"])])
-                        for i in range(len(steps))]
-        final = [r["evals"][-1]["pass@1"] for r in rs]
-        gain_final = [r["evals"][-1]["pass@1"] - r["evals"][0]["pass@1"] for r in rs]
-        last_half = [statistics.fmean(e["pass@1"] for e in r["evals"][len(r["evals"]) // 2:]) for r in rs]
-        base_last_half = [statistics.fmean(e["pass@1"] for e in b["evals"][len(b["evals"]) // 2:]) for b in bs]
-        diff = [r["evals"][-1]["pass@1"] - b["evals"][-1]["pass@1"] for r, b in zip(rs, bs)]
-        reach = {}
-        for level in levels:
-            secs = [time_to_level(r, level, gain)[0] for r in rs]
-            stp = [time_to_level(r, level, gain)[1] for r in rs]
-            base_secs = [time_to_level(b, level, gain)[0] for b in bs]
-            paired = [(b, s) for b, s in zip(base_secs, secs) if b is not None and s is not None]
-            reach[str(level)] = {"reached": sum(s is not None for s in secs), "of": len(rs),
-                                 "seconds": ci([s for s in secs if s is not None]),
-                                 "steps": ci([s for s in stp if s is not None]),
-                                 "speedup_vs_base": ratio_ci([b for b, _ in paired], [s for _, s in paired])}
-        out["methods"][m] = {
-            "seeds": len(rs), "eval_steps": steps, "accuracy_by_step": acc_by_step, "gain_by_step": gain_by_step,
-            "final_accuracy": ci(final), "final_accuracy_minus_base": ci(diff), "final_gain": ci(gain_final),
-            "second_half_accuracy": ci(last_half),
-            "second_half_minus_base": ci([a - b for a, b in zip(last_half, base_last_half)]),
-            "wins_vs_base_at_equal_steps": sum(d > 0 for d in diff),
-            "s_per_step": ci([r["s_per_step"] for r in rs]),
-            "end_to_end_speedup": ratio_ci([b["s_per_step"] for b in bs], [r["s_per_step"] for r in rs]),
-            "generate_speedup": ratio_ci([b["generate_s_per_step"] for b in bs], [r["generate_s_per_step"] for r in rs]),
-            "train_phase_speedup": ratio_ci([b["train_s_per_step"] for b in bs], [r["train_s_per_step"] for r in rs]),
-            "train_phase_bound": ratio_ci([b["tokens_trained_per_step"] for b in bs],
-                                          [r["tokens_trained_per_step"] for r in rs]),
-            "generate_bound": ratio_ci([b["tokens_generated_per_step"] for b in bs],
-                                       [r["tokens_generated_per_step"] for r in rs]),
-            "prompt_kept_fraction": ci([r["prompt_kept_fraction"] for r in rs]),
-            "total_kept_fraction": ci([r["total_kept_fraction"] for r in rs]),
-            "total_ess": ci([r["total_ess"] for r in rs]),
-            "zero_variance_groups": ci([r["zero_variance_groups"] for r in rs]),
-            "grad_norm_std": ci([r["grad_norm_std"] for r in rs]),
-            "skipped_steps": ci([r["skipped_steps"] for r in rs]),
-            "time_to_level": reach,
-            "process_cpu_s": ci([r.get("process", {}).get("cpu_s", float("nan")) for r in rs]),
-        }
-        # accuracy on a common RL-time grid, up to the shortest run of this method
-        horizon = min(r["rl_seconds"] for r in rs)
-        grid = [horizon * i / 40 for i in range(41)]
-        out["methods"][m]["accuracy_by_time"] = {"seconds": grid,
-                                                  "acc": [ci([accuracy_at(r, t) for r in rs]) for t in grid],
-                                                  "gain": [ci([accuracy_at(r, t) - r["evals"][0]["pass@1"]
-                                                               for r in rs]) for t in grid]}
-    return out
+    steps = [e["step"] + 1 for e in ev]
+    times = [cum[clock][e["step"]] if e["step"] >= 0 else 0.0 for e in ev]
+    return {"eval_key": eval_key, "eval_steps": steps, "t": times, "acc": [e[eval_key] for e in ev],
+            "steps": len(rl), "total": cum[clock][-1], "total_cpu": cum["cpu"][-1], "total_wall": cum["wall"][-1],
+            "series": {k: [r.get(k, default) for r in rl] for k, default in (
+                ("prune/prompt_kept_fraction", 1.0), ("prune/total_kept_fraction", 1.0),
+                ("reward/zero_variance_groups", math.nan), ("tokens/trained_sequences", math.nan),
+                ("tokens/generated", math.nan))}}
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Report
 # ----------------------------------------------------------------------------------------------------------
-def _pm(mh, fmt="{:.3f}") -> str:
-    m, h = mh
-    if math.isnan(m):
+def _ci(r: dict, fmt: str = "{:+.3f}") -> str:
+    if r is None or math.isnan(r.get("mean", math.nan)):
         return "-"
-    return fmt.format(m) + ("" if math.isnan(h) else " ± " + fmt.format(h))
+    if math.isnan(r["lo"]):
+        return fmt.format(r["mean"])
+    return f"{fmt.format(r['mean'])} [{fmt.format(r['lo'])}, {fmt.format(r['hi'])}]"
 
 
-def _ratio(r) -> str:
-    g, lo, hi = r
-    return "-" if math.isnan(g) else f"{g:.2f}x [{lo:.2f}, {hi:.2f}]"
+def _ratio(r: dict) -> str:
+    if math.isnan(r["geo_mean"]):
+        return "-"
+    return f"{r['geo_mean']:.2f}x" + ("" if math.isnan(r["lo"]) else f" [{r['lo']:.2f}, {r['hi']:.2f}]")
+
+
+def _p(p) -> str:
+    return "-" if p is None or math.isnan(p) else (f"{p:.3f}" if p >= 0.001 else f"{p:.1e}")
+
+
+def endpoint_table(vs: dict, base: str, holm: bool) -> list[str]:
+    adj = " (Holm)" if holm else ""
+    lines = [f"| arm | n | E1 time to g*, ratio to {base} | p{adj} | E1 | E2 gain at T* - {base} | p{adj} | E2 | "
+             f"E3 final acc - {base} | p NI{adj} | E3 | total RL time ratio | AUC[0,T*] - {base} |", "|---" * 13 + "|"]
+    for a, r in vs.items():
+        cens = f" (censored: arm {r['e1']['censored_arm'] or '-'}, {base} {r['e1']['censored_base'] or '-'})"
+        ps = [r[e]["p_holm"] if holm and r[e].get("p_holm") is not None else r[e]["p"] for e in ("e1", "e2", "e3")]
+        lines.append(f"| {a} | {len(r['seeds'])} | {_ratio(r['e1'])}{cens} | {_p(ps[0])} | {r['e1']['verdict']} | "
+                     f"{_ci(r['e2'])} | {_p(ps[1])} | {r['e2']['verdict']} | {_ci(r['e3'])} | {_p(ps[2])} | "
+                     f"{r['e3']['verdict']} | {_ratio(r['total_time_ratio'])} | {_ci(r['auc'])} |")
+    return lines
 
 
 def markdown(rep: dict) -> str:
-    a, c = rep["analysis"], rep["config"]
-    base = a["baseline"]
-    lines = [f"Task {c['config']} ({c['steps']} RL steps, B={c['prompts_per_step']} x G={c['group_size']}); "
-             f"{len(c['seeds'])} seeds {c['seeds']}; held-out pass@1 on {c['eval_prompts']} test prompts x "
-             f"{c['eval_samples']} samples every {c['eval_every']} steps. ± = 95% t-interval over seeds; speed-ups "
-             f"are paired per seed vs {base} (geometric mean [95% CI]).", "",
-             "**Accuracy at equal steps and the cost of a step**", "",
-             "| method | pass@1 before RL | final pass@1 | final - before | final - grpo | seeds better than grpo | "
-             "mean pass@1 over the 2nd half - grpo | s/step | end-to-end speed-up | generate speed-up (bound) | "
-             "train-phase speed-up (bound) | kept prompts | kept units | ESS | zero-var groups |", "|---" * 15 + "|"]
-    for m, r in a["methods"].items():
-        lines.append(
-            f"| {m} | {_pm(r['accuracy_by_step'][0])} | {_pm(r['final_accuracy'])} | {_pm(r['final_gain'], '{:+.3f}')} | "
-            f"{_pm(r['final_accuracy_minus_base'], '{:+.3f}')} | {r['wins_vs_base_at_equal_steps']}/{r['seeds']} | "
-            f"{_pm(r['second_half_minus_base'], '{:+.3f}')} | "
-            f"{_pm(r['s_per_step'], '{:.2f}')} | {_ratio(r['end_to_end_speedup'])} | "
-            f"{_ratio(r['generate_speedup'])} ({r['generate_bound'][0]:.2f}x) | {_ratio(r['train_phase_speedup'])} "
-            f"({r['train_phase_bound'][0]:.2f}x) | {_pm(r['prompt_kept_fraction'], '{:.2f}')} | "
-            f"{_pm(r['total_kept_fraction'], '{:.2f}')} | {_pm(r['total_ess'], '{:.0f}')} | "
-            f"{_pm(r['zero_variance_groups'], '{:.2f}')} |")
-    what = "gain over the warm start >= +{}" if a.get("levels_are_gains") else "pass@1 >= {}"
-    lines += ["", "**Time to reach a held-out accuracy level** (RL seconds, eval excluded; n/N = seeds that reached "
-              "it within the budget; speed-up = paired ratio to grpo over the seeds where both reached it)", "",
-              "| method | " + " | ".join(what.format(lv) + ": s | steps | speed-up" for lv in a["levels"]) + " |",
-              "|---" * (1 + 3 * len(a["levels"])) + "|"]
-    for m, r in a["methods"].items():
-        cells = []
-        for lv in a["levels"]:
-            t = r["time_to_level"][str(lv)]
-            cells += [f"{_pm(t['seconds'], '{:.0f}')} ({t['reached']}/{t['of']})", _pm(t["steps"], "{:.0f}"),
-                      _ratio(t["speedup_vs_base"])]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += ["", "**Accuracy by step** (mean ± 95% CI)", "",
-              "| method | " + " | ".join(f"step {s}" for s in next(iter(a["methods"].values()))["eval_steps"]) + " |",
-              "|---" * (1 + len(next(iter(a["methods"].values()))["eval_steps"])) + "|"]
-    for m, r in a["methods"].items():
-        lines.append(f"| {m} | " + " | ".join(_pm(x) for x in r["accuracy_by_step"]) + " |")
+    p, a, c = rep["prereg"], rep["analysis"], rep["config"]
+    clock = p["clock"]
+    cov = [v for k, v in p.get("eval_coverage", {}).items() if int(k) in c["seeds"] and "split_facts" in v]
+    coverage = "" if not cov else (f" (covering {min(v['eval_distinct'] for v in cov)}-"
+                                   f"{max(v['eval_distinct'] for v in cov)} of the split's "
+                                   f"{cov[0]['split_facts']} facts)")
+    lines = [f"# Time to accuracy (preregistered): {p['protocol']['config']}", "",
+             f"Accuracy = **{EVAL_LABEL}** (not held-out): {p['eval']['prompts']} draws of the training split's facts "
+             f"x {p['eval']['samples']} samples{coverage}, every {p['eval']['every']} of {p['steps']} RL steps; "
+             f"smoothed by a 3-evaluation running mean, linear in time between evaluations. Time = cumulative RL "
+             f"**{clock}** seconds (evaluation and start-up excluded). Seeds {c['seeds']}. Arms: "
+             + "; ".join(f"{k} = {' '.join(v)}" for k, v in c["arms"].items()) + ".", "",
+             f"Preregistered ({p['created']}, commit {p['git_commit']}{' + local changes' if p['git_dirty'] else ''}; "
+             f"calibration seeds {p['calibration']['seeds']}, G_cal = {p['calibration']['G_cal']:.4f}): "
+             f"g* = {p['g_star']:.4f} ({p['g_star_rule']}), T* = {p['T_star']:.1f} {clock}-s ({p['T_star_rule']}), "
+             f"non-inferiority margin = {p['margin']:.4f} ({p['margin_rule']}). {p['multiple_comparisons']['rule']}.",
+             "", f"Study commit {rep['git']['commit']}{' + local changes' if rep['git']['dirty'] else ''}."]
+    if rep["deviations"]:
+        lines += ["", "**Deviations from the preregistration:** " + "; ".join(rep["deviations"])]
+    lines += ["", "## Endpoints vs GRPO (paired per seed, 95% t CI; E1 < 1x = faster; E3: non-inferior iff lower bound "
+              f"> -{p['margin']:.3f})", ""] + endpoint_table(a["vs"].get("grpo", {}), "grpo", True)
+    if a["vs"].get("dapo-filter"):
+        lines += ["", "## Endpoint 4: vs the DAPO filter (secondary, unadjusted)", ""] + \
+            endpoint_table(a["vs"]["dapo-filter"], "dapo-filter", False)
+    lines += ["", "## Per arm (mean [95% CI] over seeds)", "",
+              f"| arm | runs | reached g* | pre-RL pass@1 | final pass@1 (smoothed) | final gain | "
+              f"total RL {clock}-s | "
+              f"time to g* ({clock}-s, censored counted) | gain at T* | prompt kept | total kept | zero-var groups |",
+              "|---" * 12 + "|"]
+    for arm, r in a["arms"].items():
+        o = r["overall"]
+        lines.append(f"| {arm} | {r['n']} | {r['reached']}/{r['n']} | {_ci(r['pre'], '{:.3f}')} | "
+                     f"{_ci(r['final'], '{:.3f}')} | {_ci(r['final_gain'])} | {_ci(r['total'], '{:.0f}')} | "
+                     f"{_ci(r['time_to_g'], '{:.0f}')} | {_ci(r['gain_at_T'])} | "
+                     f"{_ci(o['prune/prompt_kept_fraction'], '{:.2f}')} | "
+                     f"{_ci(o['prune/total_kept_fraction'], '{:.2f}')} | "
+                     f"{_ci(o['reward/zero_variance_groups'], '{:.2f}')} |")
+    first = next(iter(a["arms"].values()), None)
+    if first:
+        steps = first["eval_steps"]
+        lines += ["", "## Over training, per evaluation interval (mean over seeds): total kept fraction / "
+                  "zero-variance "
+                  "group share", "", "| arm | " + " | ".join(f"steps {x}-{y}" for x, y in zip(steps, steps[1:])) + " |",
+                  "|---" * len(steps) + "|"]
+        for arm, r in a["arms"].items():
+            bi = r["by_interval"]
+            lines.append(f"| {arm} | " + " | ".join(
+                f"{k:.2f} / {z:.2f}"
+                for k, z in zip(bi["prune/total_kept_fraction"], bi["reward/zero_variance_groups"]))
+                + " |")
+    other = "wall" if clock == "cpu" else "cpu"
+    lines += ["", "## Every run", "", f"| run | pre | final (smoothed) | gain | total {clock}-s | total {other}-s | "
+              f"time to g* | reached | gain at T* | AUC[0,T*] |", "|---" * 10 + "|"]
+    for name, r in sorted(a["per_run"].items(), key=lambda kv: (kv[1]["seed"], kv[1]["arm"])):
+        lines.append(f"| {name} | {r['pre']:.3f} | {r['final']:.3f} | {r['final_gain']:+.3f} | {r['total']:.1f} | "
+                     f"{r['total_' + other]:.1f} | {r['time_to_g']:.1f} | "
+                     f"{'censored' if r['censored'] else 'yes'} | {r['gain_at_T']:+.3f}"
+                     f"{' (ended before T*)' if r['ended_before_T'] else ''} | "
+                     f"{r['auc_T']:+.3f} |")
     return "\n".join(lines)
 
 
-def plot(rep: dict, png: Path) -> None:
+def plot(rep: dict, prefix: Path) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    a = rep["analysis"]
-    gain = a.get("levels_are_gains", False)
+    p, a = rep["prereg"], rep["analysis"]
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    def band(ax, xs, cis, **kw):
+        ys = [r["mean"] for r in cis]
+        lo = [r["lo"] if not math.isnan(r["lo"]) else r["mean"] for r in cis]
+        hi = [r["hi"] if not math.isnan(r["hi"]) else r["mean"] for r in cis]
+        (line,) = ax.plot(xs, ys, **kw)
+        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12)
+        return line
+
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
-    for m, r in a["methods"].items():
-        xs = r["eval_steps"]
-        by_step = r["gain_by_step"] if gain else r["accuracy_by_step"]
-        ys = [x[0] for x in by_step]
-        hs = [0.0 if math.isnan(x[1]) else x[1] for x in by_step]
-        (line,) = axes[0].plot(xs, ys, marker="o", ms=3, label=m)
-        axes[0].fill_between(xs, [y - h for y, h in zip(ys, hs)], [y + h for y, h in zip(ys, hs)],
-                             color=line.get_color(), alpha=0.15)
-        t = r["accuracy_by_time"]
-        ys = [x[0] for x in t["gain" if gain else "acc"]]
-        hs = [0.0 if math.isnan(x[1]) else x[1] for x in t["gain" if gain else "acc"]]
-        axes[1].step(t["seconds"], ys, where="post", color=line.get_color(), label=m)
-        axes[1].fill_between(t["seconds"], [y - h for y, h in zip(ys, hs)], [y + h for y, h in zip(ys, hs)],
-                             step="post", color=line.get_color(), alpha=0.15)
-    axes[0].set_xlabel("RL step")
-    axes[1].set_xlabel("RL wall-clock seconds (generation + training; eval excluded)")
+    for arm, r in a["arms"].items():
+        band(axes[0], r["eval_steps"], r["gain_by_step"], marker="o", ms=3, label=arm)
+        band(axes[1], r["gain_by_time"]["t"], r["gain_by_time"]["gain"], label=arm)
     for ax in axes:
-        ax.set_ylabel(("held-out pass@1 - the seed's pre-RL pass@1" if gain else "held-out pass@1")
-                      + "\n(mean, 95% CI over seeds)")
+        ax.axhline(p["g_star"], color="k", ls="--", lw=1, label=f"g* = {p['g_star']:.3f}")
+        ax.set_ylabel(f"gain in {EVAL_LABEL}\n(smoothed; mean, 95% CI over seeds)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    c = rep["config"]
-    fig.suptitle(f"Worked arithmetic, {len(c['seeds'])} seeds: held-out accuracy vs steps and vs wall time")
+    axes[1].axvline(p["T_star"], color="k", ls=":", lw=1, label=f"T* = {p['T_star']:.0f} s")
+    axes[0].set_xlabel("RL step")
+    axes[1].set_xlabel(f"cumulative RL {p['clock']} seconds (evaluation excluded)")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.suptitle("Accuracy gain over the warm start vs steps and vs time")
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
+    paths.append(str(prefix) + "_curves.png")
+    fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
+
+    keys = [("prune/prompt_kept_fraction", "kept prompt fraction"),
+            ("prune/total_kept_fraction", "total kept fraction"),
+            ("reward/zero_variance_groups", "zero-variance group share")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for arm, r in a["arms"].items():
+        mids = [(x + y) / 2 for x, y in zip(r["eval_steps"], r["eval_steps"][1:])]
+        for ax, (k, _) in zip(axes, keys):
+            ax.plot(mids, r["by_interval"][k], marker="o", ms=3, label=arm)
+    for ax, (_, title) in zip(axes, keys):
+        ax.set_title(title + " (per eval interval, mean over seeds)", fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(str(prefix) + "_pruning.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    vs = a["vs"].get("grpo", {})
+    if vs:
+        names = list(vs)
+        fig, axes = plt.subplots(1, 2, figsize=(12, 0.6 * len(names) + 1.8))
+        for i, n in enumerate(names):
+            e1, e3 = vs[n]["e1"], vs[n]["e3"]
+            if not math.isnan(e1["geo_mean"]):
+                lo, hi = (e1["lo"], e1["hi"]) if not math.isnan(e1["lo"]) else (e1["geo_mean"],) * 2
+                axes[0].errorbar(e1["geo_mean"], i, xerr=[[e1["geo_mean"] - lo], [hi - e1["geo_mean"]]], fmt="o",
+                                 capsize=3, color="C3" if e1["censored_arm"] else "C0")
+            if not math.isnan(e3["mean"]):
+                lo, hi = (e3["lo"], e3["hi"]) if not math.isnan(e3["lo"]) else (e3["mean"],) * 2
+                axes[1].errorbar(e3["mean"], i, xerr=[[e3["mean"] - lo], [hi - e3["mean"]]], fmt="o", capsize=3)
+        axes[0].axvline(1.0, color="k", lw=1)
+        axes[0].set_xscale("log")
+        axes[0].set_xlabel("time to g*, ratio arm / grpo (geo mean, 95% CI; red: some censored)")
+        axes[1].axvline(0.0, color="k", lw=1)
+        axes[1].axvline(-p["margin"], color="r", ls="--", lw=1, label=f"-margin = {-p['margin']:.3f}")
+        axes[1].set_xlabel("final smoothed accuracy, arm - grpo (95% CI)")
+        axes[1].legend(fontsize=7)
+        for ax in axes:
+            ax.set_yticks(range(len(names)), [n if n in DPPO_FAMILY else f"{n} (secondary)" for n in names])
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(str(prefix) + "_forest.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
 
 
 # ----------------------------------------------------------------------------------------------------------
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", type=Path, default=REPO / "examples" / "arithmetic_worked.yaml")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
-    ap.add_argument("--levels", type=float, nargs="+", default=None,
-                    help="held-out pass@1 levels for time-to-accuracy (default: 3 levels between the warm start's "
-                         "accuracy and the best final one)")
-    ap.add_argument("--gains", action="store_true",
-                    help="--levels are gains over each seed's own pre-RL accuracy (the warm starts differ by seed)")
-    ap.add_argument("--parallel", type=int, default=2, help="CLI processes at a time")
-    ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run, e.g. eval.max_prompts=64")
-    ap.add_argument("--work-dir", type=Path, default=REPO / "runs" / "time_to_accuracy")
-    ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--reuse", action="store_true", help="do not train: re-analyse the runs in --work-dir")
-    ap.add_argument("--resume", action="store_true",
-                    help="continue an interrupted study in --work-dir: keep finished warm starts and runs")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--png", type=Path, default=None, help="default: <work-dir>/time_to_accuracy.png")
-    args = ap.parse_args(argv)
-
-    common = COMMON + ([f"train.steps={args.steps}"] if args.steps else []) + args.extra
-    work = args.work_dir
-    process: dict = {}
-    t_start = time.time()
-    if not args.reuse:
-        if work.exists() and not args.resume:
-            shutil.rmtree(work)
-        work.mkdir(parents=True, exist_ok=True)
-        if args.resume and (work / "process.json").exists():
-            saved = json.loads((work / "process.json").read_text())
-            process.update({(int(k.split(":")[0]), k.split(":")[1]): v for k, v in saved.items()})
-
-        def finished(path: Path) -> bool:
-            if not (path / "metrics.jsonl").exists():
-                return False
-            with open(path / "metrics.jsonl", encoding="utf-8") as f:
-                steps = sum(json.loads(line).get("phase") == "rl" for line in f if line.strip())
-            return steps >= load_config(args.config, common).train.steps
-
-        def warm_done(seed: int) -> bool:  # a stop signal also leaves a checkpoint: check the step count too
-            path = work / f"warm{seed}"
-            if not (path / "checkpoints" / "latest").exists():
-                return False
-            with open(path / "metrics.jsonl", encoding="utf-8") as f:
-                steps = sum(json.loads(line).get("phase") == "sft" for line in f if line.strip())
-            return steps >= load_config(args.config, common).train.sft_steps
-
-        def warm(seed):
-            if args.resume and warm_done(seed):
-                return
-            print(f"[{time.strftime('%H:%M:%S')}] warm start seed {seed}", flush=True)
-            if (work / f"warm{seed}").exists():
-                shutil.rmtree(work / f"warm{seed}")
-            process[(seed, "warm")] = cli(args.config, common + [f"train.seed={seed}", "train.steps=0",
-                                                                 "eval.every=0", f"train.output_dir={work / f'warm{seed}'}"],
-                                          work / f"warm{seed}.log", args.timeout)
-            (work / "process.json").write_text(json.dumps({f"{k[0]}:{k[1]}": v for k, v in process.items()}))
-
-        def train(job):
-            seed, m = job
-            out = work / f"{m}_s{seed}"
-            if args.resume and finished(out):
-                return
-            if out.exists():
-                shutil.rmtree(out)
-            shutil.copytree(work / f"warm{seed}", out)
-            print(f"[{time.strftime('%H:%M:%S')}] {m} seed {seed}", flush=True)
-            process[job] = cli(args.config, common + METHODS[m] + [f"train.seed={seed}", "checkpoint.resume=must",
-                                                                    f"train.output_dir={out}"],
-                               work / f"{m}_s{seed}.log", args.timeout)
-            (work / "process.json").write_text(json.dumps({f"{k[0]}:{k[1]}": v for k, v in process.items()}))
-            r = read_run(out)
-            print(f"[{time.strftime('%H:%M:%S')}]   {m} seed {seed}: {r['steps']} steps, {r['s_per_step']:.2f} s/step, "
-                  f"pass@1 {r['evals'][0]['pass@1']:.3f} -> {r['evals'][-1]['pass@1']:.3f}", flush=True)
-
-        failed = run_pool(args.seeds, warm, args.parallel)
-        warmed = [s for s in args.seeds if warm_done(s)]
-        failed += run_pool(schedule(warmed, args.methods), train, args.parallel)
-        if failed:
-            print(f"{len(failed)} run(s) failed: {[job for job, _ in failed]} (left out of the analysis)", flush=True)
-        (work / "process.json").write_text(json.dumps({f"{k[0]}:{k[1]}": v for k, v in process.items()}))
-    else:
-        saved = json.loads((work / "process.json").read_text()) if (work / "process.json").exists() else {}
-        process = {(int(k.split(":")[0]), k.split(":")[1]): v for k, v in saved.items()}
-
+# Phases
+# ----------------------------------------------------------------------------------------------------------
+def load_runs(work: Path, seeds: list[int], arms: list[str], steps: int, clock: str) -> dict:
     runs = {}
-    for seed in args.seeds:
-        for m in args.methods:
-            if (work / f"{m}_s{seed}" / "metrics.jsonl").exists():
-                runs[(seed, m)] = read_run(work / f"{m}_s{seed}")
-                runs[(seed, m)]["process"] = process.get((seed, m), {})
-    if args.levels is None:
-        start = statistics.fmean(r["evals"][0]["pass@1"] for r in runs.values())
-        best = max(statistics.fmean(runs[(s, m)]["evals"][-1]["pass@1"] for s in args.seeds if (s, m) in runs)
-                   for m in args.methods)
-        args.levels = [round(start + (best - start) * f, 2) for f in (0.25, 0.5, 0.75)]
-    cfg = load_config(args.config, common)
-    rep = {"config": {"config": str(args.config.relative_to(REPO)) if args.config.is_relative_to(REPO) else str(args.config),
-                      "methods": {m: METHODS[m] for m in args.methods}, "common": common, "seeds": args.seeds,
-                      "steps": cfg.train.steps, "prompts_per_step": cfg.train.prompts_per_step,
-                      "group_size": cfg.train.group_size, "eval_prompts": cfg.eval.max_prompts,
-                      "eval_samples": cfg.eval.samples, "eval_every": cfg.eval.every, "parallel": args.parallel,
-                      "levels": args.levels, "levels_are_gains": args.gains},
-           "machine": machine(), "study_wall_s": None if args.reuse else time.time() - t_start,
-           "runs": {f"{m}_s{s}": r for (s, m), r in runs.items()},
-           "analysis": analyse(runs, args.methods, args.seeds, args.levels, args.gains)}
-    png = args.png or work / "time_to_accuracy.png"
-    plot(rep, png)
-    rep["png"] = str(png)
-    print(markdown(rep))
-    print(f"\nplot: {png}")
-    write_json(args.out, rep)
-    if args.out:
-        args.out.with_suffix(".md").write_text(markdown(rep) + "\n")
+    for s in seeds:
+        for a in arms:
+            path = work / f"{a}_s{s}"
+            if run_finished(path, steps):
+                runs[(s, a)] = read_run(path, clock)
+            elif path.exists():
+                print(f"skipping unfinished run {path}", flush=True)
+    return runs
+
+
+def calibrate(args) -> dict:
+    if args.prereg.exists() and not args.force:
+        sys.exit(f"error: {args.prereg} exists (a preregistration is written once); pass --force to replace it")
+    work, current = args.work_dir / "calibration", protocol(args)
+    overrides = study_overrides(args)
+    cfg = load_config(args.config, overrides + METHODS["grpo"])
+    if not args.reuse:
+        train_runs(args, work, args.calibration_seeds, ["grpo"], overrides)
+    runs = load_runs(work, args.calibration_seeds, ["grpo"], cfg.train.steps, args.clock)
+    missing = [s for s in args.calibration_seeds if (s, "grpo") not in runs]
+    if missing:
+        sys.exit(f"error: calibration runs missing or unfinished for seeds {missing} in {work}")
+    gains = {str(s): S.gain_curve(runs[(s, "grpo")]["t"], runs[(s, "grpo")]["acc"])["final_gain"]
+             for s in args.calibration_seeds}
+    totals = {str(s): runs[(s, "grpo")]["total"] for s in args.calibration_seeds}
+    coverage = {str(s): eval_coverage(cfg, s) for s in args.calibration_seeds + args.seeds}
+    prereg = make_prereg(args, current, gains, totals, args.arms or DEFAULT_ARMS, coverage)
+    write_json(args.prereg, prereg)
+    print(f"calibration: gains {gains} -> G_cal {prereg['calibration']['G_cal']:.4f}; fit {prereg['fit']}; "
+          f"g* {prereg['g_star']:.4f}, T* {prereg['T_star']:.1f} {args.clock}-s, margin {prereg['margin']:.4f}")
+    if not prereg["fit"]:
+        print(f"task unfit: {prereg['reason']}")
+    return prereg
+
+
+def main_phase(args) -> dict:
+    try:
+        prereg = load_prereg(args.prereg, protocol(args))
+    except PreregError as err:
+        sys.exit(f"error: {err}")
+    arms, seeds = args.arms or list(prereg["arms"]), args.seeds if args.seeds_given else prereg["main_seeds"]
+    deviations = []
+    if arms != list(prereg["arms"]):
+        deviations.append(f"arms {arms} instead of {list(prereg['arms'])}")
+    if seeds != prereg["main_seeds"]:
+        deviations.append(f"seeds {seeds} instead of {prereg['main_seeds']}")
+    if prereg.get("min_gain", RULES["min_gain"]) < RULES["min_gain"]:
+        deviations.append(f"fitness threshold lowered to G_cal >= {prereg['min_gain']} (protocol: {RULES['min_gain']})")
+    if len(seeds) < 8:
+        deviations.append(f"only {len(seeds)} seeds (the protocol asks for >= 8)")
+    if set(seeds) & set(int(s) for s in prereg["calibration"]["seeds"]):
+        sys.exit("error: main seeds overlap the calibration seeds")
+    if "grpo" not in arms:
+        sys.exit("error: the arms must include grpo (the baseline)")
+    git = git_info()
+    if git["commit"] != prereg["git_commit"]:
+        deviations.append(f"commit {git['commit']} differs from the calibration's {prereg['git_commit']}")
+    overrides = study_overrides(args)
+    for arm in arms:  # fail fast on an arm the trainer does not know, before hours of training
+        load_config(args.config, overrides + METHODS[arm])
+    work, t0, process = args.work_dir / "main", time.time(), {}
+    if not args.reuse:
+        process = train_runs(args, work, seeds, arms, overrides)
+    elif (work / "process.json").exists():
+        process = json.loads((work / "process.json").read_text())
+    runs = load_runs(work, seeds, arms, args.steps, args.clock)
+    if not runs:
+        sys.exit(f"error: no finished runs in {work}")
+    rep = {"prereg": prereg, "deviations": deviations, "git": git, "machine": machine(),
+           "config": {"arms": {a: METHODS[a] for a in arms}, "seeds": seeds, "parallel": args.parallel,
+                      "overrides": overrides, "work_dir": str(work)},
+           "study_wall_s": None if args.reuse else time.time() - t0, "process": process,
+           "analysis": S.analyse(runs, arms, seeds, prereg, DPPO_FAMILY, ALPHA)}
+    rep["png"] = plot(rep, args.png or work / "tta")
+    text = markdown(rep)
+    print(text + "\n\nplots: " + ", ".join(rep["png"]))
+    out = args.out or work / "results.json"
+    write_json(out, rep)
+    out.with_suffix(".md").write_text(text + "\n")
+    return rep
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calibrate", action="store_true", help="phase 1: GRPO on the calibration seeds -> --prereg")
+    ap.add_argument("--prereg", type=Path, default=REPO / "docs" / "benchmarks" / "tta_prereg.json")
+    ap.add_argument("--force", action="store_true", help="--calibrate: replace an existing preregistration")
+    ap.add_argument("--config", type=Path, default=REPO / "examples" / "quickstart.yaml")
+    ap.add_argument("--clock", choices=list(CLOCK_KEYS), default="cpu")
+    ap.add_argument("--steps", type=int, default=150, help="RL steps per run")
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--eval-prompts", type=int, default=1024,
+                    help="eval.max_prompts: fresh draws of the training split (180 facts at the quickstart's size)")
+    ap.add_argument("--eval-samples", type=int, default=4)
+    ap.add_argument("--arms", nargs="+", choices=list(METHODS), default=None,
+                    help=f"--calibrate: the arms to preregister (default {DEFAULT_ARMS}); main: default the "
+                         "preregistered arms")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="main seeds (--calibrate records them; default 1..8; main: default the preregistered ones)")
+    ap.add_argument("--calibration-seeds", type=int, nargs="+", default=[101, 102])
+    ap.add_argument("--min-gain", type=float, default=RULES["min_gain"],
+                    help="--calibrate: G_cal below this marks the task unfit")
+    ap.add_argument("--parallel", type=int, default=1, help="CLI processes at a time")
+    ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run (part of the protocol)")
+    ap.add_argument("--work-dir", type=Path, default=REPO / "runs" / "time_to_accuracy")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per CLI run")
+    ap.add_argument("--reuse", action="store_true", help="do not train: re-analyse the finished runs in --work-dir")
+    ap.add_argument("--resume", action="store_true", help="continue an interrupted phase: keep finished runs")
+    ap.add_argument("--out", type=Path, default=None, help="results JSON (+ .md); default <work-dir>/main/results.json")
+    ap.add_argument("--png", type=Path, default=None, help="plot prefix; default <work-dir>/main/tta")
+    args = ap.parse_args(argv)
+    args.seeds_given = args.seeds is not None
+    args.seeds = args.seeds if args.seeds_given else list(range(1, 9))
+    if args.calibrate and set(args.seeds) & set(args.calibration_seeds):
+        ap.error("--seeds and --calibration-seeds must be disjoint")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    return calibrate(args) if args.calibrate else main_phase(args)
 
 
 if __name__ == "__main__":
