@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from megatron_dppo import distributed as D
-from megatron_dppo.algo.losses import LOSS_PRESETS, LossConfig
+from megatron_dppo.algo.losses import LossConfig, resolve_loss_preset
 from megatron_dppo.config import Config
 
 
@@ -45,20 +45,34 @@ def check_output_dirs(cfg: Config) -> None:
             existing = existing.parent
         if not existing.is_dir():
             raise ValueError(f"{key}: cannot create {str(path)!r}: {str(existing)!r} is a file, not a directory")
+        what = "" if existing == path else f" (its nearest existing folder {str(existing)!r})"
         if not os.access(existing, os.W_OK | os.X_OK):
-            what = "" if existing == path else f" (its nearest existing folder {str(existing)!r})"
             raise ValueError(f"{key}: {str(path)!r}{what} is not writable by this user; choose a writable "
                              f"train.output_dir")
+        _probe_writable(existing, f"{key}: cannot create {str(path)!r}{what}")
+
+
+def _probe_writable(folder: Path, context: str) -> None:
+    """Create and remove an empty folder in ``folder``: permission bits do not bind root, and pseudo or read-only
+    file systems (/proc, /sys, a read-only mount) refuse writes that os.access allows. Nothing is left behind."""
+    import tempfile  # noqa: PLC0415
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dppo-write-probe-", dir=folder))
+    except OSError as err:
+        raise ValueError(f"{context}: {err.strerror or err} (a pseudo or read-only file system?); choose a "
+                         "writable train.output_dir") from None
 
 
 def build_loss(cfg: Config) -> tuple[LossConfig, str]:
     """The loss preset with the config's per-field overrides, and the advantage estimator."""
-    preset, estimator = LOSS_PRESETS[cfg.loss.preset]
     overrides = {k: getattr(cfg.loss, k) for k in ("policy_loss", "eps_low", "eps_high", "kl_coef", "kl_estimator",
                                                    "aggregation", "advantage_eps", "clip_ratio_c", "kl_clamp",
                                                    "rollout_correction", "rollout_correction_cap",
-                                                   "rollout_correction_cap_low") if getattr(cfg.loss, k) is not None}
-    return replace(preset, **overrides), cfg.loss.advantage_estimator or estimator
+                                                   "rollout_correction_cap_low", "gspo_gradient",
+                                                   "kl_bias_correction") if getattr(cfg.loss, k) is not None}
+    loss, estimator = resolve_loss_preset(cfg.loss.preset, **overrides)
+    return loss, cfg.loss.advantage_estimator or estimator
 
 
 def build_tokenizer(cfg: Config):

@@ -206,3 +206,17 @@ def test_hanging_reward_function_costs_a_bounded_time_and_is_counted(tmp_path):
         assert r["reward/mean"] == pytest.approx(1 - r["reward/timeouts"] / 32)
     print(f"\nhanging reward: {elapsed:.0f} s for 2 steps, timeouts {[r['reward/timeouts'] for r in rl]}, "
           f"scoring {[round(r['time/reward'], 1) for r in rl]} s")
+
+
+@pytest.mark.parametrize("output_dir", ["/proc/dppo-no-such/run", "/proc/self/run"])
+def test_output_dir_on_a_pseudo_file_system_is_one_error_line(tmp_path, output_dir):
+    """/proc accepts no new folders, not even from root (for whom os.access says yes): one `error:` line naming
+    train.output_dir and exit 2, not the FileNotFoundError traceback of the first mkdir."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc on this system")
+    cfg = tiny_config(tmp_path / "unused", train={"output_dir": output_dir})
+    proc = run_cli(write_config(tmp_path / "run.yaml", cfg), check=False, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("error: train.output_dir: ") and repr(output_dir) in lines[0], lines[0]
