@@ -10,6 +10,7 @@ CORE = [
     "safetensors",
     "sentencepiece",
     "pyyaml",
+    "datasets>=4.8",  # data.dataset and `megatron-dppo data prepare` (Hub ids, Hub-format folders)
     "math-verify>=0.7",
     "tqdm",
     "matplotlib",
