@@ -38,7 +38,7 @@ def check_megatron_model(cfg: Mapping[str, Any] | Any, arch: Any, model: Any) ->
     """
     import torch.nn.functional as F
 
-    from megatron_dppo.megatron.model import QK_NORM_FAMILIES
+    from megatron_dppo.megatron.arch import QK_NORM_FAMILIES
 
     hf = _hf_config_object(cfg)
     tc = model.config

@@ -15,7 +15,7 @@ qwen3_moe  False                 True; MoE blocks (``ModelArch.moe``)
 mixtral    False                 False; MoE blocks in every layer
 =========  ====================  =============================================
 
-``ModelArch.from_hf_config`` reads those numbers (rejecting what the model cannot represent, e.g. an unknown
+``ModelArch.from_hf_config`` (``arch.py``) reads those numbers (rejecting what the model cannot represent, e.g. an unknown
 ``rope_scaling`` type), ``build_transformer_config`` makes the Megatron ``TransformerConfig``, and
 ``build_gpt_model`` builds the (TP/PP-local) ``GPTModel``:
 
@@ -32,192 +32,14 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
-from typing import Any, Mapping
 
 import torch
 
 from . import compat
+from .arch import FAMILIES, QK_NORM_FAMILIES, SUPPORTED_ROPE_TYPES, ModelArch  # noqa: F401 - re-exported
 from .cpu import allow_sequence_parallel_torch_norm, ensure_device_backend
-from .moe import (MOE_ARCH_CONFIG_FIELDS, MOE_FAMILIES, MoEArch, moe_block_spec, moe_config_kwargs,
-                  moe_from_hf_config, reduce_expert_grads_over_expert_grid)
+from .moe import MOE_ARCH_CONFIG_FIELDS, moe_block_spec, moe_config_kwargs, reduce_expert_grads_over_expert_grid
 from .parallel import ParallelConfig, validate_parallel
-
-# HF model_type -> family
-FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
-# RoPE variants Megatron's RotaryEmbedding can represent; llama3 with Megatron's fixed constants only.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-@dataclass(frozen=True)
-class ModelArch:
-    """The numbers that define a Llama/Qwen2/Qwen3 (dense) or Qwen3-MoE/Mixtral decoder (HF names in brackets)."""
-
-    family: str  # llama | qwen2 | qwen3
-    vocab_size: int  # [vocab_size] rows of the embedding (already padded by the model authors)
-    hidden_size: int  # [hidden_size]
-    ffn_hidden_size: int  # [intermediate_size] (the dense MLP; MoE experts: moe.expert_ffn_hidden_size)
-    num_layers: int  # [num_hidden_layers]
-    num_attention_heads: int  # [num_attention_heads]
-    num_kv_heads: int  # [num_key_value_heads] (GQA); == num_attention_heads for MHA
-    head_dim: int  # [head_dim] or hidden_size // num_attention_heads
-    rope_theta: float  # [rope_theta] / rope_parameters["rope_theta"]
-    norm_eps: float  # [rms_norm_eps]
-    tie_embeddings: bool  # [tie_word_embeddings]
-    qkv_bias: bool  # qwen2: True
-    qk_norm: bool  # qwen3: True
-    max_position_embeddings: int  # [max_position_embeddings]
-    rope_scaling_type: str = "default"  # default | linear | llama3
-    rope_scaling_factor: float = 1.0
-    init_std: float = 0.02  # [initializer_range]
-    moe: MoEArch | None = None  # the sparse blocks of qwen3_moe / mixtral; None for dense families
-
-    def __post_init__(self):
-        if self.family not in FAMILIES.values():
-            raise ValueError(f"family={self.family!r}; supported: {sorted(set(FAMILIES.values()))}")
-        if (self.moe is not None) != self.is_moe_family:
-            raise ValueError(f"family={self.family!r} {'needs' if self.is_moe_family else 'cannot have'} "
-                             f"MoE blocks (moe={self.moe})")
-        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
-            raise ValueError(f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries for "
-                             f"num_layers={self.num_layers}")
-        for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
-        if self.num_attention_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads} (grouped-query attention needs it)")
-        if self.rope_scaling_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_scaling_type={self.rope_scaling_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-
-    @property
-    def is_moe_family(self) -> bool:
-        return self.family in MOE_FAMILIES
-
-    # ------------------------------------------------------------------------------------------------------
-    @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any] | Any) -> "ModelArch":
-        """From a ``config.json`` dict or a ``transformers.PretrainedConfig`` (transformers 4.x or 5.x).
-
-        A dict is first turned into its transformers config class so that family defaults apply exactly as
-        when Hugging Face loads the model (e.g. Qwen3's default ``head_dim=128``).
-        """
-        hf = _as_transformers_config(cfg)
-        model_type = getattr(hf, "model_type", None)
-        if model_type not in FAMILIES:
-            raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
-        family = FAMILIES[model_type]
-
-        act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r}: only 'silu' (SwiGLU MLP) is supported")
-        if getattr(hf, "mlp_bias", False):
-            raise ValueError("mlp_bias=True is not supported (the Megatron model has bias-free MLP layers)")
-        attention_bias = bool(getattr(hf, "attention_bias", False) or False)
-        if family == "llama" and attention_bias:
-            raise ValueError("attention_bias=True (Llama: bias on q, k, v and o) is not supported; only the "
-                             "Qwen2 layout (bias on q, k, v) is")
-        if getattr(hf, "use_sliding_window", False) or (family == "mixtral" and getattr(hf, "sliding_window", None)):
-            raise ValueError(f"use_sliding_window=True (sliding_window={getattr(hf, 'sliding_window', None)}) "
-                             "is not supported")
-        layer_types = getattr(hf, "layer_types", None)
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"layer_types={sorted(set(layer_types))}: only full_attention layers are supported")
-
-        heads = int(hf.num_attention_heads)
-        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf, "head_dim", None)
-        if head_dim is None:
-            if hf.hidden_size % heads:
-                raise ValueError(f"hidden_size={hf.hidden_size} is not divisible by num_attention_heads={heads} "
-                                 "and the config has no head_dim")
-            head_dim = hf.hidden_size // heads
-
-        theta, rope_type, factor = _rope_from_config(hf)
-        tie = getattr(hf, "tie_word_embeddings", False)
-        moe = moe_from_hf_config(hf, family) if family in MOE_FAMILIES else None
-        return cls(
-            family=family,
-            vocab_size=int(hf.vocab_size),
-            hidden_size=int(hf.hidden_size),
-            ffn_hidden_size=int(hf.intermediate_size),
-            num_layers=int(hf.num_hidden_layers),
-            num_attention_heads=heads,
-            num_kv_heads=int(kv_heads),
-            head_dim=int(head_dim),
-            rope_theta=float(theta),
-            norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(tie),
-            qkv_bias=family == "qwen2",
-            qk_norm=family in QK_NORM_FAMILIES,
-            max_position_embeddings=int(getattr(hf, "max_position_embeddings", 4096) or 4096),
-            rope_scaling_type=rope_type,
-            rope_scaling_factor=float(factor),
-            init_std=float(getattr(hf, "initializer_range", 0.02) or 0.02),
-            moe=moe,
-        )
-
-    @property
-    def num_parameters(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        h, f, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
-        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
-        emb = self.vocab_size * h
-        if self.moe is None:
-            layers = self.num_layers * (attn + 3 * h * f + 2 * h)
-        else:
-            sparse = self.moe.num_sparse_layers
-            experts = self.moe.num_experts * 3 * h * self.moe.expert_ffn_hidden_size + self.moe.num_experts * h
-            layers = self.num_layers * (attn + 2 * h) + sparse * experts + (self.num_layers - sparse) * 3 * h * f
-        return layers + h + emb * (1 if self.tie_embeddings else 2)
-
-    @property
-    def num_active_parameters(self) -> int:
-        """Parameters one token passes through: top-k experts instead of all (== num_parameters when dense)."""
-        if self.moe is None:
-            return self.num_parameters
-        idle = self.moe.num_experts - self.moe.topk
-        return self.num_parameters - self.moe.num_sparse_layers * idle * 3 * self.hidden_size * (
-            self.moe.expert_ffn_hidden_size)
-
-
-def _as_transformers_config(cfg):
-    if isinstance(cfg, Mapping):
-        cfg = dict(cfg)
-        model_type = cfg.get("model_type")
-        if model_type not in FAMILIES:
-            raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
-        from transformers import AutoConfig
-
-        return AutoConfig.for_model(**cfg)
-    return cfg
-
-
-def _rope_from_config(hf) -> tuple[float, str, float]:
-    """(theta, scaling type, factor) from transformers 5 ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
-    params: dict = {}
-    if isinstance(getattr(hf, "rope_parameters", None), Mapping):
-        params.update(hf.rope_parameters)
-    if isinstance(getattr(hf, "rope_scaling", None), Mapping):
-        params.update(hf.rope_scaling)
-    theta = params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-    factor = float(params.get("factor", 1.0) or 1.0)
-    if rope_type == "llama3":
-        for key, expected in _MEGATRON_LLAMA3_ROPE.items():
-            value = params.get(key, expected)
-            if not math.isclose(float(value), expected):
-                raise ValueError(f"llama3 rope scaling with {key}={value} is not supported; Megatron-Core's "
-                                 f"RotaryEmbedding fixes {key}={expected}")
-    if rope_type == "linear" and factor <= 0:
-        raise ValueError(f"linear rope scaling factor={factor} must be positive")
-    return theta, rope_type, factor
 
 
 # ----------------------------------------------------------------------------------------------------------

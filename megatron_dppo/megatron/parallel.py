@@ -31,7 +31,7 @@ from .cpu import ensure_device_backend
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_dppo.launch import LaunchInfo
 
-    from .model import ModelArch
+    from .arch import ModelArch
 
 logger = logging.getLogger(__name__)
 
