@@ -25,17 +25,38 @@ with the per-unit gradients g_qi computed one sequence at a time on the engine (
 ``ratio`` = empirical / formula; its own sampling error is about sqrt(2/(K-1)).
 
 Run: ``.venv/bin/python benchmarks/gradient_fidelity.py [--quick] [--out results.json]``
+
+``--real``: a TRAINED policy and its own rollouts instead (docs/benchmarks/gradient_fidelity_real.md)
+------------------------------------------------------------------------------------------------------
+The CPU quickstart (examples/quickstart.yaml) trained with GRPO; at each checkpoint (RL steps ``--steps``) the
+step's real batch (B prompts x G completions from the rollout engine, real rewards and advantages, the prompts'
+restored history) and the gradient g_i of each sequence's loss term (``benchmarks/_real_gradients.py``). Only the
+Gram matrix M = U U^T [N, N] is kept; for a weight vector w [N] (0 = pruned, else the method's weight), the pruned
+gradient is U^T w, so with e = w - 1 its squared error is e^T M e and its cosine to g = U^T 1 is
+w^T M 1 / sqrt(w^T M w 1^T M 1). Every method is drawn K times (``--draws``) at a rate solved by bisection with
+common random numbers so that its Monte-Carlo mean kept fraction (trained completions / B*G) equals each target
+``--fractions``; reported: relative MSE E|ghat - g|^2/|g|^2 with its MC standard error, the squared-bias part
+|E ghat - g|^2/|g|^2 (from the mean of w; for an unbiased method it is noise of size MSE/K), the mean single-draw
+cosine, the kept fraction. Conditional on each checkpoint's rollout (fixed); on-policy (ratio 1), kl_coef 0 as
+the quickstart, so a completion with A = 0 has an exactly zero term. Plus: the fit log|g_i| ~ log|A_i| +
+alpha log L_i (grpo and, at one checkpoint, dapo), and a keep_floor x length_exponent sweep of dppo-optimal.
+
+    .venv/bin/python benchmarks/gradient_fidelity.py --real [--work-dir runs/gradient_fidelity_real] \
+        [--out docs/benchmarks/gradient_fidelity_real.json] [--markdown docs/benchmarks/gradient_fidelity_real.md]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import math
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+import _real_gradients as R  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -183,13 +204,286 @@ def markdown(rep: dict) -> str:
     return "\n".join(lines)
 
 
+# ==========================================================================================================
+# --real: a trained policy's per-sequence gradients; every method at an equal expected kept fraction
+# ==========================================================================================================
+def real_methods(args) -> list[tuple[str, object, float]]:
+    """(name, weights(ctx, rate), largest rate) of the methods solved for each kept fraction."""
+    from functools import partial
+    top = 0.999
+    out = [("grpo-subsample", R.w_subsample, top),
+           ("dppo-uniform", partial(R.w_dppo, keep="uniform"), top),
+           ("dppo-uniform-completion-only", partial(R.w_dppo, keep="uniform", completion_only=True), top),
+           ("dppo-uniform+zvf", partial(R.w_dppo, keep="uniform", zvf=True), top),
+           ("dppo-optimal bernoulli", partial(R.w_dppo, keep="optimal", floor=args.keep_floor,
+                                              alpha=args.length_exponent), top),
+           ("dppo-optimal fixed_size", partial(R.w_dppo, keep="optimal", mode="fixed_size", floor=args.keep_floor,
+                                               alpha=args.length_exponent), top),
+           ("dppo-optimal-completion-only", partial(R.w_dppo, keep="optimal", completion_only=True,
+                                                    floor=args.keep_floor, alpha=args.length_exponent), top),
+           ("cppo group", R.w_cppo, 1.0 - 1.0 / args.group),
+           ("proxy A^2 (completion-only)", partial(R.w_proxy, gamma=2.0, floor=args.keep_floor), top),
+           ("oracle-norm (completion-only)", R.w_oracle, top)]
+    return out
+
+
+def analyse(ctx: Ctx, args) -> list[dict]:
+    """Every method at every target fraction, the deterministic rows and the dppo-optimal sweep at one checkpoint."""
+    from functools import partial
+    rows = []
+
+    def add(method, target, rate, W, info, **extra):
+        row = {"rl_step": ctx.step, "method": method, "target": target, "rate": rate, **info, **extra}
+        if W is not None:
+            row.update(R.mc_stats(ctx, W))
+        rows.append(row)
+        if W is not None:
+            print(f"  step {ctx.step} {method} f={target}: kept {row['kept']:.3f} rel.MSE {row['rel_mse']:.4g}",
+                  file=sys.stderr, flush=True)
+
+    for f in args.fractions:
+        for name, fn, r_hi in real_methods(args):
+            rate, W, info = R.solve_rate(ctx, fn, f, r_hi, args.bisect)
+            extra = {"rel_var_formula": R.uniform_exact(ctx, rate)} if name == "dppo-uniform" and rate is not None \
+                else {}
+            add(name, f, rate, W, info, **extra)
+    add("dapo-filter", None, None, R.w_zvf(ctx), {"reached": True})
+    add("dppo-uniform-0.5+zvf", None, 0.5, R.w_dppo(ctx, 0.5, zvf=True), {"reached": True})
+    for floor in args.sweep_floors:
+        for alpha in args.sweep_exponents:
+            fn = partial(R.w_dppo, keep="optimal", floor=floor, alpha=alpha)
+            rate, W, info = R.solve_rate(ctx, fn, args.sweep_fraction, 0.999, args.bisect)
+            add("sweep dppo-optimal bernoulli", args.sweep_fraction, rate, W, info, keep_floor=floor,
+                length_exponent=alpha)
+    for floor_q in args.split_prompt_floors:
+        for floor in args.split_completion_floors:
+            fn = partial(R.w_dppo, keep="optimal", floor=floor, floor_q=floor_q)
+            rate, W, info = R.solve_rate(ctx, fn, args.sweep_fraction, 0.999, args.bisect)
+            add("split-floor dppo-optimal bernoulli", args.sweep_fraction, rate, W, info, keep_floor_prompt=floor_q,
+                keep_floor=floor)
+    return rows
+
+
+def run_real(args) -> dict:
+    C.quiet()
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    paths, train_info = R.ensure_checkpoints(args.work_dir, args.steps)
+    run = R.open_run(args.work_dir)
+    summaries, rows = [], []
+    try:
+        for step in args.steps:
+            cache = args.work_dir / "analysis" / f"rl_step{step}_B{args.prompts}_G{args.group}.pt"
+            data = R.StepData(**torch.load(cache, weights_only=False)) if cache.is_file() and not args.recompute \
+                else None
+            if data is None or (step == args.dapo_step and data.dapo is None):
+                print(f"checkpoint RL step {step}: rollout and per-sequence gradients", file=sys.stderr, flush=True)
+                data = R.collect(run, paths[step], args.prompts, args.group, dapo=step == args.dapo_step)
+                torch.save(dataclasses.asdict(data), cache)
+            ctx = R.Ctx(M=data.gram, A=data.advantages, L=data.lengths, h=data.history, rewards=data.rewards,
+                      norms=data.norms, K=args.draws, seed=args.seed, step=step)
+            zero_var = (data.rewards == data.rewards[:, :1]).all(1)
+            s = {"rl_step": step, "checkpoint": str(paths[step]), "reward_mean": float(data.rewards.mean()),
+                 "zero_variance_groups": float(zero_var.double().mean()),
+                 "nonzero_advantage_units": float((data.advantages != 0).double().mean()),
+                 "prompts_seen": float((~torch.isnan(data.history)).double().mean()),
+                 "completion_length_mean": float(data.lengths.mean()), "full_grad_norm": data.full_norm,
+                 "gram_full_norm": float(data.gram.sum().sqrt()), "linearity_rel_error": data.linearity,
+                 "zero_advantage_max_norm": data.zero_adv_max_norm, "params": data.params, "seconds": data.seconds,
+                 "fit_grpo": R.fit_alpha(data.norms, data.advantages, data.lengths, data.logprob),
+                 "prompt_proxy": R.prompt_proxy(data.gram, data.history, args.group)}
+            if data.dapo is not None:
+                s["dapo"] = {"linearity_rel_error": data.dapo["linearity"], "full_grad_norm": data.dapo["full_norm"],
+                             "seconds": data.dapo["seconds"],
+                             "fit": R.fit_alpha(data.dapo["norms"], data.advantages, data.lengths, data.logprob)}
+            t0 = time.perf_counter()
+            rows += analyse(ctx, args)
+            s["seconds"] = {**s["seconds"], "methods": time.perf_counter() - t0}
+            summaries.append(s)
+    finally:
+        from megatron_dppo.run import teardown
+        teardown(run)
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=C.REPO, capture_output=True, text=True).stdout.strip()
+    return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "machine": C.machine(), "git": {"commit": git("rev-parse", "HEAD"),
+                                            "library_changes": git("status", "--short", "megatron_dppo")},
+            "training": train_info, "checkpoints": summaries, "results": rows,
+            "seconds": time.perf_counter() - t_start}
+
+
+EXACT = 1e-8  # relative MSE below this is float round-off of an exact estimate (every A != 0 unit kept, pi = 1)
+
+
+def _cell(r: dict | None, key: str = "rel_mse", se: bool = True) -> str:
+    if r is None:
+        return "n/a"
+    if r.get("rel_mse") is None:
+        lo, hi = r["range"]
+        return f"unreachable [{lo:.2f}, {hi:.2f}]"
+    text = "0 (exact)" if r[key] < EXACT else f"{r[key]:.3g}" + (f" ± {r['se']:.2g}" if se and r["se"] > 0 else "")
+    return text if r["reached"] else f"{text} (kept {r['kept']:.2f})*"
+
+
+def _ratio(u: dict | None, o: dict | None) -> str:
+    if not u or not o or u.get("rel_mse") is None or o.get("rel_mse") is None:
+        return "n/a"
+    star = "" if o["reached"] and u["reached"] else "*"
+    if o["rel_mse"] < EXACT:
+        return ("both exact" if u["rel_mse"] < EXACT else "inf (optimal exact)") + star
+    ratio = u["rel_mse"] / o["rel_mse"]
+    err = ratio * math.hypot(u["se"] / u["rel_mse"] if u["rel_mse"] else 0.0, o["se"] / o["rel_mse"])
+    return f"{ratio:.2f} ± {err:.2f}{star}"
+
+
+def markdown_real(rep: dict) -> str:
+    c, ck, res = rep["config"], rep["checkpoints"], rep["results"]
+    steps = [s["rl_step"] for s in ck]
+    find = lambda m, f, s, **kw: next((r for r in res if r["method"] == m and r["target"] == f  # noqa: E731
+                                       and r["rl_step"] == s and all(r.get(k) == v for k, v in kw.items())), None)
+    out = [f"Quickstart policy (examples/quickstart.yaml, 1.6M-param Qwen2, single-digit arithmetic) trained with "
+           f"GRPO (algo.pruner=none); checkpoints at RL steps {steps}. Per checkpoint the step's own batch: "
+           f"B={c['prompts']} prompts x G={c['group']} completions (temperature 1), rewards, full-group advantages, "
+           f"history restored from the checkpoint. Per-sequence gradients g_i of the grpo loss (seq_mean_token_mean,"
+           f" full-batch D, ratio 1, kl_coef 0) through the Megatron engine; K={c['draws']} draws per method and "
+           f"rate, rates solved (bisection, common random numbers) for an equal MC mean kept fraction f. Held "
+           f"fixed: each checkpoint's rollout (all variances are conditional on it). Total run time "
+           f"{rep['seconds'] / 60:.1f} min (training included when it ran), library at commit "
+           f"{rep['git']['commit'][:10]}{' + uncommitted changes' if rep['git']['library_changes'] else ''}.", "",
+           "| RL step | reward mean | zero-variance groups | A != 0 completions | prompts seen before | mean L "
+           "(tokens) | \\|g\\| | linearity \\|sum g_i - g\\|/\\|g\\| | max \\|g_i\\| at A = 0 | s per sequence "
+           "gradient |", "|---" * 10 + "|"]
+    for s in ck:
+        out.append(f"| {s['rl_step']} | {s['reward_mean']:.3f} | {s['zero_variance_groups']:.2f} | "
+                   f"{s['nonzero_advantage_units']:.2f} | {s['prompts_seen']:.2f} | "
+                   f"{s['completion_length_mean']:.2f} | "
+                   f"{s['full_grad_norm']:.3g} | {s['linearity_rel_error']:.1e} | {s['zero_advantage_max_norm']:.1g} | "
+                   f"{s['seconds']['per_sequence_each']:.3f} |")
+    out += ["", "Does the proxy rank the gradients? OLS of log\\|g_i\\| over the A != 0 completions on [1, log\\|A\\|, "
+            "log L] (alpha = the log L coefficient), then with per-prompt intercepts, then with log pi(o) (the "
+            "completion's log-probability); Spearman rank correlations; prompt level: h_q (last visit) vs this "
+            "step's \\|g_q\\| = \\|sum_i g_qi\\|.", "",
+            "| RL step | alpha ± s.e. | coef log\\|A\\| | R^2 | R^2 (\\|A\\| only) | R^2 (+ prompt intercepts) | "
+            "coef log pi(o) | R^2 (+ log pi(o)) | Spearman(\\|g_i\\|, \\|A_i\\|) | Spearman(\\|g_q\\|, h_q) | "
+            "h_q = 0 prompts now with g_q != 0 | their share of sum \\|g_q\\|^2 |", "|---" * 12 + "|"]
+    for s in ck:
+        a, p = s["fit_grpo"], s["prompt_proxy"]
+        nan = float("nan")
+        out.append(f"| {s['rl_step']} | {a['alpha']:.2f} ± {a['alpha_se']:.2f} | {a['coef_log_abs_A']:.2f} | "
+                   f"{a['r2']:.2f} | {a['r2_abs_A_only']:.2f} | {a['r2_with_prompt_intercepts']:.2f} | "
+                   f"{a.get('coef_log_pi', nan):.2f} | {a.get('r2_with_log_pi', nan):.2f} | "
+                   f"{a['spearman_abs_A']:.2f} | {p.get('spearman_h_gq', nan):.2f} | "
+                   + (f"{p['h_zero_now_informative']} of {p['h_zero']} | "
+                      f"{p['share_of_sum_gq2_with_h_zero']:.2f} |" if "h_zero" in p else "n/a (no history) | n/a |"))
+    for s in ck:
+        if "dapo" in s:
+            a = s["dapo"]["fit"]
+            out += ["", f"dapo preset (token_mean) at RL step {s['rl_step']}: alpha = {a['alpha']:.2f} ± "
+                    f"{a['alpha_se']:.2f}, coef log\\|A\\| = {a['coef_log_abs_A']:.2f}, R^2 = {a['r2']:.2f} "
+                    f"(\\|A\\| only "
+                    f"{a['r2_abs_A_only']:.2f}); linearity {s['dapo']['linearity_rel_error']:.1e}."]
+    names = [m for m, *_ in real_methods(argparse.Namespace(**{**c, "work_dir": None}))]
+    for f in c["fractions"]:
+        out += ["", f"### Relative MSE E\\|ghat - g\\|^2 / \\|g\\|^2 at kept fraction f = {f} (± MC s.e.)", "",
+                "| method | " + " | ".join(f"step {s}" for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
+        for m in names:
+            out.append(f"| {m} | " + " | ".join(_cell(find(m, f, s)) for s in steps) + " |")
+        for lbl, m in (("uniform / optimal bernoulli", "dppo-optimal bernoulli"),
+                       ("uniform / optimal fixed_size", "dppo-optimal fixed_size"),
+                       ("uniform / optimal completion-only", "dppo-optimal-completion-only"),
+                       ("uniform completion-only / optimal completion-only", "dppo-optimal-completion-only"),
+                       ("uniform+zvf / optimal completion-only", "dppo-optimal-completion-only")):
+            u = {"uniform completion-only": "dppo-uniform-completion-only",
+                 "uniform+zvf": "dppo-uniform+zvf"}.get(lbl.split(" / ")[0], "dppo-uniform")
+            out.append(f"| **{lbl}** | " + " | ".join(_ratio(find(u, f, s), find(m, f, s)) for s in steps) + " |")
+    out += ["", "### Fixed-rule rows (own kept fraction)", "",
+            "| method | " + " | ".join(f"step {s}: kept / rel. MSE / bias^2 / cos" for s in steps) + " |",
+            "|---" * (len(steps) + 1) + "|"]
+    for m in ("dapo-filter", "dppo-uniform-0.5+zvf"):
+        cells = []
+        for s in steps:
+            r = find(m, None, s)
+            cells.append(f"{r['kept']:.2f} / {r['rel_mse']:.3g} / {r['bias2']:.2g} / {r['cosine']:.3f}")
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    out += ["", "### Every row: kept fraction, squared bias, mean single-draw cosine", "",
+            "| f | method | " + " | ".join(f"step {s}: kept / bias^2 / cos" for s in steps) + " |",
+            "|---" * (len(steps) + 2) + "|"]
+    for f in c["fractions"]:
+        for m in names:
+            cells = []
+            for s in steps:
+                r = find(m, f, s)
+                cells.append("unreachable" if r is None or r.get("rel_mse") is None else
+                             f"{r['kept']:.3f} / {r['bias2']:.2g} / {r['cosine']:.3f}")
+            out.append(f"| {f} | {m} | " + " | ".join(cells) + " |")
+    uni = [r for r in res if r["method"] == "dppo-uniform" and "rel_var_formula" in r and r["rel_mse"]]
+    if uni:
+        dev = max(abs(r["rel_mse"] / r["rel_var_formula"] - 1) for r in uni)
+        z = max(abs(r["rel_mse"] - r["rel_var_formula"]) / r["se"] for r in uni)
+        out += ["", f"Check: dppo-uniform's MC relative MSE vs the docs/algorithms.md variance formula (exact for "
+                f"it): largest \\|MC/formula - 1\\| = {dev:.3f}, largest \\|MC - formula\\| / s.e. = {z:.1f} "
+                f"over {len(uni)} rows."]
+    sf = c["sweep_fraction"]
+    out += ["", f"### dppo-optimal (bernoulli) sweep at f = {sf}: relative MSE", "",
+            "| keep_floor | length_exponent | " + " | ".join(f"step {s}" for s in steps) + " | geo-mean vs default |",
+            "|---" * (len(steps) + 3) + "|"]
+    for floor in c["sweep_floors"]:
+        for alpha in c["sweep_exponents"]:
+            cells, logs = [], []
+            for s in steps:
+                r = find("sweep dppo-optimal bernoulli", sf, s, keep_floor=floor, length_exponent=alpha)
+                d = find("sweep dppo-optimal bernoulli", sf, s, keep_floor=0.1, length_exponent=0.0)
+                cells.append(_cell(r))
+                if r and d and r.get("rel_mse") is not None and d.get("rel_mse") is not None \
+                        and d["rel_mse"] >= EXACT:
+                    logs.append(math.log(max(r["rel_mse"], EXACT) / d["rel_mse"]))
+            gm = f"{math.exp(sum(logs) / len(logs)):.3f}" if logs else "n/a"
+            out.append(f"| {floor} | {alpha} | " + " | ".join(cells) + f" | {gm} |")
+    out += ["", f"### dppo-optimal (bernoulli) at f = {sf} with the prompt level's floor apart (two pruners; not a "
+            f"library option): relative MSE", "",
+            "| prompt keep_floor | completion keep_floor | " + " | ".join(f"step {s}" for s in steps) +
+            " | geo-mean vs default |", "|---" * (len(steps) + 3) + "|"]
+    for floor_q in c["split_prompt_floors"]:
+        for floor in c["split_completion_floors"]:
+            cells, logs = [], []
+            for s in steps:
+                r = find("split-floor dppo-optimal bernoulli", sf, s, keep_floor_prompt=floor_q, keep_floor=floor)
+                d = find("sweep dppo-optimal bernoulli", sf, s, keep_floor=0.1, length_exponent=0.0)
+                cells.append(_cell(r))
+                if r and d and r.get("rel_mse") is not None and d.get("rel_mse") is not None \
+                        and d["rel_mse"] >= EXACT:
+                    logs.append(math.log(max(r["rel_mse"], EXACT) / d["rel_mse"]))
+            gm = f"{math.exp(sum(logs) / len(logs)):.3f}" if logs else "n/a"
+            out.append(f"| {floor_q} | {floor} | " + " | ".join(cells) + f" | {gm} |")
+    out += ["", "Methods: grpo-subsample = each prompt with all G completions kept with prob f, weight 1/f (a "
+            "smaller GRPO batch); dppo-* = DPPOPruner with r_q = r_o = r (completion-only: r_q = 0), uniform = the "
+            f"paper's candidate rule, optimal = keep='optimal' (keep_floor {c['keep_floor']}, length_exponent "
+            f"{c['length_exponent']}), weights 1/(pi_q pi_i|q); cppo group = CPPOPruner(P, 'group'), top-\\|A\\| "
+            "(random ties), weight N/n_kept (its kept-count denominator); oracle-norm = completion-level "
+            "water-filling on the TRUE \\|g_i\\| (floor 0; not implementable, the bound for any proxy); "
+            "dapo-filter = zero-variance groups dropped, weight 1, full D (exact for the policy-gradient term); "
+            "dppo-uniform+zvf = uniform (r solved for f) plus that filter; dppo-uniform-0.5+zvf = the same at r = 0.5; "
+            "proxy A^2 = exploratory, not in the library: completion-level water-filling on \\|A\\|^2 (floor "
+            "as optimal's). GRPO-full is the reference (MSE 0).",
+            "", f"bias^2 is computed from the mean of the K weight vectors: for an unbiased method it is MC noise "
+            f"of expected size MSE/K (K = {c['draws']}).",
+            "", "\\* not at the target: the method's kept fraction cannot equal f (a step or a gap in kept(rate)); "
+            "shown at the nearest rate that keeps <= f, with its kept fraction. dppo-optimal gives A = 0 "
+            "completions pi = 0, so for r > 0 it keeps at most the A != 0 share; its kept fraction jumps to 1 at "
+            "r = 0. 'unreachable [a, b]': f outside the kept fractions the method can give. Ratios: ± by the delta "
+            "method (draws treated as independent across methods). geo-mean vs default: geometric mean over the "
+            "checkpoints of rel. MSE / that of keep_floor 0.1, length_exponent 0 (checkpoints where the default is "
+            "exact left out). '0 (exact)': relative MSE < 1e-8 (every A != 0 completion kept with pi = 1)."]
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes for a shared 2-core CPU")
     ap.add_argument("--model", default="tiny", choices=["tiny", "small", "medium"])
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=None, help="B (default 8; --real: 64, the quickstart's)")
     ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--draws", type=int, default=32)
+    ap.add_argument("--draws", type=int, default=None, help="K (default 32; --real: 400)")
     ap.add_argument("--losses", nargs="+", default=["grpo", "dapo", "dr_grpo", "gspo"])
     ap.add_argument("--modes", nargs="+", default=["bernoulli", "fixed_size", "deterministic"])
     ap.add_argument("--cppo-scopes", nargs="+", default=["group", "batch"])
@@ -206,7 +500,41 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    real = ap.add_argument_group("--real: a trained quickstart policy (module docstring)")
+    real.add_argument("--real", action="store_true", help="the trained-policy benchmark instead of the synthetic one")
+    real.add_argument("--work-dir", type=Path, default=C.REPO / "runs" / "gradient_fidelity_real",
+                      help="checkpoints (trained once, reused) and per-checkpoint Gram caches")
+    real.add_argument("--steps", type=int, nargs="+", default=[0, 50, 100, 150], help="RL steps of the checkpoints")
+    real.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.5, 0.7], help="target kept fractions")
+    real.add_argument("--bisect", type=int, default=20, help="bisection steps of each rate")
+    from megatron_dppo.config import AlgoConfig
+    real.add_argument("--keep-floor", type=float, default=AlgoConfig.keep_floor,
+                      help="dppo-optimal keep_floor of the main table (default: the library's; the recorded run in "
+                           "docs/benchmarks used 0.1, the default before this sweep moved it to 0.3)")
+    real.add_argument("--length-exponent", type=float, default=AlgoConfig.keep_length_exponent,
+                      help="dppo-optimal alpha of the main table (default: the library's)")
+    real.add_argument("--sweep-fraction", type=float, default=0.5)
+    real.add_argument("--sweep-floors", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2, 0.3, 0.5])
+    real.add_argument("--sweep-exponents", type=float, nargs="+", default=[-0.5, 0.0, 0.5, 1.0])
+    real.add_argument("--split-prompt-floors", type=float, nargs="+", default=[0.1, 0.3, 0.5],
+                      help="dppo-optimal with the prompt level's floor apart from the completion level's")
+    real.add_argument("--split-completion-floors", type=float, nargs="+", default=[0.02, 0.1])
+    real.add_argument("--dapo-step", type=int, default=100, help="checkpoint whose dapo-preset gradients are fitted")
+    real.add_argument("--recompute", action="store_true", help="ignore the cached rollouts and Gram matrices")
+    real.add_argument("--markdown", type=Path, default=None, help="also write the markdown tables here")
     args = ap.parse_args(argv)
+    if args.real:
+        args.prompts, args.draws = args.prompts or 64, args.draws or 400
+        rep = run_real(args)
+        text = markdown_real(rep)
+        print(text)
+        if args.markdown is not None:
+            args.markdown.parent.mkdir(parents=True, exist_ok=True)
+            args.markdown.write_text("# Gradient fidelity on a trained policy (`benchmarks/gradient_fidelity.py "
+                                     "--real`)\n\n" + text + "\n")
+        C.write_json(args.out, rep)
+        return
+    args.prompts, args.draws = args.prompts or 8, args.draws or 32
     if args.quick:
         args.prompts, args.group, args.draws, args.losses = 6, 6, 16, ["grpo", "dr_grpo", "gspo"]
     rep = run(args)

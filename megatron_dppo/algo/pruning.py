@@ -251,7 +251,7 @@ class DPPOPruner:
     """
 
     def __init__(self, r_q: float, r_o: float, mode: str = "bernoulli", keep: str = "uniform",
-                 length_exponent: float = 0.0, keep_floor: float = 0.1,
+                 length_exponent: float = 0.0, keep_floor: float = 0.3,
                  zero_advantage_gradient: bool = False) -> None:
         self.r_q = check_rate("r_q", r_q)
         self.r_o = check_rate("r_o", r_o)
