@@ -12,6 +12,14 @@ Per-token objective (to MAXIMIZE):  s_t = pg_t - beta * KL_t, with
               |o| tokens is exactly ONE term w * min(S A, clip(S) A) per sequence, with the exact gradient of that
               term (the GSPO paper's objective). Under ``token_mean`` / ``seq_mean_token_sum_norm`` the sequence
               term is counted |o| times (length-weighted, like those aggregations weight every token).
+              ``gspo_gradient`` says how a per-token factor u_t (rollout correction) reaches the gradient:
+                autograd (default; TRL's form): u_t multiplies the whole sequence term, so token j's gradient is
+                  (sum_t c_t u_t) * d pg/d S * S / |o|: a token masked by ``mis`` (u = 0) still receives gradient
+                  through the sequence mean, and a kept token's gradient carries the sequence's weights, not its own.
+                stop_gradient (verl's compute_policy_loss_gspo): the per-token ratio s_t = sg[S] * pi_t / sg[pi_t]
+                  has the value S and the gradient S * grad log pi_t, so token t's gradient is c_t u_t d pg/d S * S:
+                  each token carries its own weight; a masked token gets none.
+              With no rollout factor (u constant within a sequence) the two give the same value and gradient.
 
 Dual clip (``clip_ratio_c`` = c > 1, off when None; Ye et al. 2019, verl's ``clip_ratio_c``): for tokens with
 A < 0 the clipped objective is bounded below, pg_t = max(pg_t, c * A), so a huge ratio on a negative-advantage
@@ -23,15 +31,24 @@ x clamped to [-20, 20], the estimate to [-kl_clamp, kl_clamp]):
     k1: -x = logp - ref_logp                     (unbiased, high variance)
     k2: x^2 / 2                                  (biased, low variance)
     k3: exp(x) - x - 1                           ("low_var_kl": unbiased, >= 0)
+``kl_bias_correction`` (TRL's ``use_bias_correction_kl``, the DeepSeek-V3.2 form): KL_t is multiplied by the
+policy loss's importance ratio with full autograd, rho_t for ppo_clip (and registered losses), S for gspo (TRL's
+``coef_1``). The tokens come from pi_old, not pi_theta, so rho_t * KL_t is the importance-weighted estimate; the
+ratio also changes the KL gradient where its value is 1 (d rho_t = rho_t d logp_t).
 
 Rollout correction (``rollout_correction``: none | tis | mis): the rollout engine samples from its own numerics,
 pi_rollout, not exactly from the trainer's old policy pi_old. Per token, with u_t = exp(old_logp_t -
 rollout_logp_t) (``rollout_correction_weights``), the policy-gradient term becomes u'_t * pg_t where
     tis: u'_t = clamp(u_t, cap_low, cap)                    (truncated IS; verl token TIS, slime vanilla TIS)
-    mis: u'_t = u_t if cap_low <= u_t <= cap else 0          (masked IS; slime "icepop", verl token rejection)
+    mis: u'_t = u_t if cap_low <= u_t <= cap else 0          (masked IS; slime "icepop", verl IcePop, i.e.
+                                                              rollout_is=token with rollout_is_threshold "lo_hi")
 The KL term is not reweighted (as in verl, slime and TRL). u' is a fixed per-token factor (no gradient): it
 multiplies the per-token term and composes with the pruning weight w = 1/pi, which is per sequence and drawn
-independently of it.
+independently of it. verl's token REJECTION (rollout_rs=token_k1) is a different mode and is not offered: it
+removes rejected tokens from the loss mask, hence from the KL term and from the denominators (|o| and T), and
+weighs kept tokens 1. Those denominators depend on the old log-probs of every token of the drawn batch, which
+pruned completions never get, so they break the fixed full-batch D that keeps DPPO unbiased (docs/algorithms.md,
+"Rollout correction").
 
 Aggregation (a per-token weight, ``sequence_token_weights``, times s_t, summed, divided by a constant D):
     seq_mean_token_mean:      token weight w/|o|,  D = B*G
@@ -52,7 +69,7 @@ Registries: a new policy loss is one function ``fn(logp, old_logp, advantages, l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -64,6 +81,7 @@ from .registry import Registry
 
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
 ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+GSPO_GRADIENTS = ("autograd", "stop_gradient")
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 KLFn = Callable[[Tensor, Tensor], Tensor]
@@ -103,12 +121,17 @@ class LossConfig:
     rollout_correction: str = "none"  # none | tis | mis
     rollout_correction_cap: float = 2.0  # upper bound of the rollout IS weight
     rollout_correction_cap_low: float = 0.0  # lower bound of the rollout IS weight
+    gspo_gradient: str = "autograd"  # autograd (TRL) | stop_gradient (verl); module docstring, gspo
+    kl_bias_correction: bool = False  # KL_t times the importance ratio (TRL use_bias_correction_kl)
 
     def __post_init__(self) -> None:
         POLICY_LOSSES.check(self.policy_loss)
         KL_ESTIMATORS.check(self.kl_estimator)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        check_choice("gspo_gradient", self.gspo_gradient, GSPO_GRADIENTS)
+        if not isinstance(self.kl_bias_correction, bool):
+            raise ValueError(f"LossConfig.kl_bias_correction must be True or False, got {self.kl_bias_correction!r}")
         for name in ("eps_low", "eps_high", "kl_coef", "advantage_eps", "rollout_correction_cap",
                      "rollout_correction_cap_low"):
             value = getattr(self, name)
@@ -202,13 +225,29 @@ def sequence_mean(values: Tensor, loss_mask: Tensor, seq_index: Tensor) -> Tenso
 
 @register_policy_loss("gspo")
 def gspo(logp, old_logp, advantages, loss_mask, seq_index, cfg):
-    """pg_t = min(S A, clip(S, 1-eps_low, 1+eps_high) A), S = exp(mean over the sequence of logp - old_logp)."""
+    """pg_t = min(S A, clip(S, 1-eps_low, 1+eps_high) A), S = exp(mean over the sequence of logp - old_logp).
+
+    ``cfg.gspo_gradient == "stop_gradient"``: S is replaced by verl's s_t = exp(sg[log S] + logp_t - sg[logp_t]),
+    the same value with the gradient S * d logp_t of token t alone (module docstring)."""
     if seq_index is None:
         raise ValueError("policy loss 'gspo' needs seq_index to group tokens into sequences, got None")
     mask = loss_mask > 0
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
-    seq_ratio = torch.exp(sequence_mean(log_ratio, loss_mask, seq_index))
-    return _clipped_min(seq_ratio, advantages, mask, cfg)
+    log_seq = sequence_mean(log_ratio, loss_mask, seq_index)
+    if cfg.gspo_gradient == "stop_gradient":
+        log_seq = log_seq.detach() + (log_ratio - log_ratio.detach())
+    return _clipped_min(torch.exp(log_seq), advantages, mask, cfg)
+
+
+def importance_ratio(logp: Tensor, old_logp: Tensor, loss_mask: Tensor, seq_index: Tensor | None,
+                     cfg: LossConfig) -> Tensor:
+    """The ratio ``kl_bias_correction`` multiplies KL_t by, with full autograd (TRL's ``coef_1``): the sequence
+    ratio S for gspo, the token ratio rho_t otherwise; 1 off the mask."""
+    mask = loss_mask > 0
+    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+    if cfg.policy_loss == "gspo":
+        log_ratio = torch.where(mask, sequence_mean(log_ratio, loss_mask, seq_index), log_ratio)
+    return torch.exp(log_ratio)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -221,19 +260,34 @@ def gspo(logp, old_logp, advantages, loss_mask, seq_index, cfg):
 #: The peers' shipped defaults, by name, so a user can switch and compare:
 #: verl_grpo: verl's actor defaults with its GRPO example (verl/trainer/config/actor/actor.yaml: clip_ratio 0.2,
 #:   clip_ratio_c 3.0, loss_agg_mode token-mean; examples/grpo_trainer: use_kl_loss, kl_loss_coef 0.001,
-#:   kl_loss_type low_var_kl, which verl clamps to [-10, 10]; advantage epsilon 1e-6);
+#:   kl_loss_type low_var_kl, which verl clamps to [-10, 10]; advantage epsilon 1e-6); with policy_loss gspo,
+#:   verl's compute_policy_loss_gspo: the stop-gradient token ratio and no dual clip (PRESET_POLICY_RULES);
 #: trl_grpo: TRL GRPOConfig defaults (epsilon 0.2, beta 0.0, loss_type "dapo" = token sum over the batch's
-#:   tokens, scale_rewards "group" with std + 1e-4).
+#:   tokens, scale_rewards "group" with std + 1e-4, use_bias_correction_kl True: acts once kl_coef > 0).
 LOSS_PRESETS: dict[str, tuple[LossConfig, str]] = {
     "grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.04, "k3", "seq_mean_token_mean"), "grpo"),
     "dapo": (LossConfig("ppo_clip", 0.2, 0.28, 0.0, "k3", "token_mean"), "grpo"),
     "gspo": (LossConfig("gspo", 3e-4, 4e-4, 0.0, "k3", "seq_mean_token_mean"), "grpo"),
     "dr_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k3", "seq_mean_token_sum_norm"), "dr_grpo"),
     "verl_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.001, "k3", "token_mean", clip_ratio_c=3.0, kl_clamp=10.0,
-                             advantage_eps=1e-6), "grpo"),
-    "trl_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k3", "token_mean", advantage_eps=1e-4), "grpo"),
+                             advantage_eps=1e-6, gspo_gradient="stop_gradient"), "grpo"),
+    "trl_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k3", "token_mean", advantage_eps=1e-4,
+                            kl_bias_correction=True), "grpo"),
 }
 assert all(est in ADVANTAGE_ESTIMATORS for _, est in LOSS_PRESETS.values())
+
+#: (preset, policy loss) -> fields the peer sets differently for that policy loss, applied by
+#: ``resolve_loss_preset`` under the user's overrides. verl's compute_policy_loss_gspo ignores clip_ratio_c.
+PRESET_POLICY_RULES: dict[tuple[str, str], dict[str, object]] = {("verl_grpo", "gspo"): {"clip_ratio_c": None}}
+
+
+def resolve_loss_preset(name: str, **overrides) -> tuple[LossConfig, str]:
+    """The preset ``name`` with its policy-loss rules (``PRESET_POLICY_RULES``) and then ``overrides`` (LossConfig
+    fields, the user's explicit choices, which win); returns (LossConfig, advantage estimator)."""
+    check_choice("loss preset", name, tuple(LOSS_PRESETS))
+    cfg, estimator = LOSS_PRESETS[name]
+    rules = PRESET_POLICY_RULES.get((name, overrides.get("policy_loss", cfg.policy_loss)), {})
+    return replace(cfg, **{**rules, **overrides}), estimator
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -294,7 +348,8 @@ def per_token_objective(
     rollout_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """s_t = u_t * pg_t - beta * KL_t on masked tokens, exactly 0 elsewhere (u_t = ``rollout_weight``, the
-    rollout-correction factor, 1 when None). Off-mask inputs are replaced by 0 with
+    rollout-correction factor, 1 when None; KL_t times the importance ratio under ``kl_bias_correction``). Off-mask
+    inputs are replaced by 0 with
     torch.where before any arithmetic, so NaN/inf in padding reach neither the loss nor the gradient.
 
     Computed in at least float32 (bf16/fp16 inputs are upcast). Returns (s[T], metrics of detached sums:
@@ -325,6 +380,8 @@ def per_token_objective(
             kl = kl_k3_clamped(logp, clean(ref_logp), cfg.kl_clamp)
         else:
             kl = KL_ESTIMATORS.get(cfg.kl_estimator)(logp, clean(ref_logp))
+        if cfg.kl_bias_correction:
+            kl = kl * importance_ratio(logp, old_logp, loss_mask, seq_index, cfg)
         kl = torch.where(mask, kl, zero)
         metrics["kl_sum"] = kl.detach().sum()
         s = s - cfg.kl_coef * kl
@@ -457,7 +514,9 @@ def reference_objective(
         seq_mean_token_sum_norm: J = 1/D sum_{q,i} w (P - beta K)           D = B*G*L
         seq_mean_token_sum:      J = 1/D sum_{q,i} w (P - beta K)           D = B*G
     Dual clip (A < 0): each term max(term, c A); ``kl_clamp``: k3 with x in [-20, 20], KL_t in [-c, c];
-    ``rollout_weight`` [B, G, L]: u_t multiplies each ppo_clip token term (the whole gspo term per token).
+    ``rollout_weight`` [B, G, L]: u_t multiplies each ppo_clip token term (the whole gspo term per token);
+    gspo ``stop_gradient``: the token terms min(s_t A, clip(s_t) A), s_t = exp(sg[log S] + log rho_t - sg[log rho_t]);
+    ``kl_bias_correction``: KL_t times rho_t (ppo_clip) or S (gspo).
     ``denominator`` overrides D (e.g. the Horvitz-Thompson T_hat). Only the built-in losses/estimators.
     """
     if cfg.policy_loss not in ("ppo_clip", "gspo") or cfg.kl_estimator not in ("k1", "k2", "k3"):
@@ -469,18 +528,19 @@ def reference_objective(
     length = m.sum(-1)  # [B, G]
     a = advantages.to(logp.dtype)
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    log_rho = (logp - old_logp) * m
     if cfg.policy_loss == "ppo_clip":
-        rho = torch.exp((logp - old_logp) * m)
-        a_t = a[..., None]
-        pg = torch.minimum(rho * a_t, torch.clamp(rho, lo, hi) * a_t)
-        if cfg.clip_ratio_c is not None:
-            pg = torch.where(a_t < 0, torch.maximum(pg, cfg.clip_ratio_c * a_t), pg)
+        ratio = kl_ratio = torch.exp(log_rho)
     else:
-        seq_ratio = torch.exp(((logp - old_logp) * m).sum(-1) / length.clamp(min=1))
-        seq_pg = torch.minimum(seq_ratio * a, torch.clamp(seq_ratio, lo, hi) * a)
-        if cfg.clip_ratio_c is not None:
-            seq_pg = torch.where(a < 0, torch.maximum(seq_pg, cfg.clip_ratio_c * a), seq_pg)
-        pg = seq_pg[..., None].expand_as(logp)
+        log_seq = log_rho.sum(-1) / length.clamp(min=1)
+        kl_ratio = torch.exp(log_seq)[..., None].expand_as(logp)
+        ratio = kl_ratio
+        if cfg.gspo_gradient == "stop_gradient":
+            ratio = torch.exp(log_seq.detach()[..., None] + log_rho - log_rho.detach())
+    a_t = a[..., None]
+    pg = torch.minimum(ratio * a_t, torch.clamp(ratio, lo, hi) * a_t)
+    if cfg.clip_ratio_c is not None:
+        pg = torch.where(a_t < 0, torch.maximum(pg, cfg.clip_ratio_c * a_t), pg)
     if rollout_weight is not None:
         pg = pg * rollout_weight.to(pg.dtype)
     p_seq = (pg * m).sum(-1)
@@ -493,6 +553,8 @@ def reference_objective(
         if cfg.kl_clamp is not None and cfg.kl_estimator == "k3":
             xc = x.clamp(-20.0, 20.0)
             kl = (torch.exp(xc) - xc - 1.0).clamp(-cfg.kl_clamp, cfg.kl_clamp)
+        if cfg.kl_bias_correction:
+            kl = kl * kl_ratio
         k_seq = (kl * m).sum(-1)
     per_seq = p_seq - cfg.kl_coef * k_seq
     if cfg.aggregation == "seq_mean_token_mean":

@@ -283,6 +283,8 @@ def test_loss_denominator_errors(kwargs, match):
         (dict(eps_low=1.0), "eps_low.*1.0"),
         (dict(eps_high=float("nan")), "eps_high.*nan"),
         (dict(kl_coef=-1.0), "kl_coef.*-1.0"),
+        (dict(gspo_gradient="detach"), "'detach'.*autograd, stop_gradient"),
+        (dict(kl_bias_correction="yes"), "kl_bias_correction.*'yes'"),
     ],
 )
 def test_loss_config_validation(kwargs, match):
