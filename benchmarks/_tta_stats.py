@@ -277,6 +277,45 @@ def compare(summ: dict, arm: str, base: str, seeds: list[int], margin: float) ->
             "auc": paired_test([x["auc_T"] - y["auc_T"] for x, y in zip(a, b)])}
 
 
+def censoring_check(arm_runs: Sequence[dict], base_runs: Sequence[dict]) -> dict:
+    """Post-hoc (not preregistered): what endpoint 1 rests on once censoring is read as *unknown*.
+
+    Endpoint 1 counts a run that never reaches g* at its total time. When every arm runs the same number of
+    steps, a cheaper arm is censored earlier, so a pair in which *neither* run reached g* contributes the ratio
+    of the total times: the cost of a step, not learning. Here each seed's pair (dicts with ``time_to_g``,
+    ``censored``, ``total``) is classified the way Gehan's test scores censored pairs:
+
+    * ``both``: both reached g*; the time ratio is a real time-to-accuracy ratio.
+    * ``arm_first`` / ``base_first``: one reached g* at t, the other was still running at t without having
+      reached it (censored at c >= t): the order is known.
+    * ``indeterminate``: one reached g* at t, the other stopped at c < t without reaching it: it might have
+      reached g* between c and t had it run longer.
+    * ``neither``: no run reached g*; nothing is known about the order.
+
+    Returns the seed counts per class, the known order (wins of the arm, of the base) and the paired ratio
+    over the ``both`` seeds (geometric mean, CI)."""
+    classes = {"both": [], "arm_first": [], "base_first": [], "indeterminate": [], "neither": []}
+    nums, dens = [], []
+    for a, b in zip(arm_runs, base_runs):
+        seed = a.get("seed")
+        if not a["censored"] and not b["censored"]:
+            classes["both"].append(seed)
+            nums.append(a["time_to_g"])
+            dens.append(b["time_to_g"])
+            if a["time_to_g"] < b["time_to_g"]:
+                classes.setdefault("_arm_wins_both", []).append(seed)
+        elif a["censored"] and b["censored"]:
+            classes["neither"].append(seed)
+        elif not a["censored"]:  # arm reached at t, base censored at its total
+            classes["arm_first" if b["total"] >= a["time_to_g"] else "indeterminate"].append(seed)
+        else:
+            classes["base_first" if a["total"] >= b["time_to_g"] else "indeterminate"].append(seed)
+    wins_both = classes.pop("_arm_wins_both", [])
+    return {**classes, "arm_wins": len(wins_both) + len(classes["arm_first"]),
+            "base_wins": len(classes["both"]) - len(wins_both) + len(classes["base_first"]),
+            "ratio_both": ratio_test(nums, dens)}
+
+
 def verdict(endpoint: str, res: dict, p: float, alpha: float) -> str:
     if p is None or math.isnan(p):
         return "n/a"

@@ -42,14 +42,16 @@ Endpoints (paired per seed; 95% Student-t intervals over seeds)
 Also: area under the smoothed gain curve over [0, T*] / T*, paired difference; kept fractions and zero-variance
 group share per evaluation interval. Holm over the DPPO arms (dppo-0.5, dppo-0.7, dppo-0.5-zvf, dppo-opt), one
 family per endpoint 1-3, family-wise alpha 0.05 (endpoint 3 one-sided 0.025); everything else is secondary
-(unadjusted p). ``dapo-filter`` is the negative control: with kl_coef = 0 its gradient equals GRPO's (dropped
-groups have zero advantage), so any difference it shows is noise.
+(unadjusted p). ``dapo-filter`` is the negative control of accuracy per step: with kl_coef = 0 its gradient
+equals GRPO's (dropped groups have zero advantage), so any difference it shows at equal steps is noise; it
+skips those groups' training passes, so its time differences are real.
 
 Run (a few hours on a shared 2-core box):
     .venv/bin/python benchmarks/time_to_accuracy.py --calibrate
-    .venv/bin/python benchmarks/time_to_accuracy.py --out docs/benchmarks/time_to_accuracy.json \\
-        --png docs/benchmarks/time_to_accuracy
-``--reuse`` re-analyses finished runs in the work dir; ``--resume`` continues an interrupted phase.
+    .venv/bin/python benchmarks/time_to_accuracy.py --parallel 2 --out docs/benchmarks/tta_results.json \\
+        --png docs/benchmarks/tta
+``--reuse`` re-analyses finished runs in the work dir; ``--resume`` continues an interrupted phase;
+``--from-results JSON`` re-renders a saved study (plots, markdown, post-hoc checks) without its run folders.
 """
 from __future__ import annotations
 
@@ -408,6 +410,30 @@ def endpoint_table(vs: dict, base: str, holm: bool) -> list[str]:
     return lines
 
 
+def posthoc(analysis: dict) -> dict:
+    """Post-hoc checks, labelled as such (not preregistered): endpoint 1 with censoring read as unknown
+    (``_tta_stats.censoring_check``), for every arm against grpo and against the DAPO filter."""
+    runs = {(r["seed"], r["arm"]): r for r in analysis["per_run"].values()}
+    out = {}
+    for base, vs in analysis["vs"].items():
+        out[base] = {}
+        for arm, res in vs.items():
+            seeds = [s for s in res["seeds"] if (s, arm) in runs and (s, base) in runs]
+            out[base][arm] = S.censoring_check([runs[(s, arm)] for s in seeds], [runs[(s, base)] for s in seeds])
+    return out
+
+
+def posthoc_table(ph: dict, base: str) -> list[str]:
+    lines = [f"| arm | both reached g*: seeds | time ratio to {base} over them | {base} reached first | "
+             f"arm reached first | indeterminate (the censored run stopped before the other reached g*) | "
+             f"neither reached g* |", "|---" * 7 + "|"]
+    for arm, c in ph.items():
+        r = c["ratio_both"]
+        lines.append(f"| {arm} | {c['both'] or '-'} | {_ratio(r) if r['n'] else '-'} | {c['base_wins']} | "
+                     f"{c['arm_wins']} | {c['indeterminate'] or '-'} | {c['neither'] or '-'} |")
+    return lines
+
+
 def markdown(rep: dict) -> str:
     p, a, c = rep["prereg"], rep["analysis"], rep["config"]
     clock = p["clock"]
@@ -433,6 +459,15 @@ def markdown(rep: dict) -> str:
     if a["vs"].get("dapo-filter"):
         lines += ["", "## Endpoint 4: vs the DAPO filter (secondary, unadjusted)", ""] + \
             endpoint_table(a["vs"]["dapo-filter"], "dapo-filter", False)
+    ph = rep.get("posthoc") or posthoc(a)
+    lines += ["", "## Post-hoc, not preregistered: endpoint 1 with censoring read as unknown", "",
+              "Endpoint 1 counts a run that never reaches g* at its total time. Every arm runs the same number of "
+              "steps, so a cheaper arm is censored earlier, and a pair of seeds in which neither run reached g* "
+              "enters endpoint 1 as the ratio of total times: the cost of a step, not learning. Below, each seed's "
+              "pair is classified as Gehan's test scores censored pairs (wins count the pairs whose order is "
+              "known; `_tta_stats.censoring_check`).", ""] + posthoc_table(ph.get("grpo", {}), "grpo")
+    if ph.get("dapo-filter"):
+        lines += [""] + posthoc_table(ph["dapo-filter"], "dapo-filter")
     lines += ["", "## Per arm (mean [95% CI] over seeds)", "",
               f"| arm | runs | reached g* | pre-RL pass@1 | final pass@1 (smoothed) | final gain | "
               f"total RL {clock}-s | "
@@ -633,10 +668,16 @@ def main_phase(args) -> dict:
                       "overrides": overrides, "work_dir": str(work)},
            "study_wall_s": None if args.reuse else time.time() - t0, "process": process,
            "analysis": S.analyse(runs, arms, seeds, prereg, DPPO_FAMILY, ALPHA)}
-    rep["png"] = plot(rep, args.png or work / "tta")
+    rep["posthoc"] = posthoc(rep["analysis"])
+    return report(rep, args.out or work / "results.json", args.png or work / "tta")
+
+
+def report(rep: dict, out: Path, png: Path) -> dict:
+    """Plots, the markdown and the JSON of one study (``rep``) — also from a saved results JSON
+    (``--from-results``), which re-renders without the run folders."""
+    rep["png"] = plot(rep, png)
     text = markdown(rep)
     print(text + "\n\nplots: " + ", ".join(rep["png"]))
-    out = args.out or work / "results.json"
     write_json(out, rep)
     out.with_suffix(".md").write_text(text + "\n")
     return rep
@@ -670,6 +711,9 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue an interrupted phase: keep finished runs")
     ap.add_argument("--out", type=Path, default=None, help="results JSON (+ .md); default <work-dir>/main/results.json")
     ap.add_argument("--png", type=Path, default=None, help="plot prefix; default <work-dir>/main/tta")
+    ap.add_argument("--from-results", type=Path, default=None,
+                    help="no training, no run folders: re-render the plots and markdown of a saved results JSON "
+                         "(with the post-hoc checks) to --out/--png (default: next to it)")
     args = ap.parse_args(argv)
     args.seeds_given = args.seeds is not None
     args.seeds = args.seeds if args.seeds_given else list(range(1, 9))
@@ -680,6 +724,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.from_results:
+        rep = json.loads(args.from_results.read_text())
+        rep["posthoc"] = posthoc(rep["analysis"])
+        return report(rep, args.out or args.from_results, args.png or args.from_results.with_suffix(""))
     return calibrate(args) if args.calibrate else main_phase(args)
 
 

@@ -182,6 +182,28 @@ def test_analyse_pairs_by_seed_applies_holm_to_the_dppo_family_only():
     assert a["per_run"]["cppo_s3"]["censored"]
 
 
+def _r(seed, t, censored, total):
+    return {"seed": seed, "time_to_g": t, "censored": censored, "total": total}
+
+
+def test_censoring_check_reads_a_censored_pair_as_unknown_not_as_the_cost_ratio():
+    arm = [_r(1, 20.0, False, 50.0),   # both reached: ratio 20/40
+           _r(2, 30.0, False, 50.0),   # base censored at 100 >= 30: the arm was first
+           _r(3, 35.0, True, 35.0),    # arm stopped at 35 without g*, base reached at 60: indeterminate
+           _r(4, 40.0, True, 40.0),    # arm still running at 40 > base's 25 without g*: base first
+           _r(5, 45.0, True, 45.0)]    # neither: endpoint 1 would count 45/100 here
+    base = [_r(1, 40.0, False, 100.0), _r(2, 100.0, True, 100.0), _r(3, 60.0, False, 100.0),
+            _r(4, 25.0, False, 100.0), _r(5, 100.0, True, 100.0)]
+    c = S.censoring_check(arm, base)
+    assert c["both"] == [1] and c["arm_first"] == [2] and c["indeterminate"] == [3]
+    assert c["base_first"] == [4] and c["neither"] == [5]
+    assert c["arm_wins"] == 2 and c["base_wins"] == 1
+    assert c["ratio_both"]["n"] == 1 and c["ratio_both"]["geo_mean"] == pytest.approx(0.5)
+    # the preregistered endpoint 1 over the same pairs is dominated by the censored ones
+    e1 = S.ratio_test([a["time_to_g"] for a in arm], [b["time_to_g"] for b in base])
+    assert e1["geo_mean"] < 0.6
+
+
 def test_read_run_aligns_evaluations_with_cumulative_step_time(tmp_path):
     recs = [{"step": 0, "phase": "sft", "sft/nll": 1.0},
             {"step": -1, "phase": "eval", "eval/arithmetic_train/pass@1": 0.1}]
