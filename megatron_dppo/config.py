@@ -305,8 +305,9 @@ class LossConfig:
     preset: Literal["grpo", "dapo", "gspo", "dr_grpo", "verl_grpo", "trl_grpo"] = opt(
         "grpo", "Loss preset: grpo (PPO clip, seq-mean-token-mean, std-normalized A), dapo (clip-higher 0.28, "
                 "token-mean), gspo (sequence ratio), dr_grpo (no std, sum-norm by L_max); the peers' defaults by "
-                "name: verl_grpo (token-mean, dual clip 3, k3 KL 0.001 clamped to 10, advantage eps 1e-6), "
-                "trl_grpo (token-mean, no KL, advantage eps 1e-4). Several updates per rollout are train."
+                "name: verl_grpo (token-mean, dual clip 3, k3 KL 0.001 clamped to 10, advantage eps 1e-6; with "
+                "policy_loss=gspo as verl's GSPO: no dual clip, gspo_gradient=stop_gradient), trl_grpo (token-"
+                "mean, no KL, advantage eps 1e-4, kl_bias_correction on). Several updates per rollout are train."
                 "mini_batches / train.epochs (verl ppo_mini_batch_size / ppo_epochs, TRL steps_per_generation / "
                 "num_iterations).")
     policy_loss: Optional[Literal["ppo_clip", "gspo"]] = opt(None, "Override: per-token PPO clip or GSPO.")
@@ -331,14 +332,25 @@ class LossConfig:
     rollout_correction: Optional[Literal["none", "tis", "mis"]] = opt(
         None, "Override: rollout/trainer mismatch correction of the policy-gradient term per token with u = "
               "exp(trainer old logp - rollout-engine logp): tis = truncated IS, clamp(u, cap_low, cap) (verl token "
-              "TIS, slime TIS); mis = masked IS, u inside [cap_low, cap] else 0 (slime icepop, verl token "
-              "rejection); none (preset default). Forces the trainer's old log-prob pass; composes with the "
-              "pruning weights 1/pi. Logs rollout/is_ratio, rollout/is_corrected_fraction, rollout/kl_k1, "
-              "rollout/kl_k3.")
+              "TIS, slime TIS); mis = masked IS, u inside [cap_low, cap] else 0 (slime icepop, verl IcePop: "
+              "rollout_is_threshold \"lo_hi\"); none (preset default). verl's token rejection (rollout_rs, kept "
+              "tokens weigh 1, rejected ones leave the denominators) is not offered: docs/algorithms.md, \"Rollout "
+              "correction\". Forces the trainer's old log-prob pass; composes with the pruning weights 1/pi. Logs "
+              "rollout/is_ratio, rollout/is_corrected_fraction, rollout/kl_k1, rollout/kl_k3.")
     rollout_correction_cap: Optional[float] = opt(None, "Override: upper bound of the rollout IS weight (preset 2.0, "
                                                         "the verl and slime default).")
     rollout_correction_cap_low: Optional[float] = opt(None, "Override: lower bound of the rollout IS weight "
                                                             "(preset 0.0, slime's default).")
+    gspo_gradient: Optional[Literal["autograd", "stop_gradient"]] = opt(
+        None, "Override: how GSPO's sequence ratio S passes a per-token rollout-correction factor u_t to the "
+              "gradient. autograd (presets' default; TRL): u_t weighs the sequence term, every token gets gradient "
+              "through S, so a token zeroed by mis still learns; stop_gradient (verl_grpo; verl): s_t = sg[S] "
+              "pi_t/sg[pi_t], token t's gradient carries its own u_t. Identical without rollout_correction. "
+              "Default autograd: it is the exact gradient of the GSPO objective the docs write, and leaves runs "
+              "without rollout correction bit for bit as before; prefer stop_gradient with mis.")
+    kl_bias_correction: Optional[bool] = opt(
+        None, "Override: multiply the KL term by the importance ratio (rho_t; S for gspo) with full autograd, "
+              "TRL's use_bias_correction_kl (on in trl_grpo, off elsewhere); acts only with kl_coef > 0.")
 
     def validate(self) -> None:
         for name in ("eps_low", "eps_high"):
