@@ -18,7 +18,8 @@ Per-token objective (to MAXIMIZE):  s_t = pg_t - beta * KL_t, with
                   through the sequence mean, and a kept token's gradient carries the sequence's weights, not its own.
                 stop_gradient (verl's compute_policy_loss_gspo): the per-token ratio s_t = sg[S] * pi_t / sg[pi_t]
                   has the value S and the gradient S * grad log pi_t, so token t's gradient is c_t u_t d pg/d S * S:
-                  each token carries its own weight; a masked token gets none.
+                  each token carries its own weight; a masked token gets none. (verl also clamps log s_t at 10,
+                  which zeroes the gradient above S = e^10; not reproduced.)
               With no rollout factor (u constant within a sequence) the two give the same value and gradient.
 
 Dual clip (``clip_ratio_c`` = c > 1, off when None; Ye et al. 2019, verl's ``clip_ratio_c``): for tokens with
