@@ -125,7 +125,7 @@ def run(args) -> dict:
                            max_completion=args.max_completion)
     L_max = args.max_completion
     kl = args.kl > 0
-    results, per_unit_cache = [], {}
+    results = []
     with C.engine_world(arch, LossConfig(kl_coef=args.kl, kl_estimator="k3"), seed=args.seed) as engine:
         for loss_name in args.losses:
             preset, estimator = LOSS_PRESETS[loss_name]
@@ -227,7 +227,7 @@ def real_methods(args) -> list[tuple[str, object, float]]:
     return out
 
 
-def analyse(ctx: Ctx, args) -> list[dict]:
+def analyse(ctx: R.Ctx, args) -> list[dict]:
     """Every method at every target fraction, the deterministic rows and the dppo-optimal sweep at one checkpoint."""
     from functools import partial
     rows = []
