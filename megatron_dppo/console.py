@@ -53,11 +53,15 @@ def print_step(run: Run, step: int, m: dict) -> None:
         print(line, flush=True)
 
 
-def attention_backend_name(cfg) -> str:
-    """The attention backend the engine was built with (model.attention_backend resolved: te | varlen | sdpa)."""
+def attention_backend_name(cfg, arch=None) -> str:
+    """The attention backend the engine was built with (model.attention_backend resolved for the model's dtype and
+    head dim, as ``model.build_gpt_model`` resolves it: te | varlen | sdpa)."""
+    import torch
+
     from megatron_dppo.megatron.model import resolve_backend
 
-    return resolve_backend(cfg.model.attention_backend)
+    return resolve_backend(cfg.model.attention_backend, dtype=getattr(torch, cfg.model.dtype),
+                           head_dim=arch.head_dim if arch is not None else None)
 
 
 def print_banner(run: Run, found: Path | None) -> None:
@@ -71,6 +75,7 @@ def print_banner(run: Run, found: Path | None) -> None:
           f"(tp {cfg.parallel.tp}, pp {cfg.parallel.pp}, dp {run.dp_size}{layout}) | {len(run.train_prompts)} "
           "train prompts"
           f" | pruner {cfg.algo.pruner} | loss {cfg.loss.preset} ({run.loss_cfg.aggregation}, "
-          f"estimator {run.estimator}) | attention {attention_backend_name(cfg)} | output {cfg.train.output_dir}"
+          f"estimator {run.estimator}) | attention {attention_backend_name(cfg, arch)} | output "
+          f"{cfg.train.output_dir}"
           + (f" | resuming {found.name}" if found else ""), flush=True)
 

@@ -195,6 +195,9 @@ class VarlenCoreAttention(SDPACoreAttention):
         if self.dropout_p:
             raise ValueError(f"attention_dropout={self.dropout_p}: the varlen backend has no dropout (RL "
                              "fine-tuning runs with 0); use model.attention_backend=sdpa or te")
+        problem = flash_varlen_problem(config.params_dtype, self.head_dim) if self.kernel is None else None
+        if problem:  # a replacement kernel (tests) has its own limits
+            raise ValueError(f"model.attention_backend=varlen cannot be used: {problem}")
 
     def _forward_thd(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
         cu = packed_seq_params.cu_seqlens_q_padded
@@ -241,6 +244,10 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
     """
     if kernel is None:
         from torch.nn.attention.varlen import varlen_attn as kernel
+
+        problem = flash_varlen_problem(query.dtype, query.size(2))
+        if problem:
+            raise ValueError(problem)
     params = _kernel_parameters(kernel)
     # FlashAttention needs unit stride in the head dimension (Megatron's q/k/v are views of the fused QKV output)
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
@@ -266,6 +273,24 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
         raise RuntimeError(f"torch {torch.__version__}: varlen_attn takes neither window_size nor is_causal; "
                            "cannot request causal attention (use model.attention_backend=sdpa)")
     return kernel(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
+
+# What torch's FlashAttention varlen kernels take (FlashAttention 2: half precision, head dims a multiple of 8
+# up to 256); anything else fails inside the kernel, at the first forward.
+FLASH_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_VARLEN_MAX_HEAD_DIM = 256
+
+
+def flash_varlen_problem(dtype: Optional[torch.dtype], head_dim: Optional[int]) -> Optional[str]:
+    """Why torch's FlashAttention varlen kernels cannot run ``dtype`` / ``head_dim`` (None: they can, or the
+    value is not known)."""
+    if dtype is not None and dtype not in FLASH_VARLEN_DTYPES:
+        return (f"torch's FlashAttention varlen kernels take float16 or bfloat16 only, the model is {dtype} "
+                "(use model.dtype=bfloat16, or model.attention_backend=sdpa or te)")
+    if head_dim is not None and (head_dim % 8 or head_dim > FLASH_VARLEN_MAX_HEAD_DIM):
+        return (f"head_dim={head_dim}: torch's FlashAttention varlen kernels take head dims that are multiples of "
+                f"8 up to {FLASH_VARLEN_MAX_HEAD_DIM} (use model.attention_backend=sdpa or te)")
+    return None
 
 
 def _kernel_parameters(kernel) -> frozenset:
@@ -339,35 +364,38 @@ def _varlen_problem(cuda: bool) -> Optional[str]:
     return None
 
 
-def resolve_attention_backend(requested: str = "auto", probe: Optional[BackendProbe] = None) -> str:
+def resolve_attention_backend(requested: str = "auto", probe: Optional[BackendProbe] = None, *,
+                              dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None) -> str:
     """The backend to build: ``te``, ``varlen`` or ``sdpa``.
 
-    ``auto``: TE when it imports and works on CUDA, else varlen on CUDA, else the SDPA twin (CPU, or a GPU
-    where neither fused path works). An explicit choice that cannot work raises ``ValueError`` naming why;
-    it never falls back silently. ``sdpa`` works everywhere.
+    ``auto``: TE when it imports and works on CUDA, else varlen on CUDA when the model's ``dtype`` and
+    ``head_dim`` fit torch's FlashAttention kernels (``flash_varlen_problem``; None = not checked), else the SDPA
+    twin (CPU, an fp32 model, or a GPU where neither fused path works). An explicit choice that cannot work raises
+    ``ValueError`` naming why; it never falls back silently. ``sdpa`` works everywhere.
     """
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"model.attention_backend={requested!r} is invalid: expected one of {ATTENTION_BACKENDS}")
     if requested == "sdpa":
         return "sdpa"
     probe = probe or probe_backends()
+    varlen = probe.varlen or flash_varlen_problem(dtype, head_dim)
     if requested == "te":
         if probe.te is not None:
             raise ValueError(f"model.attention_backend=te cannot be used: {probe.te}. Use auto, varlen (CUDA) "
                              "or sdpa")
         return "te"
     if requested == "varlen":
-        if probe.varlen is not None:
-            raise ValueError(f"model.attention_backend=varlen cannot be used: {probe.varlen}. Use auto, te "
+        if varlen is not None:
+            raise ValueError(f"model.attention_backend=varlen cannot be used: {varlen}. Use auto, te "
                              "(CUDA + Transformer Engine) or sdpa")
         return "varlen"
     if probe.te is None:
         return "te"
-    if probe.varlen is None:
+    if varlen is None:
         return "varlen"
     if probe.cuda:
         logger.warning("model.attention_backend=auto on CUDA: neither TE (%s) nor varlen (%s) is usable; using "
-                       "the SDPA twin (correct, slower)", probe.te, probe.varlen)
+                       "the SDPA twin (correct, slower)", probe.te, varlen)
     return "sdpa"
 
 

@@ -15,18 +15,21 @@ qwen3_moe  False                 True; MoE blocks (``ModelArch.moe``)
 mixtral    False                 False; MoE blocks in every layer
 =========  ====================  =============================================
 
-``ModelArch.from_hf_config`` (``arch.py``) reads those numbers (rejecting what the model cannot represent, e.g. an unknown
-``rope_scaling`` type), ``build_transformer_config`` makes the Megatron ``TransformerConfig``, and
+``ModelArch.from_hf_config`` (``arch.py``) reads those numbers (rejecting what the model cannot represent, e.g. an
+unknown ``rope_scaling`` type), ``build_transformer_config`` makes the Megatron ``TransformerConfig``, and
 ``build_gpt_model`` builds the (TP/PP-local) ``GPTModel``:
 
 * ``attention_backend`` (``model.attention_backend``, resolved by ``attention.resolve_attention_backend``):
   ``te``: Megatron's TE layer spec (fused norm+linear, THD fused attention); ``varlen``: Megatron's local spec with
   ``attention.VarlenCoreAttention`` (torch's FlashAttention varlen kernels, CUDA, no TE); ``sdpa``: the local spec
-  with ``attention.SDPACoreAttention`` (any device). ``auto``: te, else varlen on CUDA, else sdpa.
+  with ``attention.SDPACoreAttention`` (any device). ``auto``: te, else varlen on CUDA for an fp16/bf16 model with a
+  head dim FlashAttention takes, else sdpa. The built backend is ``model.attention_backend``.
 * Fusion flags (RoPE, bias-activation, masked softmax) follow the spec actually built: on for the TE spec only.
 
-Precision: bf16 parameters on GPU, fp32 on CPU (``default_dtype``). On a CUDA-less machine the CPU backend
-(``megatron_dppo.megatron.cpu``) is applied automatically.
+Precision and placement: bf16 parameters on GPU, fp32 on CPU (``default_dtype``). Every built chunk has each
+parameter and buffer on the engine's device in the params dtype (``place_model``; ``device_dtype_audit`` lists what
+is not), whatever the spec. On a CUDA-less machine the CPU backend (``megatron_dppo.megatron.cpu``) is applied
+automatically.
 """
 from __future__ import annotations
 
@@ -53,14 +56,63 @@ def use_transformer_engine() -> bool:
     return resolve_backend("auto") == "te"
 
 
-def resolve_backend(attention_backend: str | None = None, te: bool | None = None) -> str:
-    """``te`` | ``varlen`` | ``sdpa`` for a requested ``attention_backend`` (None = auto); the legacy ``te`` flag
-    (True = "te", False = "sdpa") is accepted when no backend is named."""
+def resolve_backend(attention_backend: str | None = None, te: bool | None = None, *,
+                    dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
+    """``te`` | ``varlen`` | ``sdpa`` for a requested ``attention_backend`` (None = auto) and a model of
+    ``dtype`` / ``head_dim`` (varlen takes half precision and head dims FlashAttention supports; None = not
+    checked); the legacy ``te`` flag (True = "te", False = "sdpa") is accepted when no backend is named."""
     from .attention import resolve_attention_backend
 
     if attention_backend is None and te is not None:
         attention_backend = "te" if te else "sdpa"
-    return resolve_attention_backend(attention_backend or "auto")
+    return resolve_attention_backend(attention_backend or "auto", dtype=dtype, head_dim=head_dim)
+
+
+def engine_device() -> torch.device:
+    """The device this process computes on: its current CUDA device, else the CPU (CPU backend applied)."""
+    if ensure_device_backend() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# Buffers Megatron keeps in float32 whatever the parameter dtype (the MoE router's expert-bias bookkeeping,
+# ``TopKRouter._maintain_float32_expert_bias``): placed on the device, never cast.
+FLOAT32_BUFFERS = ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert", "ga_steps")
+
+
+def place_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Every parameter and buffer of ``model`` onto ``device``, floating ones in ``dtype`` (except
+    ``FLOAT32_BUFFERS``); parameter objects and their Megatron attributes are kept. What Megatron-LM's training
+    loop does to each chunk (``model_module.cuda()``, then the ``Float16Module`` cast): Megatron builds most
+    weights on the device in ``params_dtype``, but the local spec's torch RMSNorm is created on the CPU in fp32
+    and the MoE router weight on the CPU (moved only at its first forward, after DDP has read it)."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            want = dtype if param.is_floating_point() else param.dtype
+            if param.device != device or param.dtype != want:
+                param.data = param.data.to(device=device, dtype=want)
+        for name, buf in module.named_buffers(recurse=False):
+            want = dtype if buf.is_floating_point() and name not in FLOAT32_BUFFERS else buf.dtype
+            if buf.device != device or buf.dtype != want:
+                module._buffers[name] = buf.to(device=device, dtype=want)
+    return model
+
+
+def device_dtype_audit(modules, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The parameters and buffers of ``modules`` (a module or a list of them) that ``place_model`` would move:
+    ``"<name>: <dtype> on <device>"`` for each one not on ``device``, or floating and not in ``dtype`` (buffers in
+    ``FLOAT32_BUFFERS`` may be float32). Empty when everything is placed."""
+    modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+    problems = []
+    for i, chunk in enumerate(modules):
+        prefix = f"chunk{i}." if len(modules) > 1 else ""
+        tensors = [(name, t, dtype) for name, t in chunk.named_parameters()]
+        tensors += [(name, t, torch.float32 if name.rsplit(".", 1)[-1] in FLOAT32_BUFFERS else dtype)
+                    for name, t in chunk.named_buffers()]
+        for name, t, want in tensors:
+            if t.device != device or (t.is_floating_point() and t.dtype != want):
+                problems.append(f"{prefix}{name}: {str(t.dtype).replace('torch.', '')} on {t.device}")
+    return problems
 
 
 # TransformerConfig fields that define the model (an installed Megatron-Core lacking one is unsupported);
@@ -90,7 +142,7 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
     dtype = dtype or default_dtype()
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype={dtype}; supported: torch.float32, torch.bfloat16, torch.float16")
-    te = device == "cuda" and resolve_backend(attention_backend) == "te"
+    te = device == "cuda" and resolve_backend(attention_backend, dtype=dtype, head_dim=arch.head_dim) == "te"
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -150,7 +202,8 @@ def build_layer_spec(arch: ModelArch, te: bool | None = None, *, attention_backe
     spec with ``VarlenCoreAttention`` / ``SDPACoreAttention``. MoE models get a decoder block spec (per-layer
     specs, MoE or dense, ``moe.moe_block_spec``) built from their ``config``, for this rank's pipeline stage
     (and virtual stage ``vp_stage``)."""
-    backend = resolve_backend(attention_backend, te)
+    backend = resolve_backend(attention_backend, te, dtype=getattr(config, "params_dtype", None),
+                              head_dim=arch.head_dim)
     if backend != "te":
         allow_sequence_parallel_torch_norm()
     if arch.moe is not None:
@@ -218,7 +271,8 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    backend = resolve_backend(attention_backend, te)
+    dtype = config.params_dtype if config is not None else dtype or default_dtype()
+    backend = resolve_backend(attention_backend, te, dtype=dtype, head_dim=arch.head_dim)
     config = config or build_transformer_config(arch, parallel, dtype, attention_backend=backend, **config_overrides)
     spec = build_layer_spec(arch, attention_backend=backend, config=config, vp_stage=vp_stage)
     if backend != "te" and getattr(config, "apply_rope_fusion", False):
@@ -249,6 +303,8 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
         required += ("vp_stage",)
     model = GPTModel(**compat.supported_kwargs(GPTModel.__init__, kwargs, required=required))
     model.unpadded_vocab_size = arch.vocab_size  # logits of the padding rows are masked (logprobs.forward_thd)
+    model.attention_backend = backend  # what was built (te | varlen | sdpa), for banners and reports
+    place_model(model, engine_device(), dtype)  # before DDP / the optimizer see the parameters
     if arch.moe is not None:
         reduce_expert_grads_over_expert_grid(model)  # before DDP / the optimizer read the flags
     return model

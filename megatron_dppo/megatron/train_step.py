@@ -76,7 +76,7 @@ from . import compat
 from .cpu import ensure_device_backend
 from .logprobs import compute_logprobs as _forward_only_logprobs
 from .logprobs import forward_thd, run_pipeline_schedule, vocab_parallel_logprobs
-from .model import ModelArch, build_model_chunks, default_dtype
+from .model import ModelArch, build_model_chunks, default_dtype, device_dtype_audit, engine_device
 from .moe import aux_loss_per_routed_token
 from .parallel import ParallelConfig
 from .routing_replay import RoutingReplay, release_megatron_router_replay
@@ -241,7 +241,7 @@ class PolicyEngine:
         self.optim_cfg = optim or OptimConfig()
         self.loss_cfg = loss or LossConfig()
         self.dtype = dtype or default_dtype()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        self.device = engine_device()
         self.step = 0
         self.last_logprobs: list[Tensor] | None = None  # set by train_step (see there)
         if device_type == "cpu" and self.dtype != torch.float32:
@@ -258,6 +258,7 @@ class PolicyEngine:
         for chunk in chunks:
             if not chunk.config.calculate_per_token_loss:
                 raise RuntimeError("TransformerConfig.calculate_per_token_loss must be True (fixed denominator)")
+        self._assert_placed(chunks, "policy")
 
         # 2. DDP: fp32 gradient reduction, a SUM over data-parallel ranks (gradient_scaling_factor = 1)
         self.ddp_config = DistributedDataParallelConfig(
@@ -313,7 +314,23 @@ class PolicyEngine:
                 ref.requires_grad_(False)
                 ref.eval()
             release_megatron_router_replay(self.reference_chunks)  # the reference routes freely
+            self._assert_placed(self.reference_chunks, "reference")
             self.sync_reference_from_policy()
+
+    def _assert_placed(self, chunks, which: str) -> None:
+        """Every parameter and buffer on the engine's device in its dtype before DDP / the optimizer wrap them
+        (an NCCL broadcast of a CPU tensor raises; a forward mixing devices fails; see ``model.place_model``)."""
+        problems = device_dtype_audit(chunks, self.device, self.dtype)
+        if problems:
+            raise RuntimeError(f"{len(problems)} {which} tensors are not on {self.device} in {self.dtype}: "
+                               f"{problems[:5]}{' ...' if len(problems) > 5 else ''}")
+
+    def placement_audit(self) -> list[str]:
+        """``model.device_dtype_audit`` of the policy and reference chunks (empty = every tensor placed)."""
+        problems = device_dtype_audit(self.modules, self.device, self.dtype)
+        if self.reference_chunks is not None:
+            problems += ["reference." + p for p in device_dtype_audit(self.reference_chunks, self.device, self.dtype)]
+        return problems
 
     # ------------------------------------------------------------------------------------------------------
     @property
