@@ -26,17 +26,8 @@ from typing import Any, Literal, Optional, get_args, get_origin
 
 import yaml
 
-
-def opt(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best at the call sites
-    """A dataclass field with its documentation attached (``metadata["help"]``)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-def _check(ok: bool, key: str, value: Any, valid: str) -> None:
-    if not ok:
-        raise ValueError(f"{key}={value!r} is invalid: expected {valid}")
+from megatron_dppo.config_dapo import DynamicSamplingConfig, OverlongConfig
+from megatron_dppo.config_fields import _check, opt
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -542,6 +533,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     packing: PackingConfig = field(default_factory=PackingConfig)
@@ -563,6 +556,15 @@ class Config:
         if self.algo.pruner == "cppo" and self.algo.cppo_allocation and self.algo.drop_zero_variance_groups:
             raise ValueError("algo.cppo_allocation=true and algo.drop_zero_variance_groups=true cannot be combined "
                              "(allocation prunes back to exactly B*G completions); set one of them to false")
+        _check(self.overlong.buffer <= self.rollout.max_new_tokens, "overlong.buffer", self.overlong.buffer,
+               f"<= rollout.max_new_tokens={self.rollout.max_new_tokens} (the penalty zone ends at the limit)")
+        if self.dynamic_sampling.enable and self.algo.pruner != "none":
+            raise ValueError(f"dynamic_sampling.enable=true needs algo.pruner=none, got algo.pruner="
+                             f"{self.algo.pruner!r}: refill trains on a batch conditioned on non-zero reward "
+                             "variance (a filter), which the pruners' keep probabilities do not describe "
+                             "(docs/algorithms.md, \"Dynamic sampling with refill\"); set algo.pruner=none, or "
+                             "dynamic_sampling.enable=false (algo.drop_zero_variance_groups=true drops the same "
+                             "groups without refill and composes with algo.pruner=dppo)")
         if self.eval.every and self.data.task == "files" and not self.eval.files:
             raise ValueError("eval.every > 0 needs eval.files (held-out JSONL/parquet files)")
         return self

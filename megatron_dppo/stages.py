@@ -13,6 +13,7 @@ import torch
 from megatron_dppo import distributed as D
 from megatron_dppo.algo.losses import loss_denominator, rollout_correction_weights, sequence_token_weights
 from megatron_dppo.algo.minibatches import split_prompts
+from megatron_dppo.algo.overlong import finished_denominator, overlong_penalty
 from megatron_dppo.algo.pruning import (
     CPPOPruner,
     DPPOPruner,
@@ -137,6 +138,18 @@ def score(run: Run, scorer: Any, rollout: Rollout) -> torch.Tensor:
         if rollout.prompts else torch.zeros(0, run.cfg.train.group_size)
 
 
+def training_rewards(run: Run, rollout: Rollout) -> torch.Tensor:
+    """The rewards the advantages see [Bk, G]: the task reward plus, with overlong.buffer > 0, DAPO's soft overlong
+    penalty of each completion's length (docs/algorithms.md, "Overlong completions"). The task reward alone stays in
+    ``rollout.rewards`` and in the reward/* metrics."""
+    cfg = run.cfg
+    if not cfg.overlong.buffer or not rollout.prompts:
+        return rollout.rewards
+    lengths = torch.tensor([[len(c) for c in comps] for comps in rollout.completions])
+    return rollout.rewards + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.overlong.buffer,
+                                              cfg.overlong.penalty)
+
+
 def select_completions(run: Run, prompt_cut: PruneResult, rollout: Rollout, advantages: torch.Tensor,
                        step: int) -> tuple[PruneResult | None, PruneResult]:
     """Completion-level decision on rank 0 (broadcast). Returns (decision over the kept prompts' completions
@@ -157,7 +170,9 @@ def select_completions(run: Run, prompt_cut: PruneResult, rollout: Rollout, adva
             decided = PruneResult(keep=torch.ones(advantages.shape, dtype=torch.bool), weight=ones.float(),
                                   keep_prob=ones, candidate=torch.zeros(advantages.shape, dtype=torch.bool))
         if cfg.algo.drop_zero_variance_groups:
-            decided = _drop_zero_variance(decided, zero_variance_filter(rollout.rewards))
+            decided = _drop(decided, zero_variance_filter(training_rewards(run, rollout)).keep)
+        if cfg.overlong.filter:  # overlong filtering: truncated completions leave the loss (and D, see denominator)
+            decided = _drop(decided, ~torch.tensor(rollout.truncated, dtype=torch.bool).view(advantages.shape))
     decided = D.broadcast_object(decided)
     if decided is None:  # no prompt survived prompt pruning
         B = len(prompt_cut.keep)
@@ -166,9 +181,10 @@ def select_completions(run: Run, prompt_cut: PruneResult, rollout: Rollout, adva
     return decided, combine(prompt_cut, decided)
 
 
-def _drop_zero_variance(decided: PruneResult, zero_var: PruneResult) -> PruneResult:
-    """Also drop (deterministically, probability 1) every completion of a group whose rewards are all equal."""
-    keep = decided.keep & zero_var.keep
+def _drop(decided: PruneResult, allowed: torch.Tensor) -> PruneResult:
+    """Also drop (deterministically, probability 1) every completion outside ``allowed`` [Bk, G]: the groups whose
+    rewards are all equal (algo.drop_zero_variance_groups), the truncated completions (overlong.filter)."""
+    keep = decided.keep & allowed
     prob = decided.probabilities().double()
     return PruneResult(keep=keep, weight=torch.where(keep, decided.weight, torch.zeros_like(decided.weight)),
                        keep_prob=prob, candidate=decided.candidate, score=decided.score)
@@ -218,12 +234,15 @@ def denominator(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rollou
     if isinstance(run.pruner, DPPOPruner):
         pi_q = prompt_cut.probabilities()[prompt_cut.keep].double()
     num_prompts = len(prompts)
+    finished = ~torch.tensor(rollout.truncated, dtype=torch.bool).view(-1, G)
     if subset is not None:  # the generated rows (kept prompts) that belong to this mini-batch
         members = set(subset)
         rows = [row for row, q in enumerate(prompt_cut.keep.nonzero().flatten().tolist()) if q in members]
-        lengths = lengths.view(-1, G)[rows]
+        lengths, finished = lengths.view(-1, G)[rows], finished[rows]
         pi_q = pi_q[rows] if pi_q is not None else None
         num_prompts = len(subset)
+    if run.cfg.overlong.filter:  # truncated completions count in no denominator (docs/algorithms.md, "Overlong")
+        return finished_denominator(agg, finished, lengths.view(-1, G), pi_q, L_max) or 1.0
     return loss_denominator(agg, num_prompts, G, lengths.view(-1, G), pi_q, L_max)
 
 
@@ -242,7 +261,7 @@ def split_mini_batches(run: Run, prompts: list[Prompt], prompt_cut: PruneResult,
     """The surviving batch split into train.mini_batches PPO mini-batches BY DRAWN PROMPT, the split drawn from
     (train.seed, step) alone (``algo.minibatches``), each with its own draw-independent denominator D_m. One
     mini-batch (the default) returns ``[batch]`` itself. A mini-batch whose units were all pruned is empty."""
-    M = run.cfg.train.mini_batches
+    M = min(run.cfg.train.mini_batches, len(prompts))  # (fewer prompts than M: a refill that ran out of rounds)
     if M == 1:
         return [batch]
     groups = split_prompts(len(prompts), M, make_generator(run.cfg.train.seed, step, "mini_batches"))
@@ -398,8 +417,12 @@ def gradient_audit(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rol
     completion (weighted 1/pi_q), both at the current weights (megatron_dppo.audit)."""
     from megatron_dppo.audit import full_completion_cut, pruning_audit
 
-    full = build_train_batch(run, prompts, prompt_cut, rollout, advantages,
-                             full_completion_cut(prompt_cut, run.cfg.train.group_size))
+    full_cut = full_completion_cut(prompt_cut, run.cfg.train.group_size)
+    if run.cfg.overlong.filter:  # the full batch of the filtered loss: every FINISHED completion
+        finished = ~torch.tensor(rollout.truncated, dtype=torch.bool).view(-1, run.cfg.train.group_size)
+        full_cut.keep[prompt_cut.keep] &= finished
+        full_cut.weight[~full_cut.keep] = 0.0
+    full = build_train_batch(run, prompts, prompt_cut, rollout, advantages, full_cut)
     full_micro_batches, _ = pack(run, full)
     return pruning_audit(run.engine, full_micro_batches, micro_batches, full.denominator, batch.denominator,
                          weights=batch.seq_weights).as_metrics()
@@ -413,9 +436,27 @@ def step_metrics(run: Run, prompt_cut: PruneResult, completion_cut: PruneResult 
                  rollout: Rollout, batch: TrainBatch) -> dict[str, float]:
     """Rewards (unbiased estimates over all drawn prompts; raw means over generated and over kept sequences), kept
     fractions per level, ESS, tokens (docs/algorithms.md, "Metrics")."""
-    G = run.cfg.train.group_size
+    m = rollout_metrics(prompt_cut, rollout, run.cfg.train.group_size)
+    if len(batch):
+        m["reward/mean_kept"] = float(batch.rewards.mean())
+        m["reward/pass_rate_kept"] = float((batch.rewards > 0).float().mean())
+        m["reward/mean_kept_weighted"] = float((batch.rewards * batch.seq_weights).sum() / batch.seq_weights.sum())
+    # kept fraction and ESS per level: prompt (of drawn prompts), completion (of generated completions), total
+    # (trained sequences of the B*G drawn units)
+    m.update(pruning_stats(prompt_cut, completion_cut, total_cut))
+    m.setdefault("prune/completion_kept_fraction", 0.0)
+    m["tokens/trained_sequences"] = float(sum(len(t) for t in batch.token_ids))
+    m["tokens/trained_completion"] = float(sum(len(t) - p for t, p in zip(batch.token_ids, batch.prompt_lengths)))
+    m["loss/denominator"] = float(batch.denominator)
+    m["history/prompts_seen"] = float(len(run.history))
+    return m
+
+
+def rollout_metrics(prompt_cut: PruneResult, rollout: Rollout, group_size: int) -> dict[str, float]:
+    """The reward/* estimates over the drawn prompts and the generated-token counts of ``rollout`` (the part of
+    ``step_metrics`` that describes what was generated, not what was trained)."""
     m: dict[str, float] = {}
-    r = rollout.rewards if rollout.rewards is not None else torch.zeros(0, G)
+    r = rollout.rewards if rollout.rewards is not None else torch.zeros(0, group_size)
     flat = r.flatten()
     if prompt_cut.keep.numel():
         # Headline rates are Horvitz-Thompson estimates over ALL B drawn prompts (docs/algorithms.md, "Metrics"):
@@ -431,23 +472,11 @@ def step_metrics(run: Run, prompt_cut: PruneResult, completion_cut: PruneResult 
         m["reward/std"] = float(flat.std()) if flat.numel() > 1 else 0.0
         m["reward/failed"] = float(rollout.reward_failures)  # scored 0: the reward function raised, hung, ...
         m["reward/timeouts"] = float(rollout.reward_timeouts)  # ... of which ran out of time
-    if len(batch):
-        m["reward/mean_kept"] = float(batch.rewards.mean())
-        m["reward/pass_rate_kept"] = float((batch.rewards > 0).float().mean())
-        m["reward/mean_kept_weighted"] = float((batch.rewards * batch.seq_weights).sum() / batch.seq_weights.sum())
-    # kept fraction and ESS per level: prompt (of drawn prompts), completion (of generated completions), total
-    # (trained sequences of the B*G drawn units)
-    m.update(pruning_stats(prompt_cut, completion_cut, total_cut))
-    m.setdefault("prune/completion_kept_fraction", 0.0)
     comp_lengths = [len(c) for comps in rollout.completions for c in comps]
     m["tokens/generated"] = float(sum(comp_lengths))
     m["tokens/completion_mean"] = sum(comp_lengths) / len(comp_lengths) if comp_lengths else 0.0
     m["tokens/truncated_fraction"] = (sum(t for ts in rollout.truncated for t in ts) / len(comp_lengths)
                                       if comp_lengths else 0.0)
-    m["tokens/trained_sequences"] = float(sum(len(t) for t in batch.token_ids))
-    m["tokens/trained_completion"] = float(sum(len(t) - p for t, p in zip(batch.token_ids, batch.prompt_lengths)))
-    m["loss/denominator"] = float(batch.denominator)
-    m["history/prompts_seen"] = float(len(run.history))
     return m
 
 

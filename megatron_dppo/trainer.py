@@ -47,6 +47,7 @@ from megatron_dppo import console
 from megatron_dppo import distributed as D
 from megatron_dppo.algo.advantages import compute_advantages
 from megatron_dppo.config import Config
+from megatron_dppo.dapo_stages import keep_all, overlong_metrics, refill_groups
 from megatron_dppo.evaluation import evaluate, evaluate_checkpoint  # noqa: F401 - the CLI's `eval` entry point
 from megatron_dppo.lifecycle import STOP_REQUESTED, StopSignals, save
 from megatron_dppo.metrics import PhaseTimer, plot_reward_curve
@@ -66,6 +67,7 @@ from megatron_dppo.stages import (
     select_prompts,
     split_mini_batches,
     step_metrics,
+    training_rewards,
     whole_batch_micro_batches,
     write_audit,
 )
@@ -97,9 +99,19 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     with timer("reward"):
         rollout.rewards = score(run, run.scorer, rollout)
 
-    # 5. Advantages on the FULL groups (never recomputed from survivors); remember mean |A| per prompt.
-    advantages = compute_advantages(rollout.rewards, run.estimator, run.loss_cfg.advantage_eps) if kept \
-        else torch.zeros(0, G)
+    # 4b. DAPO dynamic sampling (dynamic_sampling.enable, algo.pruner=none): groups with one reward for all are
+    #     dropped and more prompts drawn, generated and scored until B groups remain (at most max_rounds rounds);
+    #     from here on the kept groups ARE the step's drawn batch.
+    refilled = refill_groups(run, step, timer, rollout) if cfg.dynamic_sampling.enable else None
+    if refilled is not None:
+        prompts = kept = refilled.prompts
+        rollout = refilled.rollout
+        prompt_cut = keep_all(len(prompts))
+
+    # 5. Advantages on the FULL groups (never recomputed from survivors) of the training reward (the task reward
+    #    plus DAPO's soft overlong penalty when overlong.buffer > 0); remember mean |A| per prompt.
+    advantages = compute_advantages(training_rewards(run, rollout), run.estimator, run.loss_cfg.advantage_eps) \
+        if kept else torch.zeros(0, G)
     if kept:
         run.history.update([p.id for p in kept], advantages)
 
@@ -146,6 +158,9 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 
     # 14. Metrics (docs/algorithms.md, "Metrics").
     metrics.update(step_metrics(run, prompt_cut, completion_cut, total_cut, rollout, batch))
+    if refilled is not None:  # reward/* over every generated group, dynamic_sampling/*
+        metrics.update(refilled.metrics())
+    metrics.update(overlong_metrics(run, rollout))
     metrics.update(timer.as_metrics())
     metrics["time/step_cpu"] = D.sum_over_ranks(timer.cpu_seconds)  # process CPU seconds of the step, all ranks
     metrics.update(run.handover.take_metrics())  # GPU memory per handover phase (none on CPU)

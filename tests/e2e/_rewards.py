@@ -31,3 +31,8 @@ def solved_or_parity(completion: str, gold) -> float:
     """1 for every completion of a prompt whose gold is a multiple of 3 (a group with one reward for all: zero
     advantage, so DPPO's prompt history marks it prunable on its next visit), ``parity`` otherwise."""
     return 1.0 if int(str(gold)) % 3 == 0 else parity(completion, gold)
+
+
+def constant(completion: str, gold) -> float:
+    """1 for everything: every group has one reward for all (dynamic sampling can never fill a batch)."""
+    return 1.0
