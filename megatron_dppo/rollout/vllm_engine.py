@@ -7,11 +7,18 @@ generate() with the same prompts and sampling parameters (same seeds) and gets t
 without a launcher gets the same in-process setup (the rank environment is filled in for world size 1).
 
 Weights. ``load_weights`` streams the trainer's HF-named tensors (``convert.export_hf_weights``) into every
-worker with ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``: vLLM's
-``Worker.reload_weights`` runs the model's own ``load_weights`` (fusing q/k/v and gate/up, sharding for TP) inside
-its layer-wise reload, then resets the prefix cache. Calling ``model_runner.model.load_weights`` directly skips
-that bookkeeping and breaks on vLLM's CPU build. Each tensor is first checked against the names and shapes of the
-HF architecture (built on the meta device), so a bad name or shape raises ValueError before vLLM sees it.
+worker; how depends on the installed vLLM (``weight_push_api``, read from its version):
+
+* vLLM >= 0.16: ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``. vLLM's
+  ``Worker.reload_weights`` runs the model's own ``load_weights`` (fusing q/k/v and gate/up, sharding for TP)
+  inside its layer-wise reload. Calling ``model.load_weights`` directly skips that bookkeeping and breaks on
+  vLLM's CPU build.
+* vLLM 0.14 / 0.15: ``Worker.reload_weights(self)`` takes no argument (it re-reads the checkpoint from disk), so
+  the stream goes to the model's own ``load_weights`` in each worker through ``collective_rpc`` with a function
+  (``_load_into_model``; in-process under ``external_launcher``, nothing is pickled).
+
+The prefix cache is reset after either. Each tensor is first checked against the names and shapes of the HF
+architecture (built on the meta device), so a bad name or shape raises ValueError before vLLM sees it.
 
 Log-probs. The engine is created with ``logprobs_mode="processed_logprobs"`` and asks for ``logprobs=0``, so
 ``Completion.logprobs`` is the log-prob of each sampled token under the sampling distribution (after temperature,
@@ -63,6 +70,33 @@ def import_vllm():
                           "`pip install megatron-dppo[gpu]` (or `pip install vllm`); on CPU use the 'hf' engine "
                           f"(import error: {err})") from err
     return vllm
+
+
+# The first vLLM whose Worker.reload_weights takes the weights (weights_iterator=..., is_checkpoint_format=...):
+# 0.16.0 (layer-wise reloading). 0.14.0 and 0.15.x define ``reload_weights(self) -> None``.
+RELOAD_TAKES_WEIGHTS_SINCE = (0, 16)
+WEIGHT_PUSH_APIS = ("reload_weights", "model_load_weights")
+
+
+def weight_push_api(vllm_version: str) -> str:
+    """How a vLLM of ``vllm_version`` takes pushed weights: ``reload_weights`` (>= 0.16, the worker's layer-wise
+    reload) or ``model_load_weights`` (0.14 / 0.15: the model's own ``load_weights``). A version that does not
+    parse (a source build's "dev") is taken as the newest."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(vllm_version).release
+    except InvalidVersion:
+        logger.warning("vLLM version %r does not parse; pushing weights with the newest API (reload_weights)",
+                       vllm_version)
+        return "reload_weights"
+    return "reload_weights" if release[:2] >= RELOAD_TAKES_WEIGHTS_SINCE else "model_load_weights"
+
+
+def _load_into_model(worker, weights) -> None:
+    """Runs in each vLLM worker (vLLM < 0.16; ``collective_rpc`` passes the worker first): the model's own
+    ``load_weights`` maps the HF names, fuses q/k/v and gate/up and takes this worker's TP slice."""
+    worker.model_runner.get_model().load_weights(weights)
 
 
 def read_eos_token_ids(model_path: str | Path) -> list[int]:
@@ -136,6 +170,7 @@ class VLLMRolloutEngine:
         if on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(llm_kwargs)
+        self.weight_push = weight_push_api(str(getattr(vllm, "__version__", "dev")))
         self.llm = vllm.LLM(**kwargs)
         self._asleep: set[str] = set()  # parts put to sleep and not yet woken
         self._weights_incomplete = False  # a weight push failed midway
@@ -203,8 +238,11 @@ class VLLMRolloutEngine:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":  # an engine-core process: must pickle
             stream = list(stream)
         self._weights_incomplete = True
-        self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+        if self.weight_push == "reload_weights":
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+        else:
+            self.llm.collective_rpc(_load_into_model, args=(stream,))
         self._weights_incomplete = False
         self.llm.reset_prefix_cache()
         return counter[0]
