@@ -237,7 +237,33 @@ def _field_spec(cfg: Config):
     d = cfg.data
     if d.prompt_field is not None:
         return FieldSpec(d.prompt_field, d.answer_field, d.answer_format, d.id_field)
-    return d.preset  # a preset name, or None = by file name
+    return d.preset  # a preset name, or None = the named set's / prepared layout / by file name
+
+
+def train_sources(cfg: Config) -> list[str]:
+    """What the training prompts are read from: data.train_files, or [data.dataset]."""
+    return [cfg.data.dataset] if cfg.data.dataset else list(cfg.data.train_files)
+
+
+def load_train_records(cfg: Config) -> list:
+    """The PromptRecords of data.dataset (through the datasets library) or data.train_files (concatenated)."""
+    from megatron_dppo.data import load_prompt_dataset
+
+    d = cfg.data
+    if not d.dataset:
+        return list(load_prompt_dataset(d.train_files, _field_spec(cfg), d.limit))
+    from megatron_dppo.data import PromptDataset
+    from megatron_dppo.data.datasets import ReadStats
+    from megatron_dppo.data.hub import load_records
+
+    stats = ReadStats()
+    records, src = load_records(d.dataset, split=d.split, subset=d.subset, fields=_field_spec(cfg),
+                                revision=d.revision, limit=d.limit, bad_rows=d.bad_rows, dedupe=d.dedupe,
+                                stats=stats)
+    if (stats.skipped or stats.duplicates) and D.is_main():
+        print(f"data.dataset={d.dataset}: {len(records)} prompts ({len(stats.skipped)} unreadable rows skipped, "
+              f"{stats.duplicates} duplicates dropped)", flush=True)
+    return list(PromptDataset(records, src.name))
 
 
 def encode_prompts(cfg: Config, records, tokenizer, arch) -> list[Prompt]:
@@ -262,12 +288,10 @@ def encode_prompts(cfg: Config, records, tokenizer, arch) -> list[Prompt]:
 
 def load_train_prompts(cfg: Config, tokenizer, arch) -> tuple[list[Prompt], list[tuple[list[int], list[int]]]]:
     """Training prompts, and for the arithmetic task the gold completions of the warm start."""
-    from megatron_dppo.data import load_prompt_dataset
-
     if cfg.data.task == "arithmetic":
         records = arithmetic_task(cfg).records(cfg.data.arithmetic_train_size, "train")
     else:
-        records = list(load_prompt_dataset(cfg.data.train_files, _field_spec(cfg), cfg.data.limit))
+        records = load_train_records(cfg)
     prompts = encode_prompts(cfg, records, tokenizer, arch)
     pairs: list[tuple[list[int], list[int]]] = []
     if cfg.data.task == "arithmetic" and cfg.train.sft_steps:
@@ -306,10 +330,16 @@ def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None, *, step_bu
 
     spec = cfg.reward.fn if spec is None else spec
     if spec == "auto":
+        from megatron_dppo.data.hub import HUB_DATASETS
+
         names = " ".join(Path(f).stem.lower() for f in files)
-        arithmetic = "arithmetic_worked" if cfg.data.arithmetic_worked else "arithmetic"
-        spec = (arithmetic if cfg.data.task == "arithmetic" and (not files or "arithmetic" in names)
-                else "gsm8k" if "gsm8k" in names else "math")
+        named = {HUB_DATASETS[f].reward for f in files if f in HUB_DATASETS}  # a named dataset: its own reward
+        if cfg.data.task == "arithmetic" and (not files or "arithmetic" in names):
+            spec = "arithmetic_worked" if cfg.data.arithmetic_worked else "arithmetic"
+        elif len(named) == 1:
+            spec = named.pop()
+        else:
+            spec = "gsm8k" if "gsm8k" in names else "math"
     return RewardScorer(spec, timeout_s=cfg.reward.timeout_s, isolation=cfg.reward.isolation,
                         num_workers=cfg.reward.num_workers, budget_s=cfg.reward.step_budget_s if step_budget else None)
 

@@ -4,6 +4,8 @@
     megatron-dppo eval  --config FILE [key.sub=value ...]        # pass@1 / pass@k of the latest checkpoint
     megatron-dppo bench --config FILE [--steps N] [key=value ...] # time per phase and tokens/s, no checkpoints
     megatron-dppo convert {hf-to-megatron,megatron-to-hf,gguf-to-hf} ...   # delegates to the convert tools
+    megatron-dppo data prepare NAME|SUITE ... --out DIR [--source NAME=SRC]  # Hub datasets -> files + manifest
+    megatron-dppo data list                                       # the named datasets and suites
     megatron-dppo train --help-config                             # every option, its type, default and meaning
 
 Multi-process runs use any launcher (``torchrun --nproc-per-node 2 -m megatron_dppo.cli train ...``, ``srun``,
@@ -39,7 +41,42 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=5, help="RL steps to time (after one warm-up step)")
     conv = sub.add_parser("convert", help="checkpoint conversion (HF <-> Megatron, GGUF -> HF)", add_help=False)
     conv.add_argument("args", nargs=argparse.REMAINDER)
+    data = sub.add_parser("data", help="datasets: prepare named Hub datasets as files, list them")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser("prepare", help="download (where the Hub is reachable) and write the files training "
+                                               "and eval.suite read, with manifest.json (sources, rows, SHA-256)")
+    prep.add_argument("names", nargs="+", metavar="NAME|SUITE",
+                      help="named datasets (gsm8k, math_lighteval, math500, ...; `megatron-dppo data list`) or "
+                           "suites (math6, math8: the test files of their benchmarks)")
+    prep.add_argument("--out", required=True, help="output folder, e.g. data (then data.train_files=[data/gsm8k_"
+                                                   "train.jsonl]) or data/math (eval.data_dir's default)")
+    prep.add_argument("--source", action="append", default=[], metavar="NAME[:ROLE]=SRC",
+                      help="read NAME (its ROLE only: train or test) from SRC instead of its Hub id: another Hub "
+                           "id, a Hub-format folder, or a file; repeatable")
+    prep.add_argument("--roles", default=None, help="comma-separated roles to prepare (train,test); default: all")
+    prep.add_argument("--revision", default=None, help="Hub revision (branch, tag, commit) of the Hub sources")
+    prep.add_argument("--limit", type=int, default=None, help="write at most this many rows per file")
+    data_sub.add_parser("list", help="the named datasets (Hub id, roles, reward) and the evaluation suites")
     return parser
+
+
+def _data(args) -> int:
+    from megatron_dppo.data.hub import HUB_DATASETS  # noqa: PLC0415
+    from megatron_dppo.data.suites import SUITES  # noqa: PLC0415
+
+    if args.data_command == "list":
+        for name, d in HUB_DATASETS.items():
+            roles = ", ".join(f"{r} ({s})" if r != s else r for r, s in d.splits.items())
+            subset = f" [{d.subset}]" if d.subset else ""
+            print(f"{name:15s} {d.repo}{subset}  roles: {roles}  reward: {d.reward}  {d.about}")
+        for name, benches in SUITES.items():
+            print(f"{name:15s} suite: {', '.join(b for b, _ in benches)} (test files)")
+        return 0
+    from megatron_dppo.data.prepare import parse_sources, prepare  # noqa: PLC0415
+
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()] if args.roles else None
+    prepare(args.names, args.out, parse_sources(args.source), roles=roles, revision=args.revision, limit=args.limit)
+    return 0
 
 
 def _load(args):
@@ -85,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "convert":
             return _convert(list(args.args))
+        if args.command == "data":
+            return _data(args)
         cfg = _load(args)
         from megatron_dppo import trainer  # noqa: PLC0415 - imports torch/Megatron
         if args.command == "train":

@@ -28,6 +28,7 @@ import yaml
 
 from megatron_dppo.config_dapo import DynamicSamplingConfig, OverlongConfig
 from megatron_dppo.config_fields import _check, opt
+from megatron_dppo.config_data import DataConfig  # noqa: F401 - the data section, in its own module
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -88,8 +89,12 @@ class ParallelConfig:
     pp: int = opt(1, "Pipeline-parallel size.")
     vpp: Optional[int] = opt(None, "Virtual pipeline stages per pipeline rank (interleaved schedule); null = off.")
     sp: bool = opt(False, "Sequence parallelism (needs tp > 1).")
-    cp: int = opt(1, "Context-parallel size; only 1 is supported (packed sequences are not partitioned over CP "
-                     "ranks yet).")
+    cp: int = opt(1, "Context-parallel size: every packed sequence is split over cp ranks in 2*cp load-balanced "
+                     "chunks (long completions whose activations exceed one device). Sequences are padded to a "
+                     "multiple of 2*tp*cp; packing.capacity still counts a micro-batch's tokens over all cp ranks. "
+                     "Attention: Transformer Engine's own CP with model.attention_backend=te (GPU), the all-gather "
+                     "K/V attention of megatron/cp_attention.py with sdpa (CPU and GPU); varlen does not take cp > 1. "
+                     "MoE routing replay (model.moe_routing_replay) needs cp=1.")
     ep: int = opt(1, "Expert-parallel size (Mixture-of-Experts models): the experts of each MoE layer are spread "
                      "over ep ranks of a pipeline stage; must divide num_experts and world_size / (pp * etp).")
     etp: int = opt(1, "Expert-tensor-parallel size (MoE models): each expert split over etp ranks like a dense "
@@ -101,66 +106,6 @@ class ParallelConfig:
         _check(self.vpp is None or self.vpp >= 1, "parallel.vpp", self.vpp, "null or an integer >= 1")
         _check(not (self.vpp and self.pp == 1), "parallel.vpp", self.vpp, "null when parallel.pp == 1")
         _check(not (self.sp and self.tp == 1), "parallel.sp", self.sp, "false when parallel.tp == 1")
-        _check(self.cp == 1, "parallel.cp", self.cp, "1 (context parallelism is not supported yet: packed sequences "
-                                                     "are not partitioned over CP ranks)")
-
-
-@dataclass
-class DataConfig:
-    """Training prompts: files (JSONL/parquet) or the procedurally generated arithmetic task."""
-
-    task: Literal["files", "arithmetic"] = opt("files", "'files': prompts from data.train_files; 'arithmetic': "
-                                                        "the procedurally generated arithmetic task (quickstart).")
-    train_files: list = opt([], "JSONL or parquet files of training prompts (task=files), concatenated.")
-    preset: Optional[str] = opt(None, "Field-name preset of the files (gsm8k, math500, math, aime24, amc23, "
-                                      "minerva_math, olympiadbench, svamp, asdiv); null = picked from the file name.")
-    prompt_field: Optional[str] = opt(None, "Record field (or '{a} {b}' template over fields) holding the prompt; "
-                                            "set it to override the preset (then answer_field/answer_format apply).")
-    answer_field: Optional[str] = opt("answer", "Record field holding the gold answer (with prompt_field).")
-    answer_format: Literal["plain", "gsm8k", "boxed", "list", "strip_units"] = opt(
-        "plain", "How to read the gold answer (with prompt_field): plain, gsm8k (after '####'), boxed (last "
-                 "\\boxed{}), list (joined), strip_units.")
-    id_field: Optional[str] = opt(None, "Record field with a unique id (with prompt_field); null = file:line.")
-    limit: Optional[int] = opt(None, "Read at most this many records per file (quick experiments); null = all.")
-    template: str = opt("chat", "Prompt rendering: chat (the tokenizer's chat template; error if it has none), "
-                                "plain ('Question: ...\\nAnswer:'), raw (text as is), or a format string with "
-                                "{prompt}.")
-    system_prompt: Optional[str] = opt(None, "Optional system message (chat) or first line (other templates).")
-    instruction: Optional[str] = opt(None, "Text appended to every question after a blank line; 'math' = "
-                                           "'Please reason step by step, and put your final answer within "
-                                           "\\boxed{}.'")
-    shuffle: bool = opt(True, "Shuffle prompts each epoch with a seeded, resumable sampler (seed train.seed).")
-    arithmetic_train_size: int = opt(5000, "Number of arithmetic problems in the training split (task=arithmetic).")
-    arithmetic_min_terms: int = opt(2, "Fewest operands of an arithmetic problem.")
-    arithmetic_max_terms: int = opt(2, "Most operands of an arithmetic problem.")
-    arithmetic_max_operand: int = opt(20, "Largest operand of the arithmetic task.")
-    arithmetic_ops: str = opt("+-", "Operators used by the arithmetic task (subset of '+-*').")
-    arithmetic_eval_split: Literal["test", "train"] = opt(
-        "test", "Arithmetic evaluation prompts: test = the held-out expressions (disjoint from training); train = "
-                "fresh draws from the training distribution (for small problem spaces, e.g. single-digit operands, "
-                "where no held-out fact can be inferred from the others).")
-    arithmetic_worked: bool = opt(False, "Worked answers: the gold completion lists the running totals left to right "
-                                         "('3+4-2=' -> '7,5'; operators + and - only) and the reward is "
-                                         "arithmetic_worked (last integer == answer).")
-
-    def validate(self) -> None:
-        if self.task == "files":
-            _check(bool(self.train_files), "data.train_files", self.train_files,
-                   "a non-empty list of JSONL/parquet files when data.task=files")
-            for f in self.train_files:
-                if not Path(f).exists():
-                    raise ValueError(f"data.train_files: file {f!r} does not exist")
-        _check(self.limit is None or self.limit >= 1, "data.limit", self.limit, "null or >= 1")
-        _check(self.template in ("chat", "plain", "raw") or "{prompt}" in self.template, "data.template",
-               self.template, "chat, plain, raw or a format string containing '{prompt}'")
-        _check(self.arithmetic_train_size >= 1, "data.arithmetic_train_size", self.arithmetic_train_size, ">= 1")
-        _check(2 <= self.arithmetic_min_terms <= self.arithmetic_max_terms, "data.arithmetic_min_terms",
-               self.arithmetic_min_terms, f"in [2, data.arithmetic_max_terms={self.arithmetic_max_terms}]")
-        _check(self.arithmetic_max_operand >= 1, "data.arithmetic_max_operand", self.arithmetic_max_operand, ">= 1")
-        _check(bool(self.arithmetic_ops) and set(self.arithmetic_ops) <= set("+-*"), "data.arithmetic_ops",
-               self.arithmetic_ops, "a non-empty subset of '+-*'")
-        _check(not self.arithmetic_worked or set(self.arithmetic_ops) <= set("+-"), "data.arithmetic_ops",
-               self.arithmetic_ops, "a subset of '+-' with data.arithmetic_worked=true")
 
 
 @dataclass
@@ -465,8 +410,9 @@ class EvalConfig:
                                      "MATH-500, AIME24, AMC23, Minerva Math, OlympiadBench) or math8 (math6 + SVAMP, "
                                      "ASDiv); megatron-dppo eval prints one table with their average. For the papers' "
                                      "protocol raise eval.max_prompts to cover every prompt.")
-    data_dir: str = opt("../shared/data/math", "Folder of the suite's files (gsm8k_test.jsonl, math500_test.jsonl, "
-                                               "qwen25math/*.jsonl).")
+    data_dir: str = opt("data/math", "Folder of the suite's files: <benchmark>_test.jsonl as `megatron-dppo data "
+                                     "prepare math6 --out data/math` writes them (or the Qwen2.5-Math layout: "
+                                     "gsm8k_test.jsonl, math500_test.jsonl, qwen25math/*.jsonl).")
 
     def validate(self) -> None:
         _check(self.every >= 0, "eval.every", self.every, ">= 0")

@@ -51,7 +51,8 @@ def evaluate_checkpoint(cfg: Config) -> dict[str, float]:
     (eval.files, eval.suite), printed as one table with the average row and written to <output_dir>/eval.json."""
     if cfg.data.task != "arithmetic" and not cfg.eval.files and not cfg.eval.suite:
         raise ValueError("megatron-dppo eval needs eval.files (held-out JSONL/parquet files) or eval.suite, e.g. "
-                         "eval.files=[../shared/data/math/gsm8k_test.jsonl] or eval.suite=math6")
+                         "eval.files=[data/gsm8k_test.jsonl] or eval.suite=math6 (files written by `megatron-dppo data "
+                         "prepare gsm8k|math6 --out data`)")
     run = setup(cfg, resume=True, need_eval=True)
     try:
         metrics = evaluate(run, run.rl_step)

@@ -32,6 +32,7 @@ from megatron_dppo.build import (
     quiet_logs,
     resolve_model_dir,
     torch_dtype,
+    train_sources,
 )
 from megatron_dppo.config import Config
 from megatron_dppo.console import print_banner
@@ -108,7 +109,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
 
     # 1. everything that can be wrong with the inputs fails here, before anything is written or overwritten
     check_output_dirs(cfg)
-    scorer = build_scorer(cfg, cfg.data.train_files)  # imports a user's reward module: before any write
+    scorer = build_scorer(cfg, train_sources(cfg))  # imports a user's reward module: before any write
     tokenizer = build_tokenizer(cfg)
     model_dir = resolve_model_dir(cfg)
     hf_config = build_hf_config(cfg, tokenizer, model_dir)

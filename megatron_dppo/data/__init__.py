@@ -1,7 +1,9 @@
-"""Prompt data: datasets from JSONL/parquet, chat templates, a resumable sampler, the arithmetic quickstart task
+"""Prompt data: datasets (JSONL/parquet files; Hub ids and Hub-format folders in hub.py, `data prepare` in
+prepare.py), chat templates, a resumable sampler, the arithmetic quickstart task
 and its tiny SentencePiece tokenizer.
 
-    ds = load_prompt_dataset("../shared/data/math/gsm8k_train.jsonl")      # preset picked from the file name
+    ds = load_prompt_dataset("data/gsm8k_train.jsonl")   # `megatron-dppo data prepare gsm8k --out data` wrote it
+    records, source = hub.load_records("gsm8k", split="test")  # a named set, Hub id, Hub-format folder, file
     fmt = PromptFormatter(tokenizer, template="chat", instruction=MATH_INSTRUCTION)
     ids = encode_prompts(fmt, records, max_new_tokens=256, context_length=1024)  # raises on a too-long prompt
     sampler = PromptSampler(len(ds), seed=1); batch = [ds[i] for i in sampler.take(8)]

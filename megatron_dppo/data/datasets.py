@@ -1,18 +1,26 @@
 """Prompt datasets from JSONL or parquet files with configurable field names.
 
 Every row becomes a ``PromptRecord(id, prompt, gold, raw)``. Which fields hold the prompt and the gold answer is a
-``FieldSpec``; presets cover the files in ``../shared/data/math`` (their field names differ):
+``FieldSpec``; presets cover the common math files (their field names differ):
 
-    gsm8k          question            answer after "#### "     (gsm8k_train/test, qwen25math/gsm8k)
-    math500        problem             answer                   (math500_test)
+    gsm8k          question            answer after "#### "     (openai/gsm8k; gsm8k_train/test.jsonl)
+    math500        problem             answer                   (MATH-500)
+    math           problem             answer                   (a MATH split with an answer column)
+    math_lighteval problem             last \\boxed{} of solution (MATH / MATH-lighteval: no answer column)
     aime24, amc23  problem             answer                   (numbers like 27.0 become "27")
     minerva_math   problem             last \\boxed{} of solution
     olympiadbench  question            final_answer (a list, joined with ", ")
     svamp          "{Body} {Question}"  Answer
     asdiv          "{body} {question}"  answer without its "(unit)" suffix
+    deepscaler     problem             answer
+    dapo_math_17k  prompt.0.content    reward_model.ground_truth (the verl chat layout)
+    prepared       prompt              answer                   (what ``megatron-dppo data prepare`` writes)
 
-``load_prompt_dataset(path)`` picks the preset from the file name when ``fields`` is not given and falls back to
-``FieldSpec()`` (question / answer). A prompt spec containing "{" is a template over the row's fields.
+A field name may be a dotted path into nested rows: ``reward_model.ground_truth``, ``prompt.0.content`` (a list
+index). ``load_prompt_dataset(path)`` reads a file whose rows carry ``id``, ``prompt`` (text) and ``answer`` as the
+``prepared`` layout; otherwise it picks the preset from the file name when ``fields`` is not given and falls back to
+``FieldSpec()`` (question / answer). A prompt spec containing "{" is a template over the row's fields. Hub ids and
+Hub-format folders are read by ``megatron_dppo.data.hub``.
 
 Bad input fails early with the file, the line (row number for parquet) and the field: invalid JSON, a row that is
 not an object, a missing / null / non-text field, an empty prompt, a GSM8K answer without "#### ". A missing file
@@ -20,10 +28,11 @@ and a file without rows fail too. All of these raise ``DatasetError`` (a ValueEr
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import string
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,7 +99,17 @@ DATASET_PRESETS: dict[str, FieldSpec] = {
     "olympiadbench": FieldSpec("question", "final_answer", "list", id="id"),
     "svamp": FieldSpec("{Body} {Question}", "Answer", "plain", id="ID"),
     "asdiv": FieldSpec("{body} {question}", "answer", "strip_units", id="idx"),
+    "math_lighteval": FieldSpec("problem", "solution", "boxed"),
+    "deepscaler": FieldSpec("problem", "answer", "plain"),
+    "dapo_math_17k": FieldSpec("prompt.0.content", "reward_model.ground_truth", "plain", id="extra_info.index"),
+    "prepared": FieldSpec("prompt", "answer", "plain", id="id"),
 }
+PREPARED_KEYS = ("id", "prompt", "answer")  # a row with these (prompt as text) is read with the "prepared" preset
+
+
+def is_prepared_row(row: dict) -> bool:
+    """A row in the layout ``megatron-dppo data prepare`` writes: id, prompt (text) and answer."""
+    return all(k in row for k in PREPARED_KEYS) and isinstance(row["prompt"], str)
 
 
 def resolve_fields(fields: FieldSpec | str | None, path: str | Path) -> FieldSpec:
@@ -103,11 +122,17 @@ def resolve_fields(fields: FieldSpec | str | None, path: str | Path) -> FieldSpe
         return DATASET_PRESETS[fields]
     if fields is not None:
         raise DatasetError(f"fields must be a FieldSpec, a preset name or None, got {type(fields).__name__}")
+    name = preset_for_name(path)
+    return DATASET_PRESETS[name] if name else FieldSpec()
+
+
+def preset_for_name(path: str | Path) -> str | None:
+    """The preset whose name is the file name's stem or starts it before "_" / "-"; None when none does."""
     stem = Path(path).name.split(".")[0].lower()
     for name in sorted(DATASET_PRESETS, key=len, reverse=True):  # "math500" before "math"
         if stem == name or stem.startswith(name + "_") or stem.startswith(name + "-"):
-            return DATASET_PRESETS[name]
-    return FieldSpec()
+            return name
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -158,17 +183,29 @@ def _text(value: Any, where: str, name: str) -> str:
 
 
 def _get(row: dict, name: str, where: str) -> Any:
-    if name not in row:
-        keys = ", ".join(sorted(map(str, row))) or "none"
-        raise DatasetError(f"{where}: missing field {name!r} (the row has: {keys}); set the dataset's field names")
-    return row[name]
+    """``row[name]``; a name that is not a key but contains dots is a path: ``a.b`` = row["a"]["b"], ``a.0`` = the
+    first element of the list row["a"]."""
+    if name in row:
+        return row[name]
+    value: Any = row
+    if "." in name:
+        for part in name.split("."):
+            if isinstance(value, dict) and part in value:
+                value = value[part]
+            elif isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
+                value = value[int(part)]
+            else:
+                break
+        else:
+            return value
+    keys = ", ".join(sorted(map(str, row))) or "none"
+    raise DatasetError(f"{where}: missing field {name!r} (the row has: {keys}); set the dataset's field names")
 
 
 def _prompt(row: dict, spec: FieldSpec, where: str) -> str:
-    if "{" in spec.prompt:
-        names = [name for _, name, _, _ in string.Formatter().parse(spec.prompt) if name]
-        values = {name: _text(_get(row, name, where), where, name) for name in names}
-        text = spec.prompt.format(**values)
+    if "{" in spec.prompt:  # literal text and {field} values in order (a field may be a dotted path)
+        text = "".join(literal + ("" if name is None else _text(_get(row, name, where), where, name))
+                       for literal, name, _, _ in string.Formatter().parse(spec.prompt))
     else:
         value = _get(row, spec.prompt, where)
         if not isinstance(value, str):
@@ -248,6 +285,56 @@ class PromptDataset(Sequence):
         return f"PromptDataset({self.name!r}, {len(self)} records)"
 
 
+BAD_ROWS = ("error", "skip")
+
+
+@dataclass
+class ReadStats:
+    """What reading a dataset dropped: rows that could not be read (``bad_rows="skip"``: one message each, naming
+    the row and the field) and rows whose prompt and gold repeat an earlier row's (``dedupe``)."""
+
+    rows: int = 0
+    skipped: list = field(default_factory=list)
+    duplicates: int = 0
+
+
+def rows_to_records(rows: Iterable[tuple[int, dict]], spec: FieldSpec | None, name: str,
+                    where: Callable[[int], str], limit: int | None = None, *, bad_rows: str = "error",
+                    dedupe: bool = False, stats: ReadStats | None = None) -> list[PromptRecord]:
+    """PromptRecords of ``(row number, row)`` pairs. ``spec`` None: the ``prepared`` layout when the first row is
+    in it (``is_prepared_row``), else ``FieldSpec()``. Ids are ``<name>:<id field>`` or ``<name>:<row number>``.
+    ``bad_rows``: error (the first unreadable row raises DatasetError) or skip (drop it, counted in ``stats``);
+    ``dedupe``: drop a row whose prompt and gold equal an earlier row's."""
+    if bad_rows not in BAD_ROWS:
+        raise ValueError(f"bad_rows={bad_rows!r} is not one of {BAD_ROWS}")
+    stats = stats if stats is not None else ReadStats()
+    records: list[PromptRecord] = []
+    seen: set[tuple[str, str | None]] = set()
+    for row_no, row in rows:
+        stats.rows += 1
+        at = where(row_no)
+        if spec is None:
+            spec = DATASET_PRESETS["prepared"] if is_prepared_row(row) else FieldSpec()
+        try:
+            key = row_no if spec.id is None else _text(_get(row, spec.id, at), at, spec.id)
+            record_id = f"{name}:{key}"
+            record = PromptRecord(record_id, _prompt(row, spec, at), _gold(row, spec, at), row)
+        except DatasetError as err:
+            if bad_rows == "error":
+                raise
+            stats.skipped.append(str(err))
+            continue
+        if dedupe:
+            if (record.prompt, record.gold) in seen:
+                stats.duplicates += 1
+                continue
+            seen.add((record.prompt, record.gold))
+        records.append(record)
+        if limit is not None and len(records) >= limit:
+            break
+    return records
+
+
 def read_prompt_records(path: str | Path, fields: FieldSpec | str | None = None,
                         limit: int | None = None) -> list[PromptRecord]:
     """PromptRecords of one JSONL (``.jsonl``/``.json`` lines) or parquet file; see the module docstring."""
@@ -256,25 +343,22 @@ def read_prompt_records(path: str | Path, fields: FieldSpec | str | None = None,
         raise DatasetFileNotFoundError(f"dataset file not found: {path}")
     if not path.is_file():
         raise DatasetError(f"dataset path is not a file: {path}")
-    spec = resolve_fields(fields, path)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         rows, unit = _iter_parquet(path), "row"
     elif suffix in (".jsonl", ".json", ".ndjson"):
         rows, unit = _iter_jsonl(path), "line"
     else:
-        raise DatasetError(f"{path}: unsupported dataset format {suffix!r}; use .jsonl or .parquet")
-    records = []
-    for line_no, row in rows:
-        where = f"{path}:{line_no}" if unit == "line" else f"{path}: row {line_no}"
-        record_id = (f"{path.stem}:{line_no}" if spec.id is None
-                     else f"{path.stem}:{_text(_get(row, spec.id, where), where, spec.id)}")
-        records.append(PromptRecord(record_id, _prompt(row, spec, where), _gold(row, spec, where), row))
-        if limit is not None and len(records) >= limit:
-            break
-    if not records:
+        raise DatasetError(f"{path}: unsupported dataset format {suffix!r}; use .jsonl or .parquet (other formats "
+                           "and Hub-format folders: data.dataset)")
+    rows = iter(rows)
+    first = next(rows, None)
+    if first is None:
         raise DatasetError(f"{path}: the dataset is empty (no rows)")
-    return records
+    prepared = fields is None and is_prepared_row(first[1])
+    spec = DATASET_PRESETS["prepared"] if prepared else resolve_fields(fields, path)
+    where = (lambda n: f"{path}:{n}") if unit == "line" else (lambda n: f"{path}: row {n}")
+    return rows_to_records(itertools.chain([first], rows), spec, path.stem, where, limit)
 
 
 def load_prompt_dataset(paths: str | Path | Sequence[str | Path], fields: FieldSpec | str | None = None,
