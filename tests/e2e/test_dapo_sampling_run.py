@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+import torch
+
 from _e2e_helpers import read_metrics, run_cli, stable_metrics, tiny_config, write_config
 
 B, G = 8, 4
@@ -69,3 +72,23 @@ def test_refill_stops_at_max_rounds_with_a_warning(tmp_path):
         assert r["dynamic_sampling/kept_groups"] == 0 and r["train/skipped"] == 1
     warnings = [line for line in proc.stderr.splitlines() if "dynamic_sampling.max_rounds=3" in line]
     assert len(warnings) == 2 and "found 0 of 8 groups" in warnings[0], proc.stderr[-3000:]
+
+
+@pytest.mark.multiproc
+def test_refill_under_data_parallelism_every_rank_agrees(tmp_path):
+    """DP2: both ranks run the same refill rounds (rank 0's rewards decide, broadcast; a rank that decided otherwise
+    would hang in the next collective), and the checkpointed sampler position counts every round's prompts."""
+    out = tmp_path / "dp2"
+    proc = run_cli(write_config(tmp_path / "dp2.yaml", _cfg(out, train={"steps": 3}, checkpoint={"every": 0})),
+                   nproc=2)
+    assert "world 2 (tp 1, pp 1, dp 2)" in proc.stdout
+    rl = [r for r in read_metrics(out) if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == [0, 1, 2]
+    for r in rl:  # B groups, or fewer after max_rounds = 4 rounds (then trained on both ranks all the same)
+        assert r["dynamic_sampling/kept_groups"] == B or r["dynamic_sampling/exhausted"] == 1
+        assert r["loss/denominator"] == r["dynamic_sampling/kept_groups"] * G - r["overlong/filtered"]
+    assert any(r["dynamic_sampling/kept_groups"] == B for r in rl) and any(r["dynamic_sampling/rounds"] > 1 for r in rl)
+    (final,) = (out / "checkpoints").glob("step_*")  # the sampler position a resume starts from (rank 0 writes it)
+    sampler = torch.load(final / "common.pt", weights_only=False)["extra"]["sampler"]
+    drawn = sum(r["dynamic_sampling/prompts_drawn"] for r in rl)  # every round's prompts counted
+    assert sampler["epoch"] * 16 + sampler["cursor"] == drawn > 3 * B
