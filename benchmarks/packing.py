@@ -77,7 +77,7 @@ def tokenize_dataset(data_dir: Path, tokenizer_name: str) -> dict[str, list[tupl
         path = data_dir / file
         if not path.exists():
             sys.exit(f"missing {path}: the benchmark reads GSM8K / MATH-500 from {data_dir}")
-        rows = load_jsonl(path)
+        rows = [r.get("raw", r) for r in load_jsonl(path)]  # a prepared file keeps the source row under "raw"
         out[name] = [
             (len(tok.encode(TEMPLATE.format(system=SYSTEM, question=r[q_key]))), len(tok.encode(r[a_key])) + 1)
             for r in rows
@@ -228,7 +228,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not args.data_dir.is_dir():
         sys.exit(f"data directory {args.data_dir} not found: the benchmark needs GSM8K / MATH-500 jsonl files "
-                 f"from ../shared/data/math (pass --data-dir)")
+                 f"(`megatron-dppo data prepare gsm8k math500 --out {args.data_dir}`, or pass --data-dir)")
     report = run(args)
     print(markdown(report))
     C.write_json(args.out, report)
