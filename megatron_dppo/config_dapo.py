@@ -46,8 +46,9 @@ class OverlongConfig:
     buffer: int = opt(0, "L_cache of DAPO's soft overlong punishment: a completion of L tokens (stop token "
                          "included) longer than L_max - L_cache, L_max = rollout.max_new_tokens, gets the reward "
                          "penalty -overlong.penalty * (L - (L_max - L_cache)) / L_cache, reaching -penalty at L_max; "
-                         "shorter ones get 0. Shapes the reward the advantages (and dynamic sampling) see; reward/* "
-                         "metrics stay the task reward. 0 = off. verl reward_model.overlong_buffer.len.")
+                         "shorter ones get 0. Shapes the reward the advantages, dynamic sampling and algo."
+                         "drop_zero_variance_groups see; reward/* metrics stay the task reward. 0 = off. verl "
+                         "reward_model.overlong_buffer.len.")
     penalty: float = opt(1.0, "Largest soft overlong penalty (at L_max), >= 0 (verl overlong_buffer.penalty_factor).")
     filter: bool = opt(False, "Overlong filtering: completions cut at the length limit (finish reason 'length') are "
                               "removed from the loss, from its numerator and from every denominator (D counts only "
