@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Staged device check of the GPU path (scripts/gpu_check.py): installs the carried wheels, then runs every stage
-# guarded, writing $OUT/gpu_check.json after each. <= 6 minutes on one H200.
+# guarded, writing $OUT/gpu_check.json after each. <= 6 minutes on one H200. $OUT receives only the report and
+# short logs; run folders and checkpoints go to a temporary folder that is removed at the end.
 #
 # Device call (the `run` tool of a session lent an H200), after `bash scripts/device_wheels.sh` here:
 #     command:   bash scripts/gpu_check.sh
@@ -29,5 +30,7 @@ if compgen -G ".whl/*.whl" >/dev/null && ! "$PY" -c "import megatron.core" >/dev
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+# deterministic cuBLAS for the checkpoint stage's resumed step (read once, when CUDA starts)
+export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 exec timeout "${GPU_CHECK_TIMEOUT:-400}" "$PY" scripts/gpu_check.py "$@"

@@ -1,7 +1,9 @@
 """``scripts/gpu_check.sh --cpu-smoke``: the device check's stages, small and in fp32 on the CPU, so the script
 that runs on the lent GPU cannot rot. Every stage must pass (its own thresholds: varlen shim == per-sequence SDPA,
 Megatron THD logits == transformers for llama/qwen2/qwen3, export round trip, fp32 master weights change, the
-checkpoint reloads bit-exact)."""
+checkpoint reloads bit-exact). ``$OUT`` (here ``--out``) keeps only the report and short logs: a device run returns
+only a few small files. The resumed step's comparison is tested on its own (a GPU's backward may add in another
+order)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +15,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _only_report_and_logs(out: Path) -> None:
+    names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    assert "gpu_check.json" in names
+    assert [n for n in names if n != "gpu_check.json" and not (n.endswith(".log") and "/" not in n)] == []
+    assert all((out / n).stat().st_size <= 6000 for n in names if n.endswith(".log"))
 
 
 def _run(tmp_path, *args):
@@ -33,6 +42,8 @@ def test_gpu_check_cpu_smoke_every_stage_passes(tmp_path):
     assert stages["varlen"]["module_tail_zero"] and stages["checkpoint"]["bit_exact"]
     assert stages["train_step"]["master_weights"] == "torch.float32" and stages["train_step"]["master_weights_changed"]
     assert stages["moe"]["logits_max_diff_fp32"] <= 1e-3 and stages["moe"]["master_weights_changed"]
+    assert stages["train_step"]["device_dtype_audit"] == [] and stages["checkpoint"]["next_step_grad_norm_exact"]
+    _only_report_and_logs(tmp_path)
 
 
 @pytest.mark.slow
@@ -41,3 +52,23 @@ def test_gpu_check_cpu_smoke_quickstart_resumes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     stage = report["stages"]["quickstart"]
     assert stage["status"] == "pass" and stage["rl_steps"] == 2 and "attention sdpa" in stage["banner"]
+    assert stage["logs"] == ["quickstart_run1.log", "quickstart_run2.log"]
+    _only_report_and_logs(tmp_path)  # the run folder and its checkpoints stayed in the scratch folder
+
+
+def test_resumed_step_comparison():
+    """Loss bit-exact always; the grad norm bit-exact on the CPU, within 1e-3 relative on a GPU."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from gpu_checks.train_stages import GRAD_NORM_RTOL, compare_next_step
+
+    step = {"loss": 0.5, "grad_norm": 2.0}
+    near = {"loss": 0.5, "grad_norm": 2.0 * (1 + GRAD_NORM_RTOL / 4)}
+    assert compare_next_step(step, dict(step), exact_grad_norm=True)["next_step_grad_norm_exact"]
+    figures = compare_next_step(step, near, exact_grad_norm=False)
+    assert not figures["next_step_grad_norm_exact"] and 0 < figures["next_step_grad_norm_rel_diff"] < GRAD_NORM_RTOL
+    with pytest.raises(AssertionError, match="grad norm differs after resume"):
+        compare_next_step(step, near, exact_grad_norm=True)
+    with pytest.raises(AssertionError, match="grad norm differs after resume"):
+        compare_next_step(step, {"loss": 0.5, "grad_norm": 2.01}, exact_grad_norm=False)
+    with pytest.raises(AssertionError, match="loss differs after resume: 0.5 vs 0.5000001"):
+        compare_next_step(step, {"loss": 0.5000001, "grad_norm": 2.0}, exact_grad_norm=False)

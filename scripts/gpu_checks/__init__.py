@@ -1,0 +1,1 @@
+"""The device check's stages (``scripts/gpu_check.py`` runs them), one module per concept."""

@@ -1,0 +1,54 @@
+"""Stage 7: the CLI quickstart (a subprocess: its own process group) for a few steps, then resumed for more: bf16
+on CUDA, the small fp32 variant with ``--cpu-smoke``."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .harness import Check, require
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def stage_quickstart(c: Check) -> dict:
+    """Two CLI runs, the second resuming the first's checkpoint; the run folder lives in ``c.work``, the tail of
+    each run's output goes to ``quickstart_run<i>.log`` next to the report."""
+    import shutil
+
+    out = c.work / "quickstart"
+    shutil.rmtree(out, ignore_errors=True)
+    base = [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", str(REPO / "examples" / "quickstart.yaml"),
+            f"train.output_dir={out}", "eval.every=0", "logging.progress_bar=false"]
+    if c.cpu_smoke:
+        base += ["train.sft_steps=1", "train.prompts_per_step=4", "train.group_size=2", "train.sft_batch_size=8",
+                 "data.arithmetic_train_size=16", "rollout.max_new_tokens=3"]
+        first, second = 1, 2
+    else:
+        base += ["model.dtype=bfloat16", "train.sft_steps=20", "train.cpu_threads=4"]
+        first, second = 4, 8
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        env.pop(key, None)
+    timings, logs, log_files = [], [], []
+    for run, steps in enumerate((first, second), 1):
+        t0 = time.perf_counter()
+        proc = subprocess.run(base + [f"train.steps={steps}"], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=150 if not c.cpu_smoke else 120)
+        timings.append(round(time.perf_counter() - t0, 1))
+        logs.append(proc.stdout + proc.stderr)
+        log_files.append(c.write_log(f"quickstart_run{run}", logs[-1]))
+        require(proc.returncode == 0, f"quickstart train.steps={steps} exited {proc.returncode}:\n{logs[-1][-3000:]}")
+    require("resuming" in logs[1], "the second run did not resume from the first run's checkpoint")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rl = [m for m in metrics if m.get("phase") == "rl" and "reward/mean" in m]
+    steps_seen = sorted({m.get("step") for m in rl})
+    require(steps_seen == list(range(second)), f"RL steps logged {steps_seen}, expected 0..{second - 1}")
+    rewards = [m["reward/mean"] for m in rl]
+    require(all(math.isfinite(r) for r in rewards), f"non-finite rewards {rewards}")
+    return {"runs_s": timings, "rl_steps": len(steps_seen), "reward_mean_last": rewards[-1], "logs": log_files,
+            "banner": next((line for line in logs[0].splitlines() if line.startswith("megatron-dppo:")), None)}
