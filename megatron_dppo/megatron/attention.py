@@ -18,6 +18,11 @@ Engine, which handles them, needs CUDA. ``SDPACoreAttention`` is the local-spec 
   Padding positions inside a segment come after its real tokens, so causality keeps them out of every real
   token's output.
 
+Context parallelism (``context_parallel_size > 1``, thd only): the layer holds this CP rank's zigzag part of every
+sequence and the GLOBAL offsets; ``SDPACoreAttention`` runs ``cp_attention.context_parallel_attention`` (all-gather
+K/V over the CP group, reduce-scatter of dK/dV, bottom-right-causal segments on ``cp_kernel``). The varlen module
+refuses cp > 1 for now; the TE spec uses Transformer Engine's own CP.
+
 Grouped-query attention: each of the ``ng`` key/value heads serves ``np/ng`` consecutive query heads.
 ``torch.nn.attention.flex_attention`` is not used: it has no CPU backward.
 
@@ -46,6 +51,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from .cp_attention import context_parallel_attention, sdpa_causal_segments
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,17 +72,20 @@ class SDPACoreAttention(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(f"context_parallel_size={config.context_parallel_size}: context parallelism needs "
-                             "Transformer Engine attention; SDPACoreAttention supports 1 only")
         if config.window_size is not None:
             raise ValueError(f"window_size={config.window_size}: sliding-window attention is not supported by "
                              "SDPACoreAttention")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r}: SDPACoreAttention supports 'vanilla' only")
+        cp = config.context_parallel_size
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            required = ["tp", "cp"] if cp > 1 else ["tp"]
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=required)
         tp_size = pg_collection.tp.size()
+        # context parallelism: this rank holds its zigzag part of every packed sequence (cp_attention.py)
+        self.cp_group = pg_collection.cp if cp > 1 else None
+        if self.cp_group is not None and self.cp_group.size() != cp:
+            raise ValueError(f"context_parallel_size={cp} but the CP process group has {self.cp_group.size()} ranks")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.num_heads = divide(config.num_attention_heads, tp_size)
@@ -83,6 +93,9 @@ class SDPACoreAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if self.cp_group is not None and self.dropout_p:
+            raise ValueError(f"attention_dropout={self.dropout_p} with context_parallel_size={cp}: the "
+                             "context-parallel attention has no dropout (RL fine-tuning runs with 0)")
 
     # ------------------------------------------------------------------------------------------------------
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool) -> Tensor:
@@ -137,6 +150,22 @@ class SDPACoreAttention(MegatronModule):
             out = out.index_put((index[valid],), seg_out.permute(0, 2, 1, 3)[valid])
         return out.reshape(total, self.num_heads * self.head_dim)
 
+    # the kernel of the context-parallel path: bottom-right-causal segments (cp_attention.context_parallel_attention)
+    cp_kernel = staticmethod(sdpa_causal_segments)
+
+    def _forward_thd_cp(self, query: Tensor, key: Tensor, value: Tensor,
+                        packed_seq_params: PackedSeqParams) -> Tensor:
+        """This CP rank's queries (its zigzag part of every sequence) against all keys of their sequences; the
+        packed params hold the GLOBAL padded offsets."""
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        if cu is None:
+            raise ValueError("packed_seq_params with qkv_format='thd' needs cu_seqlens_q (and/or _padded)")
+        out = context_parallel_attention(query, key, value, cu, self.cp_group, scale=self.softmax_scale,
+                                         attend=self.cp_kernel)
+        return out.reshape(query.size(0), self.num_heads * self.head_dim)
+
     def _causal(self, attn_mask_type: Optional[AttnMaskType] = None) -> bool:
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         return mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -156,7 +185,11 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             if attn_mask_type is not None and not self._causal(attn_mask_type):
                 raise ValueError(f"attn_mask_type={attn_mask_type}: packed (thd) attention is causal only")
+            if self.cp_group is not None:
+                return self._forward_thd_cp(query, key, value, packed_seq_params)
             return self._forward_thd(query, key, value, packed_seq_params)
+        if self.cp_group is not None:
+            raise ValueError("context parallelism needs packed (thd) batches: pass packed_seq_params")
         if packed_seq_params is not None:
             raise ValueError(f"qkv_format={packed_seq_params.qkv_format!r} is not supported; use 'thd' or "
                              "no packed_seq_params")
@@ -192,6 +225,9 @@ class VarlenCoreAttention(SDPACoreAttention):
 
     def __init__(self, config: TransformerConfig, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
+        if self.cp_group is not None:
+            raise ValueError(f"context_parallel_size={config.context_parallel_size}: the varlen backend has no "
+                             "context-parallel path yet; use model.attention_backend=sdpa (any device) or te")
         if self.dropout_p:
             raise ValueError(f"attention_dropout={self.dropout_p}: the varlen backend has no dropout (RL "
                              "fine-tuning runs with 0); use model.attention_backend=sdpa or te")

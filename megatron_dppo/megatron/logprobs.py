@@ -24,6 +24,15 @@ backward. The entropy is a metric by default: computed under ``no_grad``, and on
 THD: ``packed_seq_params(batch)`` turns a ``packing.ThdBatch`` into Megatron's ``PackedSeqParams``;
 ``forward_thd(model, batch)`` runs the ``GPTModel`` on it (input ``[1, T]``); ``compute_logprobs`` runs the
 forward-only pipeline schedule over micro-batches for any TP/PP/VPP layout.
+
+Context parallelism (``parallel.cp > 1``): ``forward_thd`` hands the model this CP rank's zigzag part of the
+micro-batch (``packing.context_parallel``) with the GLOBAL packed offsets (Megatron's THD RoPE and the attention
+place the local positions by them), so the logits cover ``T / cp`` positions. ``batch_logprobs`` takes this
+rank's labels, computes the local log-probs and all-gathers them over the CP group in the full order
+(``cp_comm.gather_cp_same_grad``): every CP rank then holds the log-probs of the whole micro-batch and computes
+the same loss over all of its tokens, so per-sequence terms (GSPO's sequence ratio) and every denominator are
+those of cp = 1. The backward keeps each rank's own slice; Megatron's DDP sums the parameter gradients over the
+data-parallel x context-parallel ranks.
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ import torch
 from torch import Tensor
 
 from . import compat
+from .cp_comm import gather_cp_same_grad, split_to_cp_rank
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -185,7 +195,8 @@ def forward_thd(model, batch) -> Tensor:
 
     Returns the vocab-sharded logits ``[T, V/tp]`` on the last pipeline stage, else the hidden states Megatron
     hands to the next stage (``[T / tp if sequence parallel else T, 1, hidden]``). Under a pipeline schedule
-    non-first stages read their input from ``set_input_tensor``; tokens are ignored there.
+    non-first stages read their input from ``set_input_tensor``; tokens are ignored there. Under context
+    parallelism ``T`` is this CP rank's ``T / cp`` positions (module docstring; ``batch_logprobs``).
     """
     unwrapped = _unwrap(model)
     config = unwrapped.config
@@ -194,9 +205,17 @@ def forward_thd(model, batch) -> Tensor:
         raise ValueError(f"packed batch of {total} positions is not divisible by tp="
                          f"{config.tensor_model_parallel_size} (sequence parallel splits it over the TP ranks); "
                          "build it with pad_multiple=packing.thd_pad_multiple(tp, cp, sequence_parallel=True)")
+    cp_group = context_parallel_group()
+    if cp_group is not None:  # this CP rank's part; the packed params keep the global offsets
+        cp = cp_group.size()
+        if config.sequence_parallel and (total // cp) % config.tensor_model_parallel_size:
+            raise ValueError(f"packed batch of {total} positions: its 1/cp={cp} part is not divisible by tp="
+                             f"{config.tensor_model_parallel_size}; build it with "
+                             "pad_multiple=packing.thd_pad_multiple(tp, cp, sequence_parallel=True)")
     device = _engine_device()
-    tokens = batch.tokens.to(device).unsqueeze(0)  # [1, T]
-    position_ids = batch.position_ids.to(device).unsqueeze(0)
+    cu = batch.cu_seqlens_padded
+    tokens = split_to_cp_rank(batch.tokens, cu, cp_group).to(device).unsqueeze(0)  # [1, T / cp]
+    position_ids = split_to_cp_rank(batch.position_ids, cu, cp_group).to(device).unsqueeze(0)
     out = model(tokens, position_ids, None, packed_seq_params=packed_seq_params(batch, device))
     if getattr(unwrapped, "post_process", True):
         return mask_vocab_padding(out.squeeze(0), getattr(unwrapped, "unpadded_vocab_size", None))  # [T, V/tp]
@@ -216,13 +235,35 @@ def mask_vocab_padding(logits_shard: Tensor, vocab_size: int | None) -> Tensor:
     return logits_shard.masked_fill(pad, torch.finfo(logits_shard.dtype).min / 2)
 
 
+def context_parallel_group():
+    """Megatron's context-parallel group, or None when cp = 1."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
+
+
+def batch_logprobs(logits_shard: Tensor, batch, *, with_entropy: bool = True, entropy_grad: bool = False
+                   ) -> tuple[Tensor, Tensor | None]:
+    """``(logp[T], entropy[T])`` of a whole micro-batch from ``forward_thd``'s logits: ``vocab_parallel_logprobs``
+    with the labels of the positions the logits cover; under context parallelism gathered over the CP group into
+    the full order (module docstring), identical on every CP rank."""
+    group = context_parallel_group()
+    cu = batch.cu_seqlens_padded
+    labels = split_to_cp_rank(batch.labels, cu, group).to(logits_shard.device)
+    logp, entropy = vocab_parallel_logprobs(logits_shard, labels, with_entropy=with_entropy,
+                                            entropy_grad=entropy_grad)
+    if group is None:
+        return logp, entropy
+    return gather_cp_same_grad(logp, cu, group), None if entropy is None else gather_cp_same_grad(entropy, cu, group)
+
+
 def thd_logprobs(model, batch, *, with_entropy: bool = True, entropy_grad: bool = False
                  ) -> tuple[Tensor, Tensor | None]:
     """``(logp[T], entropy[T])`` of a packed batch on a single pipeline stage model (pp = 1).
     ``logp[t] = log p(labels[t] | tokens[<= t] of the same sequence)``; meaningful where ``loss_mask`` is 1."""
-    logits = forward_thd(model, batch)
-    return vocab_parallel_logprobs(logits, batch.labels.to(logits.device), with_entropy=with_entropy,
-                                   entropy_grad=entropy_grad)
+    return batch_logprobs(forward_thd(model, batch), batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
 def _engine_device() -> torch.device:
@@ -274,8 +315,7 @@ def _forward_only(model_chunks: list, micro_batches: list, with_entropy: bool) -
         output = forward_thd(model, batch)
 
         def loss_func(output_tensor, non_loss_data=True):
-            return vocab_parallel_logprobs(output_tensor, batch.labels.to(output_tensor.device),
-                                           with_entropy=with_entropy)
+            return batch_logprobs(output_tensor, batch, with_entropy=with_entropy)
 
         return output, loss_func
 

@@ -192,6 +192,11 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
     elif moe_routing_replay or moe_aux_loss_coeff:
         raise ValueError(f"moe_routing_replay={moe_routing_replay} / moe_aux_loss_coeff={moe_aux_loss_coeff} "
                          f"need a Mixture-of-Experts model; {arch.family!r} is dense")
+    if parallel.cp > 1 and (moe_routing_replay or moe_aux_loss_coeff):
+        # a CP rank routes only its part of each sequence: the per-sequence routes (replay) and the aux loss's
+        # per-routed-token scale (moe.aux_loss_per_routed_token) are not built for that
+        raise ValueError(f"moe_routing_replay={moe_routing_replay} / moe_aux_loss_coeff={moe_aux_loss_coeff} with "
+                         f"cp={parallel.cp}: context parallelism takes neither (use cp=1, or turn both off)")
     kwargs.update(overrides)
     return TransformerConfig(**compat.supported_kwargs(TransformerConfig, kwargs, required=required))
 

@@ -1,7 +1,9 @@
 """Process groups: torch.distributed + Megatron model-parallel state from the launcher's environment.
 
 Layout (Megatron's default order ``tp-cp-ep-dp-pp``): ``world = tp * cp * dp * pp``; the data-parallel size
-``dp`` is what is left. Mixture-of-Experts layers are laid out separately over the same ranks (Megatron's
+``dp`` is what is left. The ``cp`` ranks of a context-parallel group hold parts of the same micro-batches (every
+packed sequence split over them) and their gradients are summed with the data-parallel ones (Megatron's DDP
+reduces over ``dp * cp`` ranks). Mixture-of-Experts layers are laid out separately over the same ranks (Megatron's
 expert grid ``etp-ep-edp-pp``): ``world = etp * ep * edp * pp``, each expert split over ``etp`` ranks, the experts
 spread over ``ep`` ranks, and ``edp`` (expert data parallel) what is left; attention and dense layers keep
 ``tp/dp``. ``ep`` usually spans the TP and DP ranks of a pipeline stage (e.g. tp=2, dp=4, ep=8, etp=1).
@@ -36,20 +38,12 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-# Context parallelism is refused until it is verifiable: Megatron splits a THD micro-batch over CP ranks only when
-# the caller hands each rank its own 2*cp load-balanced chunks of every sequence (Megatron-LM's
-# get_batch_on_this_cp_rank, verl's preprocess_packed_seqs); accepting cp > 1 without that partition would run
-# every rank on the whole sequence and train on wrong attention silently.
-CP_REFUSAL = ("context parallelism (parallel.cp > 1) is not supported yet: packed sequences are not partitioned "
-              "over CP ranks, so it would train wrong silently; use parallel.cp=1 (tp/pp/dp cover models that fit "
-              "this codebase's targets)")
-
-
 @dataclass(frozen=True)
 class ParallelConfig:
     """tp: tensor parallel, pp: pipeline parallel, vpp: virtual pipeline stages per rank (interleaved
-    schedule) or None, sp: sequence parallel (needs tp > 1 to matter), cp: context parallel (1 only, see
-    ``CP_REFUSAL``), ep: expert parallel, etp: expert tensor parallel (MoE models only)."""
+    schedule) or None, sp: sequence parallel (needs tp > 1 to matter), cp: context parallel (each packed sequence
+    split over cp ranks in 2*cp load-balanced chunks, ``packing.context_parallel``; the engine splits every
+    micro-batch, ``logprobs.forward_thd``), ep: expert parallel, etp: expert tensor parallel (MoE models only)."""
 
     tp: int = 1
     pp: int = 1
@@ -69,8 +63,6 @@ class ParallelConfig:
                 raise ValueError(f"vpp={self.vpp!r} must be None or an integer >= 1")
             if self.pp < 2:
                 raise ValueError(f"vpp={self.vpp} (interleaved pipeline) needs pp >= 2, got pp={self.pp}")
-        if self.cp != 1:
-            raise ValueError(f"cp={self.cp}: {CP_REFUSAL}")
 
     @property
     def model_parallel_size(self) -> int:
@@ -108,8 +100,6 @@ def validate_parallel(arch: "ModelArch", cfg: ParallelConfig, world_size: int) -
     if arch.num_layers % stages:
         what = f"pp={cfg.pp}" if cfg.vpp is None else f"pp*vpp={cfg.pp}*{cfg.vpp}={stages}"
         problems.append(f"num_layers={arch.num_layers} is not divisible by {what}")
-    if cfg.cp != 1:  # ParallelConfig refuses it already; kept for configs built with object.__setattr__
-        problems.append(f"cp={cfg.cp}: {CP_REFUSAL}")
     problems += _expert_problems(arch, cfg, world_size)
     if problems:
         raise ValueError("cannot shard the model: " + "; ".join(problems))

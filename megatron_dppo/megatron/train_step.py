@@ -25,6 +25,11 @@ switched off, precisely:
 3. With that flag Megatron's ``finalize_model_grads`` would divide by the all-reduced token count; our
    ``finalize_model_grads_func`` calls it with ``num_tokens=None`` instead, so nothing else rescales.
 
+Context parallelism: every CP rank gets the log-probs of the whole micro-batch (``logprobs.batch_logprobs``
+gathers them) and computes the same ``N_{r,m}``; the backward keeps each rank's own positions, and DDP sums the
+gradients over the data-parallel x context-parallel ranks, so the CP ranks together contribute ``grad N_{r,m}``
+once. The step's metrics are reduced over DP only (the CP ranks hold the same sums).
+
 Hence ``main_grad = sum_r sum_m grad N_{r,m} / D`` exactly, for any number of micro-batches and DP ranks
 (``test_train_step.py`` checks TP1 == TP2+SP == PP2 == DP2 == TP2xPP2 and == the padded reference loss).
 
@@ -75,7 +80,7 @@ from megatron_dppo.algo.losses import LossConfig, loss_numerator
 from . import compat
 from .cpu import ensure_device_backend
 from .logprobs import compute_logprobs as _forward_only_logprobs
-from .logprobs import forward_thd, run_pipeline_schedule, vocab_parallel_logprobs
+from .logprobs import batch_logprobs, forward_thd, run_pipeline_schedule
 from .model import ModelArch, build_model_chunks, default_dtype, device_dtype_audit, engine_device
 from .moe import aux_loss_per_routed_token
 from .parallel import ParallelConfig
@@ -277,6 +282,11 @@ class PolicyEngine:
             chunk.broadcast_params()  # DP replicas start identical whatever their seeds
         # MoE: the routers' record / replay slots (routing_replay; replay with model.moe_routing_replay)
         self.routing = RoutingReplay.for_policy(chunks, arch, replay=bool(overrides.get("moe_routing_replay")))
+        if self.routing is not None and parallel.cp > 1:
+            # routes are recorded per sequence from whole micro-batches; a CP rank routes only its part of each
+            # (build_transformer_config refuses moe_routing_replay with cp > 1): no flip metric then
+            release_megatron_router_replay(chunks)
+            self.routing = None
 
         # 3. optimizer
         opt_kwargs = dict(
@@ -437,8 +447,7 @@ class PolicyEngine:
     # ------------------------------------------------------------------------------------------------------
     def _loss_func(self, batch, denominator: float, output_tensor: Tensor):
         """Last pipeline stage: (numerator / D, loss-token count, {"stats": sums}) for one micro-batch."""
-        labels = batch.labels.to(output_tensor.device)
-        logp, entropy = vocab_parallel_logprobs(output_tensor, labels, with_entropy=True)
+        logp, entropy = batch_logprobs(output_tensor, batch, with_entropy=True)  # the whole micro-batch, also under CP
         no_tokens = not bool((batch.loss_mask > 0).any())  # dummy: every term is masked out
         old = batch.old_logprobs.to(logp.device, torch.float32) if batch.old_logprobs is not None else logp.detach()
         ref = None

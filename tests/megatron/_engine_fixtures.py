@@ -91,10 +91,12 @@ def per_sample_completion_logp(batches, logps) -> dict[int, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------------
 def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vpp=None,
                   distributed_optimizer: bool = False, save: bool = False, steps: int = 1,
-                  uneven: bool = False, arch_changes: dict | None = None):
+                  uneven: bool = False, arch_changes: dict | None = None, cp: int = 1):
     """Load (or, with ``save``, create) the TP1 reference weights, fill old/ref log-probs (perturbed so ratios
     clip and the KL is non-zero), run ``steps`` train steps, then recompute log-probs. Returns per-sample
-    completion log-probs before/after and the step metrics (rank 0's view; all ranks agree)."""
+    completion log-probs before/after and the step metrics (rank 0's view; all ranks agree); with tp = pp = 1 (and
+    no distributed optimizer) also the updated weights and the last step's gradient (``params``, ``grads``: name ->
+    tensor)."""
     from megatron.core import parallel_state
 
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
@@ -104,7 +106,7 @@ def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vp
     from megatron_dppo.packing import thd_pad_multiple
 
     arch = dataclasses.replace(tiny_arch(), **(arch_changes or {}))
-    parallel = ParallelConfig(tp=tp, pp=pp, sp=sp, vpp=vpp)
+    parallel = ParallelConfig(tp=tp, pp=pp, sp=sp, vpp=vpp, cp=cp)
     initialize_parallel(parallel, SEED, arch)
     loss_cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3",
                           aggregation="seq_mean_token_mean")
@@ -121,7 +123,7 @@ def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vp
     dp_size = parallel_state.get_data_parallel_world_size()
     # uneven: rank r gets r+2 micro-batches round-robin (the engine pads the others with dummies)
     split = dp_rank + 2 if uneven else None
-    batches = rank_micro_batches(data, loss_cfg, dp_rank, dp_size, thd_pad_multiple(tp, 1, sp), split=split)
+    batches = rank_micro_batches(data, loss_cfg, dp_rank, dp_size, thd_pad_multiple(tp, cp, sp), split=split)
     D = loss_denominator(loss_cfg.aggregation, data["B"], data["G"])
 
     logp = engine.compute_logprobs(batches, "policy")
@@ -137,8 +139,12 @@ def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vp
     torch.distributed.all_gather_object(gathered_before, before, group=group)
     torch.distributed.all_gather_object(gathered_after, after, group=group)
     merge = lambda parts: {k: v for p in parts for k, v in p.items()}  # noqa: E731
+    full = tp == 1 and pp == 1 and not distributed_optimizer
+    params = {name: p.detach().clone() for name, p in engine.modules[0].named_parameters()} if full else None
+    # the last step's gradient (DDP's reduced main_grad, kept until the next step zeroes it)
+    grads = {name: p.main_grad.detach().clone() for name, p in engine.modules[0].named_parameters()} if full else None
     return {"before": merge(gathered_before), "after": merge(gathered_after), "metrics": metrics,
-            "rank": torch.distributed.get_rank()}
+            "rank": torch.distributed.get_rank(), "params": params, "grads": grads}
 
 
 # ----------------------------------------------------------------------------------------------------------

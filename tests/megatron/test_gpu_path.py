@@ -93,18 +93,6 @@ def test_keys_megatron_must_honour_are_never_dropped():
             compat.supported_kwargs(OldOptimizerConfig, {"lr": 2.0, key: True})
 
 
-def test_context_parallel_is_refused_clearly():
-    from megatron_dppo.config import Config
-    from megatron_dppo.megatron.parallel import ParallelConfig
-
-    with pytest.raises(ValueError, match=r"cp=2: context parallelism \(parallel.cp > 1\) is not supported yet"):
-        ParallelConfig(cp=2)
-    cfg = Config()
-    cfg.parallel.cp = 2
-    with pytest.raises(ValueError, match=r"parallel.cp=2 is invalid"):
-        cfg.parallel.validate()
-
-
 # ------------------------------------------------------------------------------------------------------------
 # varlen attention: the signature shim, against a reference of each torch signature
 # ------------------------------------------------------------------------------------------------------------

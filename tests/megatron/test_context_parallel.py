@@ -1,0 +1,122 @@
+"""Context parallelism in the engine (parallel.cp): the same global batch and weights at cp=2 (and with TP2 / PP2
+at world size 4) give cp=1's log-probs, loss, grad norm and weights after one update, on CPU with gloo (the SDPA
+backend's all-gather attention, megatron/cp_attention.py)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _dist import run_distributed, single_process_world  # noqa: E402
+import _engine_fixtures as F  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cp1_reference(tmp_path_factory):
+    """cp=1 run in this process: saves the reference weights and records the step."""
+    root = tmp_path_factory.mktemp("cp1_weights")
+    with single_process_world(seed=F.SEED):
+        result = F.layout_worker(str(root), save=True)
+    return root, result
+
+
+def _max_diff(ref: dict, got: dict) -> float:
+    return max(float((got[k] - ref[k]).abs().max()) for k in ref)
+
+
+def _assert_same_step(ref, got, label: str):
+    assert sorted(ref["before"]) == sorted(got["before"])
+    r, g = ref["metrics"][0], got["metrics"][0]
+    diffs = {"logp": _max_diff(ref["before"], got["before"]), "loss": abs(g["loss"] - r["loss"]),
+             "grad_norm": abs(g["grad_norm"] - r["grad_norm"]), "logp_after": _max_diff(ref["after"], got["after"])}
+    if ref["params"] is not None and got["params"] is not None:
+        diffs["grads"] = _max_diff(ref["grads"], got["grads"])
+        diffs["weights_after"] = _max_diff(ref["params"], got["params"])
+    print(f"{label} rank {got['rank']}: max abs diff vs cp=1 " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    assert diffs["logp"] <= 2e-6
+    assert g["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-8)
+    assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    for key in ("tokens", "sequences", "clip_fraction"):
+        assert g[key] == pytest.approx(r[key], rel=1e-9)
+    assert g["kl"] == pytest.approx(r["kl"], rel=1e-4)
+    assert g["entropy"] == pytest.approx(r["entropy"], rel=1e-5)
+    assert diffs["logp_after"] <= 1e-4
+    if "weights_after" in diffs:
+        assert diffs["grads"] <= 1e-6
+        # Adam's first update is ~lr * sign(g) per weight (lr = 1e-2): a weight whose gradient is at rounding level
+        # moves by a rounding-sensitive amount, so the weights agree to 1e-3 of a weight, the gradients to 1e-6
+        assert diffs["weights_after"] <= 1e-3
+
+
+@pytest.mark.multiproc
+def test_cp2_equals_cp1(cp1_reference):
+    root, ref = cp1_reference
+    results = run_distributed(F.layout_worker, 2, args=(str(root),), kwargs=dict(cp=2), timeout=300)
+    for res in results:
+        _assert_same_step(ref, res, "cp2")
+
+
+LAYOUTS = {
+    "tp2_sp_cp2": dict(tp=2, sp=True, cp=2),
+    "pp2_cp2": dict(pp=2, cp=2),
+    "cp2_dp2": dict(cp=2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_cp2_layouts_at_world_size_4_equal_cp1(cp1_reference, layout):
+    root, ref = cp1_reference
+    results = run_distributed(F.layout_worker, 4, args=(str(root),), kwargs=LAYOUTS[layout], timeout=600)
+    for res in results:
+        _assert_same_step(ref, res, layout)
+
+
+def test_cp_options_are_validated():
+    from megatron_dppo.megatron.model import build_transformer_config
+    from megatron_dppo.megatron.parallel import ParallelConfig
+
+    with pytest.raises(ValueError, match="world size 6 is not divisible by tp\\*pp\\*cp = 1\\*1\\*4"):
+        ParallelConfig(cp=4).dp(6)
+    assert ParallelConfig(cp=2, tp=2).dp(8) == 2
+    with pytest.raises(ValueError, match="cp=0"):
+        ParallelConfig(cp=0)
+    from _tiny import TINY_MOE_CONFIGS
+    from megatron_dppo.megatron.model import ModelArch
+
+    arch = ModelArch.from_hf_config(TINY_MOE_CONFIGS["mixtral"])
+    with pytest.raises(ValueError, match="moe_aux_loss_coeff=0.01 with cp=2"):
+        build_transformer_config(arch, ParallelConfig(cp=2), torch.float32, attention_backend="sdpa",
+                                 moe_aux_loss_coeff=0.01)
+
+
+def test_config_accepts_cp_and_varlen_refuses_it():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_dppo.config import Config
+    from megatron_dppo.megatron.attention import SDPACoreAttention, VarlenCoreAttention
+    from megatron_dppo.megatron.model import build_transformer_config
+    from megatron_dppo.megatron.parallel import ParallelConfig
+
+    cfg = Config()
+    cfg.parallel.cp = 2
+    cfg.parallel.validate()
+    cfg.parallel.cp = 0
+    with pytest.raises(ValueError, match="parallel.cp=0 is invalid"):
+        cfg.parallel.validate()
+    config = build_transformer_config(F.tiny_arch(), ParallelConfig(cp=2), torch.float32, attention_backend="sdpa")
+    groups = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1), cp=SimpleNamespace(size=lambda: 2))
+    assert SDPACoreAttention(config, 1, AttnMaskType.causal, "self", pg_collection=groups).cp_group is groups.cp
+
+    class Varlen(VarlenCoreAttention):
+        kernel = staticmethod(lambda *args, **kwargs: None)
+
+    with pytest.raises(ValueError, match="context_parallel_size=2: the varlen backend has no context-parallel path"):
+        Varlen(config, 1, AttnMaskType.causal, "self", pg_collection=groups)
