@@ -59,7 +59,8 @@ class ModelConfig:
         "auto", "Core attention of packed (THD) micro-batches: te (Transformer Engine fused attention, GPU), varlen "
                 "(torch's FlashAttention varlen kernels, GPU, no TE needed), sdpa (per-sequence "
                 "scaled_dot_product_attention, any device), auto (te when it imports and works on CUDA, else varlen "
-                "on CUDA, else sdpa). An explicit choice that cannot work is an error, never a silent fallback.")
+                "on CUDA for a float16/bfloat16 model whose head dim is a multiple of 8 up to 256, else sdpa). An "
+                "explicit choice that cannot work is an error, never a silent fallback.")
     moe_aux_loss_coeff: float = opt(0.0, "Mixture-of-Experts models: weight of the router's load-balancing "
                                          "auxiliary loss (Megatron's switch loss of each MoE layer and "
                                          "micro-batch, averaged over the step's micro-batches weighted by their "
