@@ -8,7 +8,7 @@ from megatron_dppo import distributed as D
 from megatron_dppo.config import Config
 
 if TYPE_CHECKING:
-    from megatron_dppo.run import Run
+    from megatron_dppo.run_state import Run
 
 
 def progress_bar(tqdm, cfg: Config, start: int, total: int, desc: str):

@@ -21,7 +21,7 @@ from megatron_dppo.algo.overlong import overlong_penalty
 from megatron_dppo.algo.pruning import PruneResult
 from megatron_dppo.build import Prompt
 from megatron_dppo.metrics import PhaseTimer
-from megatron_dppo.run import Run
+from megatron_dppo.run_state import Run
 from megatron_dppo.stages import Rollout, generate, rollout_metrics, score, training_rewards
 
 logger = logging.getLogger("megatron_dppo.dynamic_sampling")

@@ -18,7 +18,7 @@ from megatron_dppo.config import Config
 from megatron_dppo.launch import stop_requested
 
 if TYPE_CHECKING:
-    from megatron_dppo.run import Run
+    from megatron_dppo.run_state import Run
 
 
 def save(run: Run) -> Path:

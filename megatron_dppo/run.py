@@ -1,22 +1,18 @@
 """Run set-up and tear-down: process groups, tokenizer, data, the Megatron and rollout engines, rewards, the
-pruner, and the restored state, gathered in one :class:`Run`; plus the plumbing every phase shares (weight push
-to the rollout engine, generation shards, the learning-rate schedule the trainer owns across phases)."""
+pruner, and the restored state, gathered in one :class:`Run` (``run_state.py``); plus the plumbing every phase
+shares (weight push to the rollout engine, generation shards, the learning-rate schedule the trainer owns across
+phases)."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
 
 from megatron_dppo import distributed as D
-from megatron_dppo.algo.losses import LossConfig
 from megatron_dppo.algo.prompt_history import PromptHistory
 from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner
 from megatron_dppo.build import (
-    Prompt,
     build_hf_config,
     build_loss,
     build_rollout,
@@ -38,47 +34,7 @@ from megatron_dppo.config import Config
 from megatron_dppo.console import print_banner
 from megatron_dppo.lifecycle import find_resume_checkpoint, lock_output_dir, restore
 from megatron_dppo.metrics import MetricsSink
-
-
-@dataclass
-class Run:
-    """Everything one training run holds; built by :func:`setup`."""
-
-    cfg: Config
-    info: Any  # launch.LaunchInfo
-    tokenizer: Any
-    hf_config: dict
-    arch: Any  # megatron.model.ModelArch
-    engine: Any  # megatron.train_step.PolicyEngine
-    rollout: Any  # rollout.RolloutEngine
-    scorer: Any  # rewards.RewardScorer
-    eval_scorers: dict[str, Any]
-    train_prompts: list[Prompt]
-    eval_sets: dict[str, list[Prompt]]
-    sampler: Any  # data.PromptSampler
-    pruner: DPPOPruner | CPPOPruner | None
-    history: PromptHistory
-    loss_cfg: LossConfig
-    estimator: str
-    sink: MetricsSink
-    sft_pairs: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (prompt ids, gold completion ids)
-    rl_step: int = 0  # next RL step to run
-    sft_step: int = 0  # warm-start steps done
-    eos_ids: list[int] = field(default_factory=list)
-    pad_id: int = 0
-    audit: Any = None  # open file (rank 0, logging.audit_log)
-    handover: Any = None  # rollout.handover.MemoryHandover (GPU memory order around weight pushes)
-    lock: Any = None  # lifecycle.OutputLock (rank 0): one run per output folder
-
-    @property
-    def dp_rank(self) -> int:
-        from megatron.core import parallel_state
-        return parallel_state.get_data_parallel_rank()
-
-    @property
-    def dp_size(self) -> int:
-        from megatron.core import parallel_state
-        return parallel_state.get_data_parallel_world_size()
+from megatron_dppo.run_state import Run
 
 
 def moe_options(cfg: Config, arch) -> dict:

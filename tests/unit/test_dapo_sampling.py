@@ -147,7 +147,7 @@ def _run(overrides):
     from megatron_dppo.algo.prompt_history import PromptHistory
     from megatron_dppo.algo.pruning import DPPOPruner
     from megatron_dppo.build import build_loss
-    from megatron_dppo.run import Run
+    from megatron_dppo.run_state import Run
 
     cfg = load_config(QUICKSTART, ["train.group_size=3", "rollout.max_new_tokens=5", *overrides])
     loss_cfg, estimator = build_loss(cfg)
