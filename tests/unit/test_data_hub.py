@@ -135,6 +135,21 @@ def test_every_named_set_prepares_from_a_hub_folder_a_disk_folder_and_a_parquet_
     assert [r.gold for r in load_prompt_dataset(tmp_path / "from_file" / f"{name}_{role}.jsonl")] == SAMPLES[name][1]
 
 
+def test_a_local_jsonl_source_follows_its_file_name_preset(tmp_path):
+    """A local copy in another layout (the Qwen2.5-Math Minerva file: problem / worked solution) is read with the
+    preset its file name names, not the Hub set's columns; the manifest keeps the source's SHA-256."""
+    local = _write_rows(tmp_path / "minerva_math.jsonl", [{"problem": "Speed?", "solution": "So $\\boxed{1.6}$.",
+                                                           "idx": 0}])
+    manifest = prepare(["minerva_math"], tmp_path / "out", parse_sources([f"minerva_math={local}"]),
+                       log=lambda *_: None)
+    entry = manifest["files"]["minerva_math_test.jsonl"]
+    assert entry["columns"]["answer"] == "solution" and entry["source_sha256"] == hashlib.sha256(
+        local.read_bytes()).hexdigest()
+    assert [r.gold for r in load_prompt_dataset(tmp_path / "out" / "minerva_math_test.jsonl")] == ["1.6"]
+    with pytest.raises(DatasetError, match="unknown dataset name 'gsm9k'; named datasets: gsm8k"):
+        parse_sources(["gsm9k=x.jsonl"])
+
+
 def test_skipped_and_duplicate_rows_are_counted_in_the_manifest(tmp_path):
     hub = _hub_folder(tmp_path / "ds", "deepscaler")
     files = prepare(["deepscaler"], tmp_path / "o1", parse_sources([f"deepscaler={hub}"]), log=lambda *_: None)
