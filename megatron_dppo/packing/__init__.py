@@ -1,17 +1,10 @@
 """Dense Prompt Packing (docs/algorithms.md): token-capped micro-batches dealt evenly to DP ranks, and the
 THD layout they run in. Plain torch/python; no Megatron import."""
 
-from megatron_dppo.packing.packer import (
-    PackingStats,
-    attention_cost_alpha,
-    karmarkar_karp,
-    min_bins,
-    pack_ffd,
-    pack_padded,
-    pack_sequences,
-    pack_verl_kk,
-    packing_stats,
-)
+from megatron_dppo.packing.baselines import pack_ffd, pack_padded, pack_verl_kk
+from megatron_dppo.packing.bins import karmarkar_karp
+from megatron_dppo.packing.packer import pack_sequences
+from megatron_dppo.packing.plan import PackingStats, attention_cost_alpha, min_bins, packing_stats
 from megatron_dppo.packing.thd import (
     PaddedBatch,
     ThdBatch,

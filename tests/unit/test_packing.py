@@ -15,7 +15,7 @@ from megatron_dppo.packing import (
     pack_verl_kk,
     packing_stats,
 )
-from megatron_dppo.packing.packer import make_count_multiple, window_best_fit
+from megatron_dppo.packing.bins import make_count_multiple, window_best_fit
 
 
 def assert_valid_plan(plan, lengths, capacity, dp_size, pad_multiple=1):
