@@ -262,7 +262,7 @@ def split_mini_batches(run: Run, prompts: list[Prompt], prompt_cut: PruneResult,
     (train.seed, step) alone (``algo.minibatches``), each with its own draw-independent denominator D_m. One
     mini-batch (the default) returns ``[batch]`` itself. A mini-batch whose units were all pruned is empty."""
     M = min(run.cfg.train.mini_batches, len(prompts))  # (fewer prompts than M: a refill that ran out of rounds)
-    if M == 1:
+    if M <= 1:  # one mini-batch, or a step with no prompt at all (a refill that found no group with signal)
         return [batch]
     groups = split_prompts(len(prompts), M, make_generator(run.cfg.train.seed, step, "mini_batches"))
     kept_rows = prompt_cut.keep.nonzero().flatten().tolist()
