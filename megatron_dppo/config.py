@@ -93,9 +93,10 @@ class ParallelConfig:
     cp: int = opt(1, "Context-parallel size: every packed sequence is split over cp ranks in 2*cp load-balanced "
                      "chunks (long completions whose activations exceed one device). Sequences are padded to a "
                      "multiple of 2*tp*cp; packing.capacity still counts a micro-batch's tokens over all cp ranks. "
-                     "Attention: Transformer Engine's own CP with model.attention_backend=te (GPU), the all-gather "
-                     "K/V attention of megatron/cp_attention.py with sdpa (CPU and GPU); varlen does not take cp > 1. "
-                     "MoE routing replay (model.moe_routing_replay) needs cp=1.")
+                     "Attention: Transformer Engine's own CP with model.attention_backend=te (GPU), else the "
+                     "all-gather K/V attention of megatron/cp_attention.py on the sdpa or varlen kernel (on CPU: "
+                     "sdpa; varlen is checked against CPU stand-ins of torch's kernel, not yet on a GPU). MoE: "
+                     "model.moe_routing_replay and model.moe_aux_loss_coeff need cp=1.")
     ep: int = opt(1, "Expert-parallel size (Mixture-of-Experts models): the experts of each MoE layer are spread "
                      "over ep ranks of a pipeline stage; must divide num_experts and world_size / (pp * etp).")
     etp: int = opt(1, "Expert-tensor-parallel size (MoE models): each expert split over etp ranks like a dense "
@@ -512,6 +513,11 @@ class Config:
                              "(docs/algorithms.md, \"Dynamic sampling with refill\"); set algo.pruner=none, or "
                              "dynamic_sampling.enable=false (algo.drop_zero_variance_groups=true drops the same "
                              "groups without refill and composes with algo.pruner=dppo)")
+        if self.parallel.cp > 1 and (self.model.moe_routing_replay or self.model.moe_aux_loss_coeff):
+            model = self.model
+            raise ValueError(f"parallel.cp={self.parallel.cp} with model.moe_routing_replay={model.moe_routing_replay}"
+                             f" / model.moe_aux_loss_coeff={model.moe_aux_loss_coeff}: a context-parallel rank routes "
+                             "only its part of each sequence; use parallel.cp=1 or turn both off")
         if self.eval.every and self.data.task == "files" and not self.eval.files:
             raise ValueError("eval.every > 0 needs eval.files (held-out JSONL/parquet files)")
         return self

@@ -20,8 +20,8 @@ Engine, which handles them, needs CUDA. ``SDPACoreAttention`` is the local-spec 
 
 Context parallelism (``context_parallel_size > 1``, thd only): the layer holds this CP rank's zigzag part of every
 sequence and the GLOBAL offsets; ``SDPACoreAttention`` runs ``cp_attention.context_parallel_attention`` (all-gather
-K/V over the CP group, reduce-scatter of dK/dV, bottom-right-causal segments on ``cp_kernel``). The varlen module
-refuses cp > 1 for now; the TE spec uses Transformer Engine's own CP.
+K/V over the CP group, reduce-scatter of dK/dV, bottom-right-causal segments on ``cp_kernel``: the SDPA reference,
+or torch's varlen kernel with query and key offsets of their own); the TE spec uses Transformer Engine's own CP.
 
 Grouped-query attention: each of the ``ng`` key/value heads serves ``np/ng`` consecutive query heads.
 ``torch.nn.attention.flex_attention`` is not used: it has no CPU backward.
@@ -225,15 +225,18 @@ class VarlenCoreAttention(SDPACoreAttention):
 
     def __init__(self, config: TransformerConfig, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        if self.cp_group is not None:
-            raise ValueError(f"context_parallel_size={config.context_parallel_size}: the varlen backend has no "
-                             "context-parallel path yet; use model.attention_backend=sdpa (any device) or te")
         if self.dropout_p:
             raise ValueError(f"attention_dropout={self.dropout_p}: the varlen backend has no dropout (RL "
                              "fine-tuning runs with 0); use model.attention_backend=sdpa or te")
         problem = flash_varlen_problem(config.params_dtype, self.head_dim) if self.kernel is None else None
         if problem:  # a replacement kernel (tests) has its own limits
             raise ValueError(f"model.attention_backend=varlen cannot be used: {problem}")
+
+    def cp_kernel(self, query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+                  max_k: int, scale: float) -> Tensor:
+        """The context-parallel path's segments (bottom-right causal) on the varlen kernel."""
+        return varlen_attention(query, key, value, cu_q.to(torch.int32), int(max_q), causal=True, scale=scale,
+                                kernel=self.kernel, cu_seqlens_k=cu_k.to(torch.int32), max_seqlen_k=int(max_k))
 
     def _forward_thd(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
         cu = packed_seq_params.cu_seqlens_q_padded
@@ -261,9 +264,13 @@ class VarlenCoreAttention(SDPACoreAttention):
 
 
 def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_seqlen: int, *,
-                     causal: bool, scale: float, kernel=None) -> Tensor:
+                     causal: bool, scale: float, kernel=None, cu_seqlens_k: Optional[Tensor] = None,
+                     max_seqlen_k: Optional[int] = None) -> Tensor:
     """Self-attention of packed sequences: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` (GQA when
     ``ng < np``), ``cu_seqlens`` int32 ``[n+1]`` over exactly ``t`` positions -> ``[t, np, hn]``.
+    ``cu_seqlens_k`` / ``max_seqlen_k`` (default: the query's): key segments of other lengths (the
+    context-parallel path: query chunks against their key prefixes); causal is then FlashAttention's bottom-right
+    alignment (query ``a`` of ``n_q`` sees keys ``b <= a + n_k - n_q``, also for ``window_size=(-1, 0)``).
 
     The one compat shim for ``torch.nn.attention.varlen.varlen_attn``, whose signature changed between releases
     (read from the installed function, never from a version table):
@@ -308,7 +315,9 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
     elif causal:
         raise RuntimeError(f"torch {torch.__version__}: varlen_attn takes neither window_size nor is_causal; "
                            "cannot request causal attention (use model.attention_backend=sdpa)")
-    return kernel(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
+    return kernel(query, key, value, cu_seqlens, cu_k, max_seqlen, max_k, **kwargs)
 
 
 # What torch's FlashAttention varlen kernels take (FlashAttention 2: half precision, head dims a multiple of 8

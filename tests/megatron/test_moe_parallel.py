@@ -66,7 +66,7 @@ def _loss_cfg():
 def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, tp: int = 1, pp: int = 1,
                       vpp: int | None = None, ep: int = 1, etp: int = 1, sp: bool = False,
                       distributed_optimizer: bool = False, save_after: str | None = None, aux_coeff: float = 0.0,
-                      pad_multiple: int | None = None, hf_changes: dict | None = None):
+                      pad_multiple: int | None = None, hf_changes: dict | None = None, cp: int = 1):
     """Load (``save``: create and write) the single-process weights from ``root``, fill perturbed old/ref
     log-probs, one train step, log-probs again. ``save_after``: then checkpoint there (weights + Adam state) and
     take a second step on the same micro-batches. ``aux_coeff``: the load-balancing loss on; ``pad_multiple``: of
@@ -82,7 +82,7 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
     from megatron_dppo.packing import thd_pad_multiple
 
     arch = moe_arch(family, **(hf_changes or {}))
-    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, etp=etp)
+    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, etp=etp, cp=cp)
     initialize_parallel(parallel, F.SEED, arch)
     loss_cfg = _loss_cfg()
     optim = OptimConfig(lr=1e-2, clip_grad=1.0, weight_decay=0.01, use_distributed_optimizer=distributed_optimizer)
@@ -97,7 +97,7 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
 
     data = F.make_sequences()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    batches = F.rank_micro_batches(data, loss_cfg, dp_rank, dp_size, pad_multiple or thd_pad_multiple(tp, 1, sp))
+    batches = F.rank_micro_batches(data, loss_cfg, dp_rank, dp_size, pad_multiple or thd_pad_multiple(tp, cp, sp))
     D = loss_denominator(loss_cfg.aggregation, data["B"], data["G"])
     logp = engine.compute_logprobs(batches, "policy")
     before = F.per_sample_completion_logp(batches, logp)
