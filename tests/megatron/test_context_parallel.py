@@ -77,6 +77,64 @@ def test_cp2_layouts_at_world_size_4_equal_cp1(cp1_reference, layout):
         _assert_same_step(ref, res, layout)
 
 
+def resume_worker(src_root: str, ckpt_root: str, cp: int, resume: bool):
+    """Not ``resume``: load the cp=1 weights, one step, checkpoint (weights, Adam state, reference model) to
+    ``ckpt_root``, then a second step. ``resume``: load that checkpoint and take the second step. Returns the
+    weights after the second step and its metrics."""
+    from megatron.core import parallel_state
+
+    from megatron_dppo.algo.losses import LossConfig, loss_denominator
+    from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
+    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.packing import thd_pad_multiple
+
+    arch, parallel = F.tiny_arch(), ParallelConfig(cp=cp)
+    initialize_parallel(parallel, F.SEED, arch)
+    loss_cfg = LossConfig(kl_coef=0.05, kl_estimator="k3", aggregation="seq_mean_token_mean")
+    engine = PolicyEngine(arch, parallel, OptimConfig(lr=1e-3, weight_decay=0.01), loss_cfg)
+    data = F.make_sequences()
+    batches = F.rank_micro_batches(data, loss_cfg, parallel_state.get_data_parallel_rank(),
+                                   parallel_state.get_data_parallel_world_size(), thd_pad_multiple(1, cp, False))
+    D = loss_denominator(loss_cfg.aggregation, data["B"], data["G"])
+
+    def step(phase: float):
+        logp = engine.compute_logprobs(batches, "policy")
+        for b, lp in zip(batches, logp):
+            b.old_logprobs = lp + F.perturbation(b, 0.3, phase)
+            b.ref_logprobs = engine.compute_logprobs([b], "reference")[0]
+        return engine.train_step(batches, D)
+
+    if resume:
+        load_checkpoint(engine, ckpt_root)
+    else:
+        load_checkpoint(engine, src_root, load_optimizer=False, load_rng=False)
+        engine.sync_reference_from_policy()
+        step(0.0)
+        save_checkpoint(engine, ckpt_root)
+    metrics = step(1.0)
+    params = {name: p.detach().clone() for name, p in engine.modules[0].named_parameters()}
+    return {"params": params, "metrics": metrics, "step": engine.step}
+
+
+@pytest.mark.multiproc
+def test_checkpoint_saved_at_cp2_resumes_at_cp1(cp1_reference, tmp_path):
+    """A checkpoint written at cp=2 (weights, Adam moments, reference model) resumes at cp=1: the next step is
+    cp=2's next step."""
+    root, _ = cp1_reference
+    ckpt = str(tmp_path / "cp2_ckpt")
+    straight = run_distributed(resume_worker, 2, args=(str(root), ckpt, 2, False), timeout=300)[0]
+    with single_process_world(seed=F.SEED):
+        resumed = resume_worker(str(root), ckpt, 1, True)
+    assert resumed["step"] == straight["step"] == 2
+    diff = _max_diff(straight["params"], resumed["params"])
+    print(f"resume cp=2 -> cp=1: loss {straight['metrics']['loss']:.6f} vs {resumed['metrics']['loss']:.6f}, "
+          f"weights after the resumed step max abs diff {diff:.1e}")
+    assert resumed["metrics"]["loss"] == pytest.approx(straight["metrics"]["loss"], rel=1e-5)
+    assert resumed["metrics"]["grad_norm"] == pytest.approx(straight["metrics"]["grad_norm"], rel=1e-5)
+    assert diff <= 1e-5
+
+
 MOE_LAYOUTS = {"cp2": dict(cp=2), "cp2_ep2": dict(cp=2, ep=2)}  # ep2: the experts split over the two CP ranks
 
 
