@@ -185,8 +185,8 @@ def hub_error(src: Source, err: Exception) -> DatasetError:
     what = f"Hub dataset {src.location!r}" + (f" (subset {src.subset!r})" if src.subset else "") + \
         (f", split {src.split!r}" if src.split else "")
     reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-    unreachable = isinstance(err, (ConnectionError, TimeoutError)) or _offline() or any(
-        s in str(err) for s in ("offline", "Offline", "Couldn't reach", "resolve", "connect"))
+    unreachable = isinstance(err, (ConnectionError, TimeoutError)) or any(
+        s in str(err) for s in ("OfflineModeIsEnabled", "offline mode", "Couldn't reach", "Failed to resolve"))
     if not unreachable:
         return DatasetError(f"{what} could not be loaded: {reason}")
     name = src.name if src.kind == "named" else src.location

@@ -19,7 +19,7 @@ datasets = pytest.importorskip("datasets")
 from megatron_dppo.build import build_scorer, load_train_records  # noqa: E402
 from megatron_dppo.config import Config, load_config  # noqa: E402
 from megatron_dppo.data import DatasetError, load_prompt_dataset  # noqa: E402
-from megatron_dppo.data.hub import HUB_DATASETS, load_records, resolve_source  # noqa: E402
+from megatron_dppo.data.hub import HUB_DATASETS, hub_error, load_records, resolve_source  # noqa: E402
 from megatron_dppo.data.prepare import expand, parse_sources, prepare  # noqa: E402
 from megatron_dppo.data.suites import suite_files  # noqa: E402
 
@@ -184,6 +184,17 @@ def test_offline_error_names_the_dataset_and_the_command(tmp_path):
     assert "'openai/gsm8k'" in proc.stderr and "HF_DATASETS_OFFLINE" in proc.stderr
     assert "megatron-dppo data prepare gsm8k --out" in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing written for a dataset that did not load
+
+
+def test_hub_errors_say_what_failed_and_what_to_do(monkeypatch):
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    src = resolve_source("gsm8k", split="test")
+    msg = str(hub_error(src, ValueError("Unknown split \"dev\". Should be one of ['train', 'test'].")))
+    assert msg.startswith("Hub dataset 'openai/gsm8k' (subset 'main'), split 'test' could not be loaded")
+    assert "Unknown split" in msg and "data prepare" not in msg
+    msg = str(hub_error(src, ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")))
+    assert "the Hub cannot be reached from here" in msg and "megatron-dppo data prepare gsm8k --out data" in msg
 
 
 def test_data_dataset_reads_folders_files_and_names_its_columns(tmp_path):
