@@ -97,6 +97,10 @@ class ParallelConfig:
                      "all-gather K/V attention of megatron/cp_attention.py on the sdpa or varlen kernel (on CPU: "
                      "sdpa; varlen is checked against CPU stand-ins of torch's kernel, not yet on a GPU). MoE: "
                      "model.moe_routing_replay and model.moe_aux_loss_coeff need cp=1.")
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = opt(
+        "p2p", "How Transformer Engine's attention exchanges keys/values under parallel.cp > 1 (Megatron's "
+               "cp_comm_type; attention_backend=te only, sdpa/varlen always all-gather): p2p (a ring of K/V blocks "
+               "overlapped with compute), all_gather, a2a (all-to-all over heads; heads / tp divisible by cp).")
     ep: int = opt(1, "Expert-parallel size (Mixture-of-Experts models): the experts of each MoE layer are spread "
                      "over ep ranks of a pipeline stage; must divide num_experts and world_size / (pp * etp).")
     etp: int = opt(1, "Expert-tensor-parallel size (MoE models): each expert split over etp ranks like a dense "

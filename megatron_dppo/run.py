@@ -57,7 +57,8 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
 
     quiet_logs()
     parallel = ParallelConfig(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, sp=cfg.parallel.sp,
-                              cp=cfg.parallel.cp, ep=cfg.parallel.ep, etp=cfg.parallel.etp)
+                              cp=cfg.parallel.cp, ep=cfg.parallel.ep, etp=cfg.parallel.etp,
+                              cp_comm_type=cfg.parallel.cp_comm_type)
     D.pick_free_port_if_single_process()
     info = initialize_parallel(parallel, cfg.model.init_seed)
     D.set_cpu_threads(info.local_world_size, cfg.train.cpu_threads)

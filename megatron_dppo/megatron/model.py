@@ -165,6 +165,7 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
         virtual_pipeline_model_parallel_size=parallel.vpp,
         sequence_parallel=parallel.sp,
         context_parallel_size=parallel.cp,
+        cp_comm_type=parallel.cp_comm_type if parallel.cp > 1 else None,  # read by TE attention only
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -265,11 +266,13 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
     state = (parallel_state.get_tensor_model_parallel_world_size(),
              parallel_state.get_pipeline_model_parallel_world_size(),
              parallel_state.get_expert_model_parallel_world_size(),
-             parallel_state.get_expert_tensor_parallel_world_size())
-    if state != (parallel.tp, parallel.pp, parallel.ep, parallel.etp):
+             parallel_state.get_expert_tensor_parallel_world_size(),
+             parallel_state.get_context_parallel_world_size())
+    if state != (parallel.tp, parallel.pp, parallel.ep, parallel.etp, parallel.cp):
         raise ValueError(
-            f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep}, etp={parallel.etp}) does not "
-            f"match the initialized state (tp={state[0]}, pp={state[1]}, ep={state[2]}, etp={state[3]})")
+            f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep}, etp={parallel.etp}, "
+            f"cp={parallel.cp}) does not match the initialized state (tp={state[0]}, pp={state[1]}, ep={state[2]}, "
+            f"etp={state[3]}, cp={state[4]})")
     if parallel.vpp is not None and vp_stage is None:
         raise ValueError(f"vpp={parallel.vpp}: pass vp_stage (0..{parallel.vpp - 1}) for each model chunk")
     if pre_process is None:

@@ -177,6 +177,11 @@ def test_cp_options_are_validated():
     assert ParallelConfig(cp=2, tp=2).dp(8) == 2
     with pytest.raises(ValueError, match="cp=0"):
         ParallelConfig(cp=0)
+    with pytest.raises(ValueError, match="cp_comm_type='ring' is invalid: expected one of \\('p2p'"):
+        ParallelConfig(cp=2, cp_comm_type="ring")
+    config = build_transformer_config(F.tiny_arch(), ParallelConfig(cp=2, cp_comm_type="all_gather"), torch.float32,
+                                      attention_backend="sdpa")
+    assert config.context_parallel_size == 2 and config.cp_comm_type == "all_gather"
     from _tiny import TINY_MOE_CONFIGS
     from megatron_dppo.megatron.model import ModelArch
 
@@ -197,8 +202,10 @@ def test_config_accepts_cp_and_the_core_attentions_take_the_cp_group():
     from megatron_dppo.megatron.parallel import ParallelConfig
 
     quickstart = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
-    cfg = load_config(quickstart, ["parallel.cp=2"])
-    assert cfg.parallel.cp == 2
+    cfg = load_config(quickstart, ["parallel.cp=2", "parallel.cp_comm_type=a2a"])
+    assert (cfg.parallel.cp, cfg.parallel.cp_comm_type) == (2, "a2a")
+    with pytest.raises(ValueError, match="parallel.cp_comm_type"):
+        load_config(quickstart, ["parallel.cp_comm_type=ring"])
     with pytest.raises(ValueError, match="parallel.cp=2 with model.moe_routing_replay=False / "
                                          "model.moe_aux_loss_coeff=0.01"):
         load_config(quickstart, ["parallel.cp=2", "model.moe_aux_loss_coeff=0.01"])
