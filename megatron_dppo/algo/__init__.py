@@ -5,4 +5,6 @@ pruning:    DPPO (unbiased, reweighted) and CPPO (baseline) pruners, prompt hist
 losses:     PPO-clip / GSPO policy losses, KL estimators, aggregations with a fixed full-batch denominator,
             dual clip, rollout-correction (tis / mis) weights.
 minibatches: the split of a step's prompts into PPO mini-batches (several updates per rollout).
+decoupled:  the decoupled PPO objective (AReaL) for batches sampled by an older policy: behaviour log-probs from
+            the rollout engine, proximal log-probs from the trainer, the behaviour ratio corrected by tis / mis.
 """
