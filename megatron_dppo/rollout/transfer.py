@@ -1,0 +1,267 @@
+"""Trainer <-> rollout-worker channels of ``rollout.placement=separate``: versioned weights one way, rollout batches
+the other, each over its own process group of the job (gloo on CPU).
+
+Weights (``WeightSender`` on the trainer's main rank, ``WeightReceiver`` on every rollout rank): one process group of
+the trainer main rank (group rank 0) and the M rollout ranks (1..M). A version is a sequence of broadcasts from rank
+0: a header (version number, the tensors' names / shapes / dtypes, the bucket's byte count, ``last``, and on the
+first bucket a small ``extra`` object: the prompt history and the sampler position the rollout side needs) and one
+flat byte buffer per bucket, the buckets cut from the streaming export at ``rollout.weight_bucket_mb``. Every
+version is stamped; the receiver checks that versions arrive in increasing order and keeps only the newest complete
+one (a version the rollout side never generated with is skipped, not loaded). The receiver runs in a thread whose
+receive is always posted, so the trainer's send never waits for a generation to finish.
+
+Batches (``BatchSender`` on the rollout main rank, ``BatchReceiver`` on the trainer main rank): a two-rank process
+group; each batch is one pickled object (length, then bytes). The receiver thread puts batches in a bounded queue;
+the staleness gate (``megatron_dppo.staleness``) already bounds how far the rollout side runs ahead.
+
+Failures: a receive that fails (the peer process died: gloo reports the closed connection at once; or the process
+group's timeout passed) is kept by the receiver thread and raised in the main thread as :class:`PeerFailed`, naming
+the peer's job rank and role, the next time the main thread waits, within ``poll_s``."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+STOP = -1  # the version number of the message that ends the rollout side's loop
+
+
+class PeerFailed(RuntimeError):
+    """The other side of a channel stopped: its process died, or nothing arrived within the timeout."""
+
+
+def process_group(store: dist.Store, name: str, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo process group of ``size`` ranks under ``name`` in the job's store (not the default group: the
+    trainer and rollout sides each have their own default group)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"dppo/{name}", store), rank, size,
+                                 datetime.timedelta(seconds=timeout_s))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Objects and byte buffers over a process group
+# ------------------------------------------------------------------------------------------------------------
+def _bcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    pg.broadcast([tensor], opts).wait()
+
+
+def broadcast_object(pg: dist.ProcessGroup, obj: Any = None) -> Any:
+    """Rank 0's ``obj`` on every rank of ``pg`` (pickled: a length, then the bytes)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if pg.rank() == 0 else None
+    length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
+    _bcast(pg, length)
+    if payload is None:
+        payload = torch.empty(int(length), dtype=torch.uint8)
+    _bcast(pg, payload)
+    return obj if pg.rank() == 0 else pickle.loads(payload.numpy().tobytes())
+
+
+def send_object(pg: dist.ProcessGroup, obj: Any, dst: int) -> None:
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0).wait()
+    pg.send([payload], dst, 1).wait()
+
+
+def recv_object(pg: dist.ProcessGroup, src: int) -> Any:
+    length = torch.zeros(1, dtype=torch.int64)
+    pg.recv([length], src, 0).wait()
+    payload = torch.empty(int(length), dtype=torch.uint8)
+    pg.recv([payload], src, 1).wait()
+    return pickle.loads(payload.numpy().tobytes())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Weights: trainer main rank -> every rollout rank
+# ------------------------------------------------------------------------------------------------------------
+def buckets(stream: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The stream cut into lists of at most ``bucket_bytes`` (a larger tensor gets a list of its own)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in stream:
+        n = tensor.numel() * tensor.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def _flat_bytes(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    return torch.cat([t.detach().contiguous().cpu().reshape(-1).view(torch.uint8) for _, t in bucket])
+
+
+def _unflatten(flat: torch.Tensor, specs: list[tuple[str, tuple, torch.dtype]]) -> list[tuple[str, torch.Tensor]]:
+    out, offset = [], 0
+    for name, shape, dtype in specs:
+        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        out.append((name, flat[offset:offset + n].view(dtype).reshape(shape)))
+        offset += n
+    return out
+
+
+class WeightSender:
+    """Trainer main rank: ``send(version, stream, extra)`` broadcasts one version to every rollout rank;
+    ``stop()`` ends the rollout side's loop."""
+
+    def __init__(self, pg: dist.ProcessGroup, bucket_bytes: int):
+        self.pg, self.bucket_bytes = pg, int(bucket_bytes)
+        self.last_version: int | None = None
+
+    def send(self, version: int, stream: Iterable[tuple[str, torch.Tensor]], extra: Any = None) -> int:
+        """Returns the number of tensors sent. Versions must increase."""
+        if self.last_version is not None and version <= self.last_version:
+            raise ValueError(f"weight version {version} after version {self.last_version}: versions must increase")
+        parts = list(buckets(stream, self.bucket_bytes)) or [[]]
+        count = 0
+        for i, bucket in enumerate(parts):
+            flat = _flat_bytes(bucket) if bucket else torch.empty(0, dtype=torch.uint8)
+            specs = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
+            broadcast_object(self.pg, {"version": version, "specs": specs, "nbytes": flat.numel(),
+                                       "last": i == len(parts) - 1, "extra": extra if i == 0 else None})
+            _bcast(self.pg, flat)
+            count += len(bucket)
+        self.last_version = version
+        return count
+
+    def stop(self) -> None:
+        """The stop message, then a barrier of the whole group: no side leaves before every rank has it."""
+        broadcast_object(self.pg, {"version": STOP, "specs": [], "nbytes": 0, "last": True, "extra": None})
+        _bcast(self.pg, torch.empty(0, dtype=torch.uint8))
+        self.pg.barrier().wait()
+
+
+@dataclass
+class WeightVersion:
+    version: int
+    weights: list[tuple[str, torch.Tensor]]
+    extra: Any = None
+
+
+@dataclass
+class _Slot:
+    newest: WeightVersion | None = None
+    arrived: list[int] = field(default_factory=list)  # every version number, in arrival order (instrumentation)
+    stopped: bool = False
+    error: BaseException | None = None
+
+
+class WeightReceiver:
+    """Rollout rank: a thread receives every version as it is broadcast and keeps the newest complete one.
+    ``wait(min_version)`` blocks until a version >= ``min_version`` (or the stop message) arrived and returns the
+    newest (None after stop); ``peer`` names the sender in errors."""
+
+    def __init__(self, pg: dist.ProcessGroup, peer: str, poll_s: float = 0.5):
+        self.pg, self.peer, self.poll_s = pg, peer, poll_s
+        self._slot = _Slot()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
+        self._thread.start()
+
+    @property
+    def arrived(self) -> list[int]:
+        with self._cond:
+            return list(self._slot.arrived)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                weights, extra, version = [], None, None
+                while True:
+                    header = broadcast_object(self.pg)
+                    flat = torch.empty(header["nbytes"], dtype=torch.uint8)
+                    _bcast(self.pg, flat)
+                    version = header["version"]
+                    extra = header["extra"] if header["extra"] is not None else extra
+                    weights += _unflatten(flat, header["specs"])
+                    if header["last"]:
+                        break
+                if version == STOP:
+                    self.pg.barrier().wait()
+                with self._cond:
+                    if version == STOP:
+                        self._slot.stopped = True
+                        self._cond.notify_all()
+                        return
+                    arrived = self._slot.arrived
+                    if arrived and version <= arrived[-1]:
+                        raise PeerFailed(f"weight version {version} arrived after version {arrived[-1]} from "
+                                         f"{self.peer}: versions must increase")
+                    arrived.append(version)
+                    self._slot.newest = WeightVersion(version, weights, extra)
+                    self._cond.notify_all()
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread, which raises it
+            with self._cond:
+                self._slot.error = err
+                self._cond.notify_all()
+
+    def wait(self, min_version: int, timeout_s: float | None = None) -> WeightVersion | None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                slot = self._slot
+                if slot.newest is not None and slot.newest.version >= min_version:
+                    return slot.newest
+                if slot.stopped:
+                    return None
+                if slot.error is not None:
+                    raise PeerFailed(f"no weights from {self.peer}: {slot.error}") from slot.error
+                if deadline is not None and time.monotonic() > deadline:
+                    raise PeerFailed(f"no weight version >= {min_version} from {self.peer} within {timeout_s} s")
+                self._cond.wait(self.poll_s)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Batches: rollout main rank -> trainer main rank
+# ------------------------------------------------------------------------------------------------------------
+class BatchSender:
+    def __init__(self, pg: dist.ProcessGroup, dst: int = 0):
+        self.pg, self.dst = pg, dst
+
+    def send(self, batch: Any) -> None:
+        send_object(self.pg, batch, self.dst)
+
+
+class BatchReceiver:
+    """Trainer main rank: a thread receives batches into a queue of at most ``capacity``; ``get(timeout_s)``
+    returns the next one or raises :class:`PeerFailed` naming ``peer`` (its process died, or ``timeout_s``
+    passed; the check runs every ``poll_s``)."""
+
+    def __init__(self, pg: dist.ProcessGroup, peer: str, capacity: int, src: int = 1, poll_s: float = 0.5):
+        self.pg, self.peer, self.src, self.poll_s = pg, peer, src, poll_s
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, capacity))
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="batch-receiver", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._queue.put(recv_object(self.pg, self.src))
+        except BaseException as err:  # noqa: BLE001 - raised in the main thread by get()
+            self._error = err
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        start = time.monotonic()
+        while True:
+            try:
+                return self._queue.get(timeout=self.poll_s)
+            except queue.Empty:
+                pass
+            if self._error is not None:
+                raise PeerFailed(f"{self.peer} stopped sending batches: {self._error}") from self._error
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                raise PeerFailed(f"no batch from {self.peer} within {timeout_s:.0f} s (rollout.worker_timeout_s)")

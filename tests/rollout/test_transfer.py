@@ -1,0 +1,144 @@
+"""rollout/transfer.py over real gloo process groups (spawned processes, one TCPStore): weight versions arrive
+bit for bit and in order at every rollout rank (bf16 and fp32 in one bucket, several buckets), the receiver keeps
+the newest, a version that does not increase is refused, batches go the other way, and a rollout process that
+dies ends the trainer's wait with an error naming it, within a bounded time."""
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_dppo.launch import free_port
+from megatron_dppo.rollout.transfer import (
+    BatchReceiver,
+    BatchSender,
+    PeerFailed,
+    WeightReceiver,
+    WeightSender,
+    buckets,
+    process_group,
+)
+
+TIMEOUT_S = 60.0
+
+
+def _store(port: int) -> dist.Store:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=__import__("datetime").timedelta(seconds=60))
+
+
+def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(version)
+    return [("a.weight", torch.randn(3, 5, generator=g)), ("b.bias", torch.randn(7, generator=g).bfloat16()),
+            ("c.weight", torch.randn(40, 4, generator=g))]
+
+
+def _trainer(port: int, rollouts: int, out: mp.Queue) -> None:
+    try:
+        store = _store(port)
+        sender = WeightSender(process_group(store, "weights", 0, rollouts + 1, TIMEOUT_S), bucket_bytes=256)
+        batches = BatchReceiver(process_group(store, "batches", 0, 2, TIMEOUT_S), "rollout rank 1", capacity=2)
+        for v in range(4):
+            sender.send(v, _weights(v), extra={"history": v})
+        got = [batches.get(TIMEOUT_S) for _ in range(2)]
+        sender.stop()
+        try:
+            sender.send(2, _weights(2))
+            refused = False
+        except ValueError:
+            refused = True
+        out.put(("trainer", got, refused))
+    except BaseException as err:  # noqa: BLE001
+        out.put(("trainer-error", repr(err)))
+
+
+def _rollout(port: int, index: int, rollouts: int, out: mp.Queue) -> None:
+    try:
+        store = _store(port)
+        receiver = WeightReceiver(process_group(store, "weights", index + 1, rollouts + 1, TIMEOUT_S), "trainer")
+        batch_pg = process_group(store, "batches", 1, 2, TIMEOUT_S) if index == 0 else None
+        newest = receiver.wait(3, TIMEOUT_S)
+        exact = all(n == m and torch.equal(t, u) and t.dtype == u.dtype
+                    for (n, t), (m, u) in zip(newest.weights, _weights(3)))
+        if batch_pg is not None:
+            sender = BatchSender(batch_pg)
+            sender.send({"step": 0, "version": newest.version})
+            sender.send({"step": 1, "version": newest.version})
+        stopped = receiver.wait(99, TIMEOUT_S) is None
+        out.put(("rollout", index, newest.version, newest.extra, exact, receiver.arrived, stopped))
+    except BaseException as err:  # noqa: BLE001
+        out.put(("rollout-error", index, repr(err)))
+
+
+def _run(targets, port):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=fn, args=(port, *args, out)) for fn, args in targets]
+    for p in procs:
+        p.start()
+    return procs, out
+
+
+def test_weight_versions_arrive_in_order_bit_for_bit_and_batches_come_back():
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    procs, out = _run([(_trainer, (2,)), (_rollout, (0, 2)), (_rollout, (1, 2))], port)
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    del master
+    by_kind = {r[0] if r[0] != "rollout" else f"rollout{r[1]}": r for r in results}
+    assert not [r for r in results if r[0].endswith("error")], results
+    _, got, refused = by_kind["trainer"]
+    assert [b["step"] for b in got] == [0, 1] and refused
+    for i in (0, 1):
+        _, _, version, extra, exact, arrived, stopped = by_kind[f"rollout{i}"]
+        assert version == 3 and extra == {"history": 3} and exact and stopped
+        assert arrived == sorted(arrived) and arrived[-1] == 3 and len(set(arrived)) == len(arrived)
+
+
+def _trainer_waits(port: int, out: mp.Queue) -> None:
+    store = _store(port)
+    batches = BatchReceiver(process_group(store, "batches", 0, 2, TIMEOUT_S), "rollout worker (job rank 1)",
+                            capacity=1, poll_s=0.2)
+    out.put(("first", batches.get(TIMEOUT_S)))
+    start = time.monotonic()
+    try:
+        batches.get(TIMEOUT_S)
+        out.put(("no-error", time.monotonic() - start))
+    except PeerFailed as err:
+        out.put(("failed", str(err), time.monotonic() - start))
+
+
+def _rollout_dies(port: int, out: mp.Queue) -> None:
+    store = _store(port)
+    BatchSender(process_group(store, "batches", 1, 2, TIMEOUT_S)).send({"step": 0})
+    time.sleep(0.5)
+    os._exit(9)  # as if killed: no clean shutdown
+
+
+def test_a_dead_rollout_worker_ends_the_wait_with_its_name():
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    procs, out = _run([(_trainer_waits, ()), (_rollout_dies, ())], port)
+    first = out.get(timeout=120)
+    result = out.get(timeout=120)
+    for p in procs:
+        p.join(30)
+    del master
+    assert first == ("first", {"step": 0})
+    assert result[0] == "failed", result
+    assert "rollout worker (job rank 1)" in result[1]
+    assert result[2] < 20.0, f"took {result[2]:.1f} s to notice"
+
+
+def test_buckets_respect_the_bound():
+    stream = [(f"t{i}", torch.zeros(10)) for i in range(5)] + [("big", torch.zeros(100))]
+    parts = list(buckets(stream, 80))
+    assert [len(p) for p in parts] == [2, 2, 1, 1]
+    with pytest.raises(ValueError, match="versions must increase"):
+        s = WeightSender.__new__(WeightSender)
+        s.last_version, s.bucket_bytes = 3, 80
+        s.send(3, [])
