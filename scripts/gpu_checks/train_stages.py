@@ -73,6 +73,12 @@ def stage_train_step(c: Check) -> dict:
 def stage_checkpoint(c: Check) -> dict:
     """Save, load into a fresh engine, compare every tensor of the training state, then one more step on each
     (``compare_next_step``), with deterministic kernels on."""
+    c.need_parallel()
+    with deterministic_kernels():
+        return _save_load_step(c)
+
+
+def _save_load_step(c: Check) -> dict:
     import shutil
 
     import torch
@@ -80,12 +86,6 @@ def stage_checkpoint(c: Check) -> dict:
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron_dppo.megatron.offload import train_state_tensors
 
-    c.need_parallel()
-    with deterministic_kernels():
-        return _save_load_step(c, shutil, torch, load_checkpoint, save_checkpoint, train_state_tensors)
-
-
-def _save_load_step(c: Check, shutil, torch, load_checkpoint, save_checkpoint, train_state_tensors) -> dict:
     arch = small_arch(c)
     batches, lengths = random_micro_batches(arch, 2, 256 if c.cpu_smoke else 4096, 16, 128 if c.cpu_smoke
                                             else 1024, seed=5)
