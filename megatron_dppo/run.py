@@ -34,6 +34,7 @@ from megatron_dppo.config import Config
 from megatron_dppo.console import print_banner
 from megatron_dppo.lifecycle import find_resume_checkpoint, lock_output_dir, restore
 from megatron_dppo.metrics import MetricsSink
+from megatron_dppo.placement import connect_trainer
 from megatron_dppo.run_state import Run
 
 
@@ -60,6 +61,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
                               cp=cfg.parallel.cp, ep=cfg.parallel.ep, etp=cfg.parallel.etp,
                               cp_comm_type=cfg.parallel.cp_comm_type)
     D.pick_free_port_if_single_process()
+    link = connect_trainer(cfg) if cfg.rollout.placement == "separate" else None  # (before Megatron's groups)
     info = initialize_parallel(parallel, cfg.model.init_seed)
     D.set_cpu_threads(info.local_world_size, cfg.train.cpu_threads)
     out_dir = Path(cfg.train.output_dir)
@@ -94,15 +96,8 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         clip_grad=cfg.optim.grad_clip, use_distributed_optimizer=cfg.optim.distributed_optimizer), loss_cfg,
         dtype=torch_dtype(cfg.model.dtype), attention_backend=cfg.model.attention_backend,
         **moe_options(cfg, arch))
-    rollout = build_rollout(cfg, hf_config, model_dir, tokenizer)
-
-    pruner: DPPOPruner | CPPOPruner | None = None
-    if cfg.algo.pruner == "dppo":
-        pruner = DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode, keep=cfg.algo.dppo_keep,
-                            length_exponent=cfg.algo.keep_length_exponent, keep_floor=cfg.algo.keep_floor,
-                            zero_advantage_gradient=loss_cfg.kl_coef > 0)
-    elif cfg.algo.pruner == "cppo":
-        pruner = CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
+    rollout = build_rollout(cfg, hf_config, model_dir, tokenizer) if link is None else None  # (separate: workers)
+    pruner = build_pruner(cfg, loss_cfg)
 
     sink = MetricsSink(out_dir, enabled=D.is_main(), jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                        wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, run_config=cfg.to_dict())
@@ -113,7 +108,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
               pruner=pruner, history=PromptHistory(cfg.algo.history_ema), loss_cfg=loss_cfg, estimator=estimator,
               sink=sink, sft_pairs=sft_pairs, eos_ids=eos_ids(tokenizer, hf_config),
               pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
-              handover=build_handover(cfg, engine, rollout, arch), lock=lock)
+              handover=build_handover(cfg, engine, rollout, arch), lock=lock, link=link)
 
     # 3. state: a checkpoint, or pretrained weights, or the fresh initialization
     if found is not None:
@@ -132,7 +127,8 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     phase, position = run_phase_key(run)  # the global step of TensorBoard: warm-start steps, then RL steps
     sink.open(resume_key=(phase, position) if found is not None else None,
               tb_purge_step=(position if phase == 0 else cfg.train.sft_steps + position) if found is not None else None)
-    push_weights(run)  # the rollout engine always starts from the policy's exact weights
+    if link is None or run.sft_step >= cfg.train.sft_steps:  # (separate: the workers wait for the RL weights)
+        push_weights(run)  # the rollout engine always starts from the policy's exact weights
     if D.is_main() and cfg.logging.audit_log:
         run.audit = open_audit(out_dir / "audit.jsonl", run.rl_step if found is not None else None)
     if D.is_main():
@@ -156,7 +152,11 @@ def run_phase_key(run: Run) -> tuple[int, int]:
     return (1, run.rl_step)
 
 
-def teardown(run: Run) -> None:
+def teardown(run: Run, clean: bool = True) -> None:
+    """Close everything ``setup`` opened; ``clean``: the run ended without an error (separate placement: only
+    then are the rollout workers sent the stop message they wait for)."""
+    if run.link is not None:
+        run.link.close(clean)
     run.sink.close()
     if run.audit is not None:
         run.audit.close()
@@ -218,11 +218,31 @@ def build_handover(cfg: Config, engine, rollout, arch):
     return MemoryHandover(rollout, weights)
 
 
-def push_weights(run: Run) -> int:
+def push_weights(run: Run, version: int | None = None) -> int:
     """Stream the policy's weights (gathered over TP/PP, HF names) into this rank's rollout engine, in the memory
     order of ``rollout.handover.MemoryHandover``: empty the cache, wake the rollout weights, push (the KV cache
-    wakes right before the next generation)."""
-    return run.handover.push()
+    wakes right before the next generation). Separate placement: send them to the rollout workers instead,
+    stamped ``version`` (default: ``run.rl_step``, the weights the next RL step trains), with the prompt history
+    the workers decide from and, with the first version, where to start."""
+    if run.link is None:
+        return run.handover.push()
+    from megatron_dppo.convert import export_hf_weights
+
+    version = run.rl_step if version is None else version
+    extra = {"history": run.history.state_dict(), "rl_step": run.rl_step, "sampler": run.sampler.state_dict()}
+    stream = export_hf_weights(run.engine.model_chunks, run.arch, run.cfg.rollout.weight_bucket_mb << 20)
+    return run.link.send_weights(stream, version, extra)
+
+
+def build_pruner(cfg: Config, loss_cfg) -> DPPOPruner | CPPOPruner | None:
+    """The pruner of ``algo.pruner`` (none: None)."""
+    if cfg.algo.pruner == "dppo":
+        return DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode, keep=cfg.algo.dppo_keep,
+                          length_exponent=cfg.algo.keep_length_exponent, keep_floor=cfg.algo.keep_floor,
+                          zero_advantage_gradient=loss_cfg.kl_coef > 0)
+    if cfg.algo.pruner == "cppo":
+        return CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
+    return None
 
 
 @contextlib.contextmanager

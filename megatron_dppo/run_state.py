@@ -44,6 +44,7 @@ class Run:
     audit: Any = None  # open file (rank 0, logging.audit_log)
     handover: Any = None  # rollout.handover.MemoryHandover (GPU memory order around weight pushes)
     lock: Any = None  # lifecycle.OutputLock (rank 0): one run per output folder
+    link: Any = None  # placement.TrainerLink (rollout.placement=separate): weights out, batches in
 
     @property
     def dp_rank(self) -> int:

@@ -47,24 +47,22 @@ from megatron_dppo import console
 from megatron_dppo import distributed as D
 from megatron_dppo.algo.advantages import compute_advantages
 from megatron_dppo.config import Config
-from megatron_dppo.dapo_stages import keep_all, overlong_metrics, refill_groups
+from megatron_dppo.dapo_stages import overlong_metrics
 from megatron_dppo.evaluation import evaluate, evaluate_checkpoint  # noqa: F401 - the CLI's `eval` entry point
 from megatron_dppo.lifecycle import STOP_REQUESTED, StopSignals, save
 from megatron_dppo.metrics import PhaseTimer, plot_reward_curve
+from megatron_dppo.placement import roles
+from megatron_dppo.rollout_side import DrawnBatch, draw_batch, serve
 from megatron_dppo.run import Run, push_weights, rl_learning_rate, set_learning_rate, setup, teardown
 from megatron_dppo.stages import (
     build_train_batch,
     correct_rollout_mismatch,
     fill_old_and_reference_logprobs,
-    generate,
     gradient_audit,
     logprob_mismatch,
     merge_update_metrics,
     pack_mini_batches,
-    prompts_to_draw,
-    score,
     select_completions,
-    select_prompts,
     split_mini_batches,
     step_metrics,
     training_rewards,
@@ -82,31 +80,19 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, PhaseTimer()
     G = cfg.train.group_size
 
-    # 1. Prompts from the seeded, resumable sampler (CPPO allocation draws B/(1-P) to prune back to B*G).
-    prompts = [run.train_prompts[i] for i in run.sampler.take(prompts_to_draw(run))]
-
-    # 2. Prompt-level pruning (DPPO): low-signal prompts seen before are skipped with prob r_q, survivors 1/pi_q.
-    with timer("prune"):
-        prompt_cut = select_prompts(run, prompts, step)
-    kept = [p for p, k in zip(prompts, prompt_cut.keep.tolist()) if k]
-
-    # 3. Generate G completions for every kept prompt (sharded over ranks, gathered on all); then the rollout
-    #    engine releases its accelerator memory for training (vLLM sleep mode; a no-op on CPU).
-    with timer("generate"):
-        rollout = generate(run, kept, G, step, temperature=cfg.rollout.temperature)  # sleeps the engine after
-
-    # 4. Rewards (a failing reward function costs its sample a 0 and a warning).
-    with timer("reward"):
-        rollout.rewards = score(run, run.scorer, rollout)
-
-    # 4b. DAPO dynamic sampling (dynamic_sampling.enable, algo.pruner=none): groups with one reward for all are
-    #     dropped and more prompts drawn, generated and scored until B groups remain (at most max_rounds rounds);
-    #     from here on the kept groups ARE the step's drawn batch.
-    refilled = refill_groups(run, step, timer, rollout) if cfg.dynamic_sampling.enable else None
-    if refilled is not None:
-        prompts = kept = refilled.prompts
-        rollout = refilled.rollout
-        prompt_cut = keep_all(len(prompts))
+    # 1-4. The rollout side (rollout_side.draw_batch), here or on the rollout workers (rollout.placement):
+    #   1. prompts from the seeded, resumable sampler (CPPO allocation draws B/(1-P) to prune back to B*G);
+    #   2. prompt-level pruning (DPPO): low-signal prompts seen before skipped with prob r_q, survivors 1/pi_q
+    #      (pi recorded with the batch);
+    #   3. G completions for every kept prompt (sharded over ranks, gathered on all; the engine's own log-probs
+    #      kept as the behaviour log-probs); the rollout engine then releases its accelerator memory (vLLM sleep);
+    #   4. rewards (a failing reward function costs its sample a 0 and a warning);
+    #   4b. DAPO dynamic sampling (dynamic_sampling.enable, algo.pruner=none): groups with one reward for all
+    #      dropped and more prompts drawn, generated and scored until B groups remain (at most max_rounds rounds);
+    #      from there on the kept groups ARE the step's drawn batch.
+    drawn = draw_batch(run, step, timer) if run.link is None else receive_batch(run, step, timer)
+    prompts, prompt_cut, kept, rollout, refilled = (drawn.prompts, drawn.prompt_cut, drawn.kept, drawn.rollout,
+                                                    drawn.refilled)
 
     # 5. Advantages on the FULL groups (never recomputed from survivors) of the training reward (the task reward
     #    plus DAPO's soft overlong penalty when overlong.buffer > 0); remember mean |A| per prompt.
@@ -148,9 +134,10 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
                     if len(mini_batch):
                         updates.append(run.engine.train_step(micro_batches, mini_batch.denominator))
         metrics.update({f"train/{k}": v for k, v in merge_update_metrics(updates).items()})
-        # 13. Weight push: Megatron -> HF names -> rollout engine.
+        # 13. Weight push: Megatron -> HF names -> rollout engine (separate placement: to the workers, version
+        #     step + 1, without waiting for them).
         with timer("weight_sync"):
-            push_weights(run)
+            push_weights(run, version=step + 1)
         metrics.update(packing)
         metrics.update(logprob_mismatch(rollout, mini_batches, packed, run.engine.last_logprobs))
     else:  # nothing survived (e.g. every group had equal rewards and was dropped): no update this step
@@ -161,6 +148,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     if refilled is not None:  # reward/* over every generated group, dynamic_sampling/*
         metrics.update(refilled.metrics())
     metrics.update(overlong_metrics(run, rollout))
+    metrics.update(async_metrics(run, drawn))
     metrics.update(timer.as_metrics())
     metrics["time/step_cpu"] = D.sum_over_ranks(timer.cpu_seconds)  # process CPU seconds of the step, all ranks
     metrics.update(run.handover.take_metrics())  # GPU memory per handover phase (none on CPU)
@@ -168,6 +156,25 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     write_audit(run, step, prompts, prompt_cut, rollout, advantages, total_cut)
     return metrics
 
+
+
+def receive_batch(run: Run, step: int, timer: PhaseTimer) -> DrawnBatch:
+    """Separate placement: the batch of ``step`` from the rollout workers (staleness checked; the wait is the
+    phase ``time/wait_rollout``); the trainer's sampler takes the position after it, so a checkpoint counts every
+    prompt handed out for the batches trained."""
+    with timer("wait_rollout"):
+        drawn = run.link.receive(step)
+    run.sampler.load_state_dict(drawn.sampler_state)
+    return drawn
+
+
+def async_metrics(run: Run, drawn: DrawnBatch) -> dict[str, float]:
+    """Separate placement: async/staleness of the batch (versions between its generator and the trained
+    weights), async/trainer_wait_s (the trainer idle, waiting for it), the workers' idle/busy/CPU seconds."""
+    if run.link is None:
+        return {}
+    return {"async/staleness": float(run.link.gate.admitted[-1][0] - drawn.version),
+            "async/trainer_wait_s": run.link.last_wait_s, **drawn.metrics}
 
 
 # ==============================================================================================================
@@ -179,7 +186,10 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
     request, or None, "rl_step", "sft_step", ...}."""
     from tqdm import tqdm
 
+    if cfg.rollout.placement == "separate" and roles(cfg).is_worker:  # this process is a rollout worker
+        return {"metrics": {}, "stopped_by": None, "worker": serve(cfg), "output_dir": cfg.train.output_dir}
     run = setup(cfg, resume=checkpoints)
+    clean = False
     start, last, stopped_by = (run.sft_step, run.rl_step), {}, None
     saved: dict[tuple[int, int], Path] = {}  # position -> checkpoint written there (never write one twice)
 
@@ -239,8 +249,9 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
                     reason = "the job script's stop request" if stopped_by == STOP_REQUESTED \
                         else signal.Signals(stopped_by).name
                     print(f"stopped by {reason}; checkpoint {path}; run the same command again to resume", flush=True)
+        clean = True
     finally:
-        teardown(run)
+        teardown(run, clean)
     summary = {"metrics": last, "stopped_by": stopped_by, "rl_step": run.rl_step, "sft_step": run.sft_step,
                "output_dir": cfg.train.output_dir}
     if D.is_main() and cfg.logging.plot:

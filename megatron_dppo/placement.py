@@ -1,0 +1,160 @@
+"""``rollout.placement=separate``: who is a trainer and who a rollout worker in the job, their process groups,
+and the trainer side's end of the link (weights out with a version, batches in, the staleness check).
+
+One job of N + M processes (``torchrun --nproc-per-node N+M``, or srun): job ranks 0..N-1 train, the last M
+(``rollout.workers``) are rollout workers. All of them meet in the job's rendezvous store; each side then has a
+default process group of its own (the trainers' holds Megatron's groups, the workers' shards generation), under
+its own prefix of the store, and two groups cross the sides (``rollout/transfer.py``): the trainer main rank with
+every worker for the weights, the trainer main rank with the worker main rank for the batches. Only the main ranks
+talk across; the other trainer ranks get each batch by a broadcast inside the trainers' group."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_dppo import distributed as D
+from megatron_dppo.rollout.transfer import (
+    BatchReceiver,
+    BatchSender,
+    WeightReceiver,
+    WeightSender,
+    process_group,
+)
+from megatron_dppo.staleness import StalenessGate
+
+TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Roles:
+    """This process's place in a separate-placement job."""
+
+    job_rank: int
+    trainers: int
+    workers: int
+
+    @property
+    def is_worker(self) -> bool:
+        return self.job_rank >= self.trainers
+
+    @property
+    def side_rank(self) -> int:
+        """Rank inside its own side (trainer rank, or worker rank)."""
+        return self.job_rank - self.trainers if self.is_worker else self.job_rank
+
+    def describe(self, worker: int) -> str:
+        return f"rollout worker {worker} (job rank {self.trainers + worker})"
+
+
+def roles(cfg, env=None) -> Roles:
+    """The roles of this job from the launcher's world size and ``rollout.workers``; an error names a world too
+    small to hold a trainer besides the workers."""
+    from megatron_dppo.launch import discover_launch
+
+    info = discover_launch(env)
+    workers = cfg.rollout.workers
+    if info.world_size <= workers:
+        raise ValueError(f"rollout.workers={workers} with a job of {info.world_size} processes leaves no trainer: "
+                         f"launch at least {workers + 1} processes (torchrun --nproc-per-node N+M) or lower "
+                         "rollout.workers")
+    return Roles(info.rank, info.world_size - workers, workers)
+
+
+def job_store(r: Roles) -> dist.Store:
+    """The job's rendezvous store (torchrun's agent store, or one hosted by job rank 0 as for env://)."""
+    store, _, _ = next(dist.rendezvous("env://", rank=r.job_rank, world_size=r.trainers + r.workers,
+                                       timeout=datetime.timedelta(seconds=TIMEOUT_S)))
+    return store
+
+
+def init_side(r: Roles, store: dist.Store) -> None:
+    """This side's default process group (gloo: trainer ranks 0..N-1, or worker ranks 0..M-1)."""
+    side, size = ("workers", r.workers) if r.is_worker else ("trainers", r.trainers)
+    os.environ["DPPO_ROLE"] = "rollout" if r.is_worker else "trainer"
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"dppo/{side}", store), rank=r.side_rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+def weight_group_rank(r: Roles) -> int | None:
+    """Rank in the weights group: the trainer main rank is 0, worker w is 1 + w; other trainers are not in it."""
+    if r.is_worker:
+        return 1 + r.side_rank
+    return 0 if r.job_rank == 0 else None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The trainer's end
+# ------------------------------------------------------------------------------------------------------------
+class TrainerLink:
+    """Trainer side of a separate-placement run. Every trainer rank holds one; only the main rank talks to the
+    workers (the others take part in the broadcasts inside the trainers' group)."""
+
+    def __init__(self, cfg, r: Roles, store: dist.Store):
+        self.roles, self.gate = r, StalenessGate(cfg.train.max_staleness)
+        self.timeout_s = cfg.rollout.worker_timeout_s
+        self.sender = self.batches = None
+        self.last_wait_s = 0.0
+        if r.job_rank == 0:
+            self.sender = WeightSender(process_group(store, "weights", 0, r.workers + 1, TIMEOUT_S),
+                                       cfg.rollout.weight_bucket_mb << 20)
+            self.batches = BatchReceiver(process_group(store, "batches", 0, 2, TIMEOUT_S), r.describe(0),
+                                         capacity=cfg.train.max_staleness + 1)
+
+    def send_weights(self, stream, version: int, extra: dict[str, Any]) -> int:
+        """Every trainer rank iterates the (collective) export; the main rank sends it, stamped ``version``."""
+        if self.sender is None:
+            for _ in stream:
+                pass
+            return 0
+        return self.sender.send(version, stream, extra)
+
+    def receive(self, step: int) -> Any:
+        """The batch of RL step ``step`` on every trainer rank, its staleness checked against the bound."""
+        start = time.monotonic()
+        batch = self.batches.get(self.timeout_s) if self.batches is not None else None
+        batch = D.broadcast_object(batch)
+        self.last_wait_s = time.monotonic() - start
+        if batch.step != step:
+            raise RuntimeError(f"rollout batch for step {batch.step} arrived while the trainer is at step {step}")
+        self.gate.admit(step, batch.version)
+        return batch
+
+    def close(self, clean: bool) -> None:
+        """The stop message to the workers (only after a clean end: after a failure nobody waits for it)."""
+        if clean and self.sender is not None:
+            self.sender.stop()
+
+
+def connect_trainer(cfg) -> TrainerLink:
+    """Process groups of a trainer process (before Megatron's); returns its link to the workers."""
+    r = roles(cfg)
+    store = job_store(r)
+    init_side(r, store)
+    return TrainerLink(cfg, r, store)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The worker's end
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class WorkerLink:
+    roles: Roles
+    weights: WeightReceiver
+    batches: BatchSender | None  # worker main rank only
+
+
+def connect_worker(cfg) -> WorkerLink:
+    """Process groups of a rollout worker; its receiver thread starts at once."""
+    r = roles(cfg)
+    store = job_store(r)
+    init_side(r, store)
+    receiver = WeightReceiver(process_group(store, "weights", weight_group_rank(r), r.workers + 1, TIMEOUT_S),
+                              "the trainer (job rank 0)")
+    sender = BatchSender(process_group(store, "batches", 1, 2, TIMEOUT_S)) if r.side_rank == 0 else None
+    return WorkerLink(r, receiver, sender)

@@ -1,0 +1,138 @@
+"""The rollout side of an RL step, and the loop of a rollout worker (``rollout.placement=separate``).
+
+``draw_batch`` is steps 1-4 of ``trainer.rl_step``: prompts from the sampler, DPPO's prompt-level decision (pi
+recorded with the batch), generation, rewards, and DAPO's refill rounds. In the synchronous loop the trainer calls
+it itself; with separate placement the rollout workers call it in ``serve`` and send the result, stamped with the
+version of the weights that generated it, the sampler position after it, and the worker's idle and CPU seconds.
+
+A worker's loop: for RL step t, wait for weight version >= t - k (``staleness.StalenessGate``), load the newest
+version that arrived (with the prompt history the trainer had at that version: the prompt decisions are made from
+history up to k + 1 steps old, unbiased because pi is recorded with the batch, tests/unit/test_lagged_pruning.py),
+draw the batch, send it; then the next. The first version also carries the trainer's RL step, sampler position and
+history, so a resumed trainer repositions the workers (batches that were in flight are generated again)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_dppo import distributed as D
+from megatron_dppo.algo.pruning import PruneResult
+from megatron_dppo.build import Prompt
+from megatron_dppo.dapo_stages import keep_all, refill_groups
+from megatron_dppo.metrics import PhaseTimer
+from megatron_dppo.stages import Rollout, generate, prompts_to_draw, score, select_prompts
+
+
+@dataclass
+class DrawnBatch:
+    """What the rollout side hands the trainer for one RL step."""
+
+    step: int
+    prompts: list[Prompt]  # the drawn prompts (after a refill: the kept groups' prompts)
+    prompt_cut: PruneResult  # keep and pi of every drawn prompt, decided when drawn
+    kept: list[Prompt]
+    rollout: Rollout  # with rewards and the behaviour log-probs of the engine
+    refilled: Any = None  # dapo_stages.Refill (dynamic_sampling.enable), else None
+    version: int = 0  # weight version that generated it
+    sampler_state: dict | None = None  # the sampler's position after drawing it
+    metrics: dict[str, float] = field(default_factory=dict)  # the rollout side's timings (separate placement)
+
+
+def draw_batch(run, step: int, timer: PhaseTimer) -> DrawnBatch:
+    """Steps 1-4 of an RL step (trainer.rl_step explains each)."""
+    cfg, G = run.cfg, run.cfg.train.group_size
+    prompts = [run.train_prompts[i] for i in run.sampler.take(prompts_to_draw(run))]
+    with timer("prune"):
+        prompt_cut = select_prompts(run, prompts, step)
+    kept = [p for p, k in zip(prompts, prompt_cut.keep.tolist()) if k]
+    with timer("generate"):
+        rollout = generate(run, kept, G, step, temperature=cfg.rollout.temperature)  # sleeps the engine after
+    with timer("reward"):
+        rollout.rewards = score(run, run.scorer, rollout)
+    refilled = refill_groups(run, step, timer, rollout) if cfg.dynamic_sampling.enable else None
+    if refilled is not None:
+        prompts = kept = refilled.prompts
+        rollout = refilled.rollout
+        prompt_cut = keep_all(len(prompts))
+    return DrawnBatch(step, prompts, prompt_cut, kept, rollout, refilled)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A rollout worker
+# ------------------------------------------------------------------------------------------------------------
+def serve(cfg) -> dict[str, Any]:
+    """The loop of a rollout worker process until the trainer's stop message (module docstring)."""
+    from megatron_dppo.placement import connect_worker
+    from megatron_dppo.staleness import StalenessGate
+
+    link = connect_worker(cfg)
+    first = link.weights.wait(0)  # (after the trainer's set-up and warm start: its tokenizer is on disk)
+    if first is None:
+        return {"batches": 0}
+    run = build_worker(cfg, link.roles)
+    gate = StalenessGate(cfg.train.max_staleness)
+    step, loaded, sent = first.extra["rl_step"], None, 0
+    run.sampler.load_state_dict(first.extra["sampler"])
+    while step < cfg.train.steps:
+        idle_start = time.monotonic()
+        newest = link.weights.wait(gate.min_version(step))
+        idle = time.monotonic() - idle_start
+        if newest is None:  # the trainer stopped (a signal): no more batches wanted
+            break
+        if newest.version != loaded:
+            run.rollout.load_weights(iter(newest.weights))
+            run.history.load_state_dict(newest.extra["history"])
+            loaded = newest.version
+        timer = PhaseTimer()
+        drawn = draw_batch(run, step, timer)
+        drawn.version, drawn.sampler_state = loaded, run.sampler.state_dict()
+        drawn.metrics = {"async/rollout_idle_s": idle, "async/rollout_busy_s": timer.as_metrics()["time/step"],
+                         "async/rollout_cpu_s": D.sum_over_ranks(timer.cpu_seconds)}
+        if link.batches is not None:
+            link.batches.send(drawn)
+        step, sent = step + 1, sent + 1
+    link.weights.wait(1 << 62)  # until the stop message (returns None), so no side leaves early
+    return {"batches": sent, "arrived": link.weights.arrived}
+
+
+def build_worker(cfg, r):
+    """A Run with what the rollout side needs (tokenizer, prompts, sampler, pruner, history, reward scorer, the
+    rollout engine), and no Megatron engine."""
+    from megatron_dppo.algo.prompt_history import PromptHistory
+    from megatron_dppo.build import (
+        build_hf_config,
+        build_loss,
+        build_rollout,
+        build_scorer,
+        build_tokenizer,
+        eos_ids,
+        load_train_prompts,
+        quiet_logs,
+        resolve_model_dir,
+        train_sources,
+    )
+    from megatron_dppo.data import PromptSampler
+    from megatron_dppo.megatron.arch import ModelArch
+    from megatron_dppo.rollout.handover import MemoryHandover
+    from megatron_dppo.run import build_pruner
+    from megatron_dppo.run_state import Run
+
+    quiet_logs()
+    D.set_cpu_threads(r.trainers + r.workers, cfg.train.cpu_threads)
+    scorer = build_scorer(cfg, train_sources(cfg))
+    tokenizer = build_tokenizer(cfg)
+    model_dir = resolve_model_dir(cfg)
+    hf_config = build_hf_config(cfg, tokenizer, model_dir)
+    arch = ModelArch.from_hf_config(hf_config)
+    loss_cfg, estimator = build_loss(cfg)
+    prompts, _ = load_train_prompts(cfg, tokenizer, arch)
+    rollout = build_rollout(cfg, hf_config, model_dir, tokenizer)
+    return Run(cfg=cfg, info=None, tokenizer=tokenizer, hf_config=hf_config, arch=arch, engine=None,
+               rollout=rollout, scorer=scorer, eval_scorers={}, train_prompts=prompts, eval_sets={},
+               sampler=PromptSampler(len(prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
+               pruner=build_pruner(cfg, loss_cfg), history=PromptHistory(cfg.algo.history_ema), loss_cfg=loss_cfg,
+               estimator=estimator, sink=None, eos_ids=eos_ids(tokenizer, hf_config),
+               pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
+               handover=MemoryHandover(rollout, lambda: iter(())))
