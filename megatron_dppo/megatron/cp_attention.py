@@ -43,7 +43,10 @@ def sdpa_causal_segments(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor
     """Reference varlen kernel: query segment ``i`` (``[cu_q[i], cu_q[i+1])`` of ``query [t_q, np, hn]``)
     attends to key segment ``i`` of ``key/value [t_k, ng, hn]`` with the causal mask aligned to the bottom right
     (query ``a`` of ``n_q`` sees keys ``b <= a + n_k - n_q``); needs ``n_k >= n_q``. GQA when ``ng < np``.
-    One SDPA call per bucket of key lengths (within a factor 2), never a ``[t_q, t_k]`` mask."""
+    One SDPA call per bucket of key lengths (within a factor 2), never a ``[t_q, t_k]`` mask. A bucket whose
+    segments are all square (``n_k == n_q``) is plain top-left causal; the others need a ``[n, Q, K]`` mask,
+    which SDPA would keep (as floats) until the backward: ``_MaskedSDPA`` rebuilds it there instead, so only
+    q, k and v stay alive between forward and backward."""
     heads, kv_heads = query.size(1), key.size(1)
     if heads % kv_heads:
         raise ValueError(f"query heads {heads} are not a multiple of key/value heads {kv_heads}")
@@ -69,17 +72,50 @@ def sdpa_causal_segments(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor
         q_valid, k_valid = q_off < q_len, k_off < k_len  # [n, Q], [n, K]
         q_index = torch.where(q_valid, q_start + q_off, torch.zeros_like(q_off))
         k_index = torch.where(k_valid, k_start + k_off, torch.zeros_like(k_off))
-        # bottom-right causal; padded query rows (beyond n_q) still see key 0, so no row is empty
-        mask = (k_off.unsqueeze(1) <= (q_off + k_len - q_len).unsqueeze(2)) & k_valid.unsqueeze(1)  # [n, Q, K]
         q = query[q_index].permute(0, 2, 1, 3)  # [n, np, Q, hn]
         k = key[k_index].permute(0, 2, 1, 3)
         v = value[k_index].permute(0, 2, 1, 3)
         if kv_heads != heads:
             k = k.repeat_interleave(heads // kv_heads, dim=1)
             v = v.repeat_interleave(heads // kv_heads, dim=1)
-        seg = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale)
+        if all(s[1] == s[3] for s in bucket):  # square segments, left-aligned: top-left causal is exact
+            seg = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            seg = _MaskedSDPA.apply(q, k, v, q_len, k_len, scale)
         out = out.index_put((q_index[q_valid],), seg.permute(0, 2, 1, 3)[q_valid])
     return out
+
+
+def _bottom_right_mask(q_len: Tensor, k_len: Tensor, queries: int, keys: int) -> Tensor:
+    """``[n, 1, Q, K]`` True where query ``a`` of a segment may see key ``b``: ``b <= a + n_k - n_q`` and ``b < n_k``;
+    padded query rows (beyond ``n_q``) still see key 0, so no row is empty."""
+    q_off = torch.arange(queries, device=q_len.device).unsqueeze(0)
+    k_off = torch.arange(keys, device=q_len.device).unsqueeze(0)
+    mask = (k_off.unsqueeze(1) <= (q_off + k_len - q_len).unsqueeze(2)) & (k_off < k_len).unsqueeze(1)
+    return mask.unsqueeze(1)
+
+
+class _MaskedSDPA(torch.autograd.Function):
+    """SDPA with the bottom-right causal mask, the mask rebuilt in the backward (an attention recompute) instead of
+    being held, as a float copy, from forward to backward: ``(2cp+1) L^2 / (4 cp^2)`` floats per layer and rank,
+    more than the activations CP saves once ``L`` is long."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, q_len: Tensor, k_len: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(q, k, v, q_len, k_len)
+        ctx.scale = scale
+        mask = _bottom_right_mask(q_len, k_len, q.shape[2], k.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, q_len, k_len = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+            mask = _bottom_right_mask(q_len, k_len, q.shape[2], k.shape[2])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=ctx.scale)
+            grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        return (*grads, None, None, None)
 
 
 @functools.lru_cache(maxsize=64)
