@@ -72,7 +72,8 @@ def print_banner(run: Run, found: Path | None) -> None:
                   f"{arch.moe.topk}{', routing replay' if cfg.model.moe_routing_replay else ''})")
         layout = f", ep {cfg.parallel.ep}, etp {cfg.parallel.etp}"
     print(f"megatron-dppo: {arch.family} {model} | world {D.world_size()} "
-          f"(tp {cfg.parallel.tp}, pp {cfg.parallel.pp}, dp {run.dp_size}{layout}) | {len(run.train_prompts)} "
+          f"(tp {cfg.parallel.tp}, pp {cfg.parallel.pp}{f', cp {cfg.parallel.cp}' if cfg.parallel.cp > 1 else ''}, "
+          f"dp {run.dp_size}{layout}) | {len(run.train_prompts)} "
           "train prompts"
           f" | pruner {cfg.algo.pruner} | loss {cfg.loss.preset} ({run.loss_cfg.aggregation}, "
           f"estimator {run.estimator}) | attention {attention_backend_name(cfg, arch)} | output "
