@@ -63,6 +63,7 @@ def test_cp2_equals_cp1(cp1_reference):
 LAYOUTS = {
     "tp2_sp_cp2": dict(tp=2, sp=True, cp=2),
     "pp2_cp2": dict(pp=2, cp=2),
+    "pp2_vpp2_cp2": dict(pp=2, vpp=2, cp=2),
     "cp2_dp2": dict(cp=2),
 }
 
