@@ -120,7 +120,9 @@ class _MaskedSDPA(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=64)
 def _segments(bounds: tuple[int, ...], cp_size: int, cp_rank: int) -> tuple[Tensor, Tensor, Tensor, int, int]:
-    """(cu_q, cu_k, key index into the full order, max_q, max_k) of rank ``cp_rank``'s query chunks."""
+    """(cu_q, cu_k, key index into the full order, max_q, max_k) of rank ``cp_rank``'s query chunks (cached: every
+    layer of a micro-batch asks for the same)."""
+    check_cp_layout(bounds, cp_size)
     q_lens, k_lens, key_index = [], [], []
     for start, end in zip(bounds[:-1], bounds[1:]):
         c = (end - start) // (2 * cp_size)
@@ -147,13 +149,12 @@ def context_parallel_attention(query: Tensor, key: Tensor, value: Tensor,
     bounds = tuple(int(b) for b in (cu_seqlens_padded.tolist() if isinstance(cu_seqlens_padded, Tensor)
                                     else cu_seqlens_padded))
     size, rank = cp_size_rank(group)
-    check_cp_layout(bounds, size)
+    cu_q, cu_k, index, max_q, max_k = _segments(bounds, size, rank)
     if query.size(0) * size != bounds[-1]:
         raise ValueError(f"this CP rank holds {query.size(0)} positions, the packed batch {bounds[-1]}: under "
                          f"cp={size} every rank must hold exactly 1/{size} of it")
     kv_heads = key.size(1)
     kv = gather_cp_sum_grad(torch.cat([key, value], dim=1), bounds, group)  # [t, 2 ng, hn], full order
-    cu_q, cu_k, index, max_q, max_k = _segments(bounds, size, rank)
     index = index.to(kv.device)
     kv = kv.index_select(0, index)
     device = query.device

@@ -60,11 +60,12 @@ def test_cp2_equals_cp1(cp1_reference):
         _assert_same_step(ref, res, "cp2")
 
 
-LAYOUTS = {
+LAYOUTS = {  # world size 4
     "tp2_sp_cp2": dict(tp=2, sp=True, cp=2),
     "pp2_cp2": dict(pp=2, cp=2),
     "pp2_vpp2_cp2": dict(pp=2, vpp=2, cp=2),
     "cp2_dp2": dict(cp=2),
+    "cp4": dict(cp=4),
 }
 
 
