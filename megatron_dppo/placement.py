@@ -51,6 +51,12 @@ class Roles:
     def describe(self, worker: int) -> str:
         return f"rollout worker {worker} (job rank {self.trainers + worker})"
 
+    def describe_workers(self) -> str:
+        if self.workers == 1:
+            return self.describe(0)
+        last = self.trainers + self.workers - 1
+        return f"rollout workers 0..{self.workers - 1} (job ranks {self.trainers}..{last})"
+
 
 def roles(cfg, env=None) -> Roles:
     """The roles of this job from the launcher's world size and ``rollout.workers``; an error names a world too
@@ -102,7 +108,7 @@ class TrainerLink:
         self.last_wait_s = 0.0
         if r.job_rank == 0:
             self.sender = WeightSender(process_group(store, "weights", 0, r.workers + 1, TIMEOUT_S),
-                                       cfg.rollout.weight_bucket_mb << 20)
+                                       cfg.rollout.weight_bucket_mb << 20, r.describe_workers())
             self.batches = BatchReceiver(process_group(store, "batches", 0, 2, TIMEOUT_S), r.describe(0),
                                          capacity=cfg.train.max_staleness + 1)
 
@@ -126,9 +132,11 @@ class TrainerLink:
         return batch
 
     def close(self, clean: bool) -> None:
-        """The stop message to the workers (only after a clean end: after a failure nobody waits for it)."""
+        """The stop message to the workers, then their end marker (only after a clean end: after a failure
+        nobody waits for them). Nothing is left pending in the cross groups when the processes exit."""
         if clean and self.sender is not None:
             self.sender.stop()
+            self.batches.join(self.timeout_s)
 
 
 def connect_trainer(cfg) -> TrainerLink:
@@ -147,6 +155,12 @@ class WorkerLink:
     roles: Roles
     weights: WeightReceiver
     batches: BatchSender | None  # worker main rank only
+
+    def close(self) -> None:
+        """After the trainer's stop message: the end marker of the batch channel, then this side's group."""
+        if self.batches is not None:
+            self.batches.close()
+        dist.destroy_process_group()
 
 
 def connect_worker(cfg) -> WorkerLink:

@@ -13,7 +13,9 @@ history, so a resumed trainer repositions the workers (batches that were in flig
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,10 +72,11 @@ def serve(cfg) -> dict[str, Any]:
     link = connect_worker(cfg)
     first = link.weights.wait(0)  # (after the trainer's set-up and warm start: its tokenizer is on disk)
     if first is None:
+        link.close()
         return {"batches": 0}
     run = build_worker(cfg, link.roles)
     gate = StalenessGate(cfg.train.max_staleness)
-    step, loaded, sent = first.extra["rl_step"], None, 0
+    step, loaded, used = first.extra["rl_step"], None, []
     run.sampler.load_state_dict(first.extra["sampler"])
     while step < cfg.train.steps:
         idle_start = time.monotonic()
@@ -92,9 +95,15 @@ def serve(cfg) -> dict[str, Any]:
                          "async/rollout_cpu_s": D.sum_over_ranks(timer.cpu_seconds)}
         if link.batches is not None:
             link.batches.send(drawn)
-        step, sent = step + 1, sent + 1
+        used.append({"step": step, "version": loaded, **drawn.metrics})
+        step += 1
     link.weights.wait(1 << 62)  # until the stop message (returns None), so no side leaves early
-    return {"batches": sent, "arrived": link.weights.arrived}
+    link.close()
+    summary = {"batches": used, "versions_arrived": link.weights.arrived}
+    if D.is_main():  # the worker's record: which version generated each batch, idle / busy / CPU seconds
+        path = Path(cfg.train.output_dir) / "rollout_worker.json"
+        path.write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 def build_worker(cfg, r):

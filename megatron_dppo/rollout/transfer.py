@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 STOP = -1  # the version number of the message that ends the rollout side's loop
+_END = "dppo/end-of-batches"  # the last message of the batch channel
 
 
 class PeerFailed(RuntimeError):
@@ -114,25 +115,37 @@ class WeightSender:
     """Trainer main rank: ``send(version, stream, extra)`` broadcasts one version to every rollout rank;
     ``stop()`` ends the rollout side's loop."""
 
-    def __init__(self, pg: dist.ProcessGroup, bucket_bytes: int):
-        self.pg, self.bucket_bytes = pg, int(bucket_bytes)
+    def __init__(self, pg: dist.ProcessGroup, bucket_bytes: int, peers: str = "the rollout workers"):
+        self.pg, self.bucket_bytes, self.peers = pg, int(bucket_bytes), peers
         self.last_version: int | None = None
 
     def send(self, version: int, stream: Iterable[tuple[str, torch.Tensor]], extra: Any = None) -> int:
-        """Returns the number of tensors sent. Versions must increase."""
+        """Returns the number of tensors sent. Versions must increase. A failed send (a receiver died) raises
+        :class:`PeerFailed` naming ``peers``."""
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"weight version {version} after version {self.last_version}: versions must increase")
-        parts = list(buckets(stream, self.bucket_bytes)) or [[]]
-        count = 0
-        for i, bucket in enumerate(parts):
-            flat = _flat_bytes(bucket) if bucket else torch.empty(0, dtype=torch.uint8)
-            specs = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
-            broadcast_object(self.pg, {"version": version, "specs": specs, "nbytes": flat.numel(),
-                                       "last": i == len(parts) - 1, "extra": extra if i == 0 else None})
-            _bcast(self.pg, flat)
-            count += len(bucket)
+        count, first = 0, True
+        parts = buckets(stream, self.bucket_bytes)
+        bucket = next(parts, [])
+        while True:  # one bucket of lookahead, to mark the last one; at most two buckets in memory
+            following = next(parts, None)
+            self._send_bucket(version, bucket, following is None, extra if first else None)
+            count, first = count + len(bucket), False
+            if following is None:
+                break
+            bucket = following
         self.last_version = version
         return count
+
+    def _send_bucket(self, version: int, bucket: list[tuple[str, torch.Tensor]], last: bool, extra: Any) -> None:
+        flat = _flat_bytes(bucket) if bucket else torch.empty(0, dtype=torch.uint8)
+        specs = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
+        try:
+            broadcast_object(self.pg, {"version": version, "specs": specs, "nbytes": flat.numel(), "last": last,
+                                       "extra": extra})
+            _bcast(self.pg, flat)
+        except RuntimeError as err:  # gloo: the connection to a receiver closed, or the group's timeout passed
+            raise PeerFailed(f"sending weight version {version} to {self.peers} failed: {err}") from err
 
     def stop(self) -> None:
         """The stop message, then a barrier of the whole group: no side leaves before every rank has it."""
@@ -231,6 +244,10 @@ class BatchSender:
     def send(self, batch: Any) -> None:
         send_object(self.pg, batch, self.dst)
 
+    def close(self) -> None:
+        """The end marker: the receiver's thread ends, so no receive is left pending when the processes exit."""
+        send_object(self.pg, _END, self.dst)
+
 
 class BatchReceiver:
     """Trainer main rank: a thread receives batches into a queue of at most ``capacity``; ``get(timeout_s)``
@@ -247,9 +264,16 @@ class BatchReceiver:
     def _run(self) -> None:
         try:
             while True:
-                self._queue.put(recv_object(self.pg, self.src))
+                batch = recv_object(self.pg, self.src)
+                if isinstance(batch, str) and batch == _END:
+                    return
+                self._queue.put(batch)
         except BaseException as err:  # noqa: BLE001 - raised in the main thread by get()
             self._error = err
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the sender's end marker (``BatchSender.close``)."""
+        self._thread.join(timeout_s)
 
     def qsize(self) -> int:
         return self._queue.qsize()

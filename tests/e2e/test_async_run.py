@@ -1,0 +1,97 @@
+"""Asynchronous RL end to end (rollout.placement=separate, train.max_staleness; docs/async.md), through the CLI:
+
+* max_staleness 0 with separate placement (1 trainer + 1 rollout worker under torchrun) equals the synchronous
+  colocated run bit for bit: every non-timing metric of every step (losses, grad norms, rewards, kept fractions);
+* max_staleness 1: every batch's staleness is within the bound (the trainer's gate would have failed the run
+  otherwise; the metrics and the worker's record show it), the worker ran ahead (some batch is 1 version old),
+  weight versions arrived at the worker in increasing order, and resume from a checkpoint regenerates the batch
+  that was in flight (staleness 0 at the first resumed step) from the checkpointed sampler position;
+* a rollout worker killed mid-run ends the trainer within a bounded time, with an error naming the worker (the
+  processes started by hand, without torchrun, which would otherwise end the job itself).
+
+Each test runs the CLI in fresh processes (> 30 s each on a shared 2-core machine): marked slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from _e2e_helpers import PY, REPO, env, free_port, read_metrics, run_cli, stable_metrics, tiny_config, write_config
+
+pytestmark = pytest.mark.slow
+
+SEPARATE = ("rollout.placement=separate", "eval.every=0")
+
+
+def _rl(records):
+    return [r for r in records if r.get("phase") == "rl"]
+
+
+def test_staleness_zero_separate_equals_colocated(tmp_path):
+    sync_dir, sep_dir = tmp_path / "sync", tmp_path / "sep"
+    cfg_sync = write_config(tmp_path / "sync.yaml", tiny_config(sync_dir, eval={"every": 0}))
+    cfg_sep = write_config(tmp_path / "sep.yaml", tiny_config(sep_dir, eval={"every": 0}))
+    run_cli(cfg_sync)
+    run_cli(cfg_sep, *SEPARATE, "train.max_staleness=0", nproc=2)
+    a, b = _rl(read_metrics(sync_dir)), _rl(read_metrics(sep_dir))
+    assert len(a) == len(b) == 4
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("async/")} for r in stable_metrics(rs)]  # noqa
+    assert strip(a) == strip(b)
+    assert all(r["async/staleness"] == 0.0 for r in b)
+
+
+def test_staleness_one_bound_versions_and_resume(tmp_path):
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "k1.yaml", tiny_config(out, eval={"every": 0}, train={"steps": 4}))
+    run_cli(cfg, *SEPARATE, "train.max_staleness=1", nproc=2)
+    first = _rl(read_metrics(out))
+    worker = json.loads((out / "rollout_worker.json").read_text())
+    staleness = [r["async/staleness"] for r in first]
+    assert all(0 <= s <= 1 for s in staleness) and max(staleness) == 1, staleness
+    arrived = worker["versions_arrived"]
+    assert arrived == sorted(set(arrived)), arrived
+    assert [(b["step"], b["step"] - b["version"]) for b in worker["batches"]] == \
+        [(r["step"], int(s)) for r, s in zip(first, staleness)]
+
+    run_cli(cfg, *SEPARATE, "train.max_staleness=1", "train.steps=6", nproc=2)
+    resumed = _rl(read_metrics(out))
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4, 5]
+    assert resumed[4]["async/staleness"] == 0.0  # the in-flight batch of step 4 was generated again
+    worker = json.loads((out / "rollout_worker.json").read_text())
+    assert [b["step"] for b in worker["batches"]] == [4, 5]
+    assert worker["batches"][0]["version"] == 4
+
+
+def test_a_killed_rollout_worker_ends_the_trainer_naming_it(tmp_path):
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "k1.yaml", tiny_config(out, eval={"every": 0}, train={"steps": 200},
+                                                          checkpoint={"every": 0}))
+    port = free_port()
+    cmd = [PY, "-m", "megatron_dppo.cli", "train", "--config", str(cfg), *SEPARATE, "train.max_staleness=1",
+           "rollout.worker_timeout_s=120"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for rank in (0, 1)]
+    trainer, worker = procs
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").exists() and _rl(read_metrics(out))):
+            assert trainer.poll() is None and time.monotonic() < deadline, "the run did not reach an RL step"
+            time.sleep(0.5)
+        os.kill(worker.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        output, _ = trainer.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert trainer.returncode != 0
+    assert "rollout worker 0 (job rank 1)" in output, output[-3000:]
+    assert took < 60, f"the trainer took {took:.0f} s to stop"

@@ -1,0 +1,74 @@
+"""The staleness bound (megatron_dppo/staleness.py) and the placement options' validation (config.py)."""
+
+import pytest
+
+from pathlib import Path
+
+from megatron_dppo.config import Config, load_config
+from megatron_dppo.placement import Roles, roles
+from megatron_dppo.staleness import StalenessExceeded, StalenessGate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_gate_admits_exactly_the_versions_t_minus_k_to_t(k):
+    for step in range(6):
+        gate = StalenessGate(k)
+        assert gate.min_version(step) == max(0, step - k)
+        for version in range(-1, step + 3):
+            if max(0, step - k) <= version <= step:
+                assert gate.admit(step, version) == step - version
+            else:
+                with pytest.raises(StalenessExceeded, match=f"train.max_staleness={k}"):
+                    gate.admit(step, version)
+        assert gate.max_seen <= k
+
+
+def test_gate_refuses_a_bad_bound():
+    with pytest.raises(ValueError, match="max_staleness must be an integer >= 0, got -1"):
+        StalenessGate(-1)
+
+
+def test_staleness_zero_waits_for_the_weights_of_the_previous_step():
+    """k = 0: batch t needs version t, which exists only after step t - 1 trained (the synchronous loop)."""
+    gate = StalenessGate(0)
+    assert [gate.min_version(t) for t in range(4)] == [0, 1, 2, 3]
+
+
+def _config(**overrides) -> Config:
+    cfg = load_config(REPO / "examples" / "quickstart.yaml")
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def test_colocated_refuses_staleness():
+    with pytest.raises(ValueError, match=r"train.max_staleness=1 is invalid: expected 0 with rollout.placement="
+                                         r"colocated"):
+        _config(train__max_staleness=1).validate()
+
+
+@pytest.mark.parametrize("key, value", [("rollout__engine", "vllm"), ("eval__every", 5),
+                                        ("dynamic_sampling__enable", True)])
+def test_separate_names_what_it_cannot_do_yet(key, value):
+    cfg = _config(rollout__placement="separate", train__max_staleness=1, **{"eval__every": 0, key: value})
+    if key == "dynamic_sampling__enable":
+        cfg.algo.pruner = "none"
+    with pytest.raises(ValueError, match=key.replace("__", ".")):
+        cfg.validate()
+
+
+def test_separate_with_staleness_validates():
+    _config(rollout__placement="separate", train__max_staleness=2, eval__every=0).validate()
+
+
+def test_roles_from_the_launch():
+    cfg = _config(rollout__workers=2)
+    env = {"RANK": "3", "WORLD_SIZE": "5", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    r = roles(cfg, env)
+    assert r == Roles(3, 3, 2) and r.is_worker and r.side_rank == 0
+    assert r.describe(1) == "rollout worker 1 (job rank 4)"
+    with pytest.raises(ValueError, match="rollout.workers=2 with a job of 2 processes leaves no trainer"):
+        roles(cfg, {**env, "RANK": "0", "WORLD_SIZE": "2"})
