@@ -80,10 +80,20 @@ def job_store(r: Roles) -> dist.Store:
 
 
 def init_side(r: Roles, store: dist.Store) -> None:
-    """This side's default process group (gloo: trainer ranks 0..N-1, or worker ranks 0..M-1)."""
+    """This side's default process group: the trainers' (ranks 0..N-1; NCCL on GPU, as Megatron needs, else
+    gloo) or the workers' (ranks 0..M-1; gloo: it only gathers generated samples as objects). On GPU each process
+    takes the GPU of its local rank first (the rollout engine places itself on the current device)."""
+    import torch
+
+    from megatron_dppo.launch import discover_launch
+
     side, size = ("workers", r.workers) if r.is_worker else ("trainers", r.trainers)
     os.environ["DPPO_ROLE"] = "rollout" if r.is_worker else "trainer"
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"dppo/{side}", store), rank=r.side_rank,
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(discover_launch().local_rank % torch.cuda.device_count())
+    backend = "nccl" if cuda and not r.is_worker else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore(f"dppo/{side}", store), rank=r.side_rank,
                             world_size=size, timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
