@@ -1,0 +1,477 @@
+"""The sections of the run configuration (one dataclass per section of the YAML file), each option documented
+once, in its field's ``help``. The root ``Config``, loading and overrides are in ``megatron_dppo.config``, which
+re-exports every section; the data, dynamic-sampling and overlong sections have modules of their own."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from megatron_dppo.config_fields import _check, opt
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """The policy model (one of the HF families llama | qwen2 | qwen3 | qwen3_moe | mixtral) and its tokenizer."""
+
+    path: Optional[str] = opt(None, "Pretrained weights: a Hugging Face model directory (config.json + "
+                                    "safetensors), a .gguf file (converted once into <output_dir>/hf-<name>), or "
+                                    "'package:<python package>/<file>' for a file shipped inside an installed "
+                                    "package. null = random init from model.hf_config.")
+    hf_config: dict = opt({}, "HF config.json fields for a from-scratch model (model_type llama|qwen2|qwen3|"
+                              "qwen3_moe|mixtral, "
+                              "hidden_size, num_hidden_layers, ...). Used when model.path is null; otherwise "
+                              "entries here override the pretrained config (e.g. max_position_embeddings).")
+    tokenizer: Optional[str] = opt(None, "Tokenizer: an HF tokenizer directory, a sentencepiece .model file, "
+                                         "or 'train-sentencepiece' to train one on the task corpus (quickstart). "
+                                         "null = the tokenizer next to model.path.")
+    tokenizer_vocab_size: int = opt(512, "Vocabulary size when model.tokenizer='train-sentencepiece'.")
+    chat_template: Optional[str] = opt(None, "Jinja chat template overriding the tokenizer's own (data.template="
+                                             "chat needs one: from the tokenizer or from here).")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "Parameter/compute dtype of the policy "
+                                                                      "(CPU runs use float32).")
+    init_seed: int = opt(1234, "Seed of the random initialization of a from-scratch model.")
+    attention_backend: Literal["auto", "te", "varlen", "sdpa"] = opt(
+        "auto", "Core attention of packed (THD) micro-batches: te (Transformer Engine fused attention, GPU), varlen "
+                "(torch's FlashAttention varlen kernels, GPU, no TE needed), sdpa (per-sequence "
+                "scaled_dot_product_attention, any device), auto (te when it imports and works on CUDA, else varlen "
+                "on CUDA for a float16/bfloat16 model whose head dim is a multiple of 8 up to 256, else sdpa). An "
+                "explicit choice that cannot work is an error, never a silent fallback.")
+    moe_aux_loss_coeff: float = opt(0.0, "Mixture-of-Experts models: weight of the router's load-balancing "
+                                         "auxiliary loss (Megatron's switch loss of each MoE layer and "
+                                         "micro-batch, averaged over the step's micro-batches weighted by their "
+                                         "tokens, summed over layers, added to the policy loss); 0 = off (the "
+                                         "default for RL: the router follows the reward only).")
+    moe_routing_replay: bool = opt(False, "Mixture-of-Experts models: the training forward reuses the experts "
+                                          "recorded for each token (by the old-log-prob pass, which then always "
+                                          "runs) instead of routing again, so a policy update cannot flip a "
+                                          "token's experts between the pass that scored it and the update.")
+
+    def validate(self) -> None:
+        if self.path is None:
+            _check(bool(self.hf_config), "model.hf_config", self.hf_config,
+                   "a non-empty dict of HF config fields when model.path is null")
+            mt = self.hf_config.get("model_type")
+            _check(mt in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"), "model.hf_config.model_type", mt,
+                   "llama, qwen2, qwen3, qwen3_moe or mixtral")
+        _check(self.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, ">= 0")
+        _check(self.tokenizer_vocab_size >= 64, "model.tokenizer_vocab_size", self.tokenizer_vocab_size, ">= 64")
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron model parallelism; data parallel size = world_size / (tp * pp * cp)."""
+
+    tp: int = opt(1, "Tensor-parallel size.")
+    pp: int = opt(1, "Pipeline-parallel size.")
+    vpp: Optional[int] = opt(None, "Virtual pipeline stages per pipeline rank (interleaved schedule); null = off.")
+    sp: bool = opt(False, "Sequence parallelism (needs tp > 1).")
+    cp: int = opt(1, "Context-parallel size: every packed sequence is split over cp ranks in 2*cp load-balanced "
+                     "chunks (long completions whose activations exceed one device). Sequences are padded to a "
+                     "multiple of 2*tp*cp; packing.capacity still counts a micro-batch's tokens over all cp ranks. "
+                     "Attention: Transformer Engine's own CP with model.attention_backend=te (GPU), else the "
+                     "all-gather K/V attention of megatron/cp_attention.py on the sdpa or varlen kernel (on CPU: "
+                     "sdpa; varlen is checked against CPU stand-ins of torch's kernel, not yet on a GPU). MoE: "
+                     "model.moe_routing_replay and model.moe_aux_loss_coeff need cp=1.")
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = opt(
+        "p2p", "How Transformer Engine's attention exchanges keys/values under parallel.cp > 1 (Megatron's "
+               "cp_comm_type; attention_backend=te only, sdpa/varlen always all-gather): p2p (a ring of K/V blocks "
+               "overlapped with compute), all_gather, a2a (all-to-all over heads; heads / tp divisible by cp).")
+    ep: int = opt(1, "Expert-parallel size (Mixture-of-Experts models): the experts of each MoE layer are spread "
+                     "over ep ranks of a pipeline stage; must divide num_experts and world_size / (pp * etp).")
+    etp: int = opt(1, "Expert-tensor-parallel size (MoE models): each expert split over etp ranks like a dense "
+                      "MLP under TP. 1 (whole experts, more EP) suits fine-grained experts such as Qwen3-MoE's.")
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "cp", "ep", "etp"):
+            _check(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "an integer >= 1")
+        _check(self.vpp is None or self.vpp >= 1, "parallel.vpp", self.vpp, "null or an integer >= 1")
+        _check(not (self.vpp and self.pp == 1), "parallel.vpp", self.vpp, "null when parallel.pp == 1")
+        _check(not (self.sp and self.tp == 1), "parallel.sp", self.sp, "false when parallel.tp == 1")
+
+
+@dataclass
+class RewardConfig:
+    """Reward of a completion against the gold answer. A reward function that raises, hangs or returns NaN costs
+    that sample a zero reward and a logged warning, never the run."""
+
+    fn: Any = opt("auto", "Reward: a built-in name (math = math-verify, gsm8k, arithmetic, format), an import path "
+                          "'package.module:function' (fn(completion, gold) -> float), a mapping {name: weight} "
+                          "summing several, or auto (arithmetic for the arithmetic task, gsm8k for GSM8K files, "
+                          "math otherwise).")
+    timeout_s: float = opt(10.0, "Per-sample time limit of untrusted (user) reward functions.")
+    isolation: Literal["auto", "inline", "process"] = opt(
+        "auto", "Where rewards run: inline (this process), process (worker processes with a hard timeout), auto "
+                "(inline for built-ins, process for user functions).")
+    num_workers: int = opt(2, "Reward worker processes per rank (process isolation).")
+    step_budget_s: Optional[float] = opt(
+        120.0, "Wall-clock budget for scoring one RL step's completions on each rank (process isolation): "
+               "samples still unscored when it runs out score 0 and count in reward/timeouts, like samples past "
+               "reward.timeout_s. Every rank scores its own share of the step in parallel over reward.num_workers "
+               "workers. Evaluation is not budgeted (every sample is scored, each within reward.timeout_s). "
+               "null = no budget (a step may then take up to samples x timeout_s / (ranks x workers)).")
+
+    def validate(self) -> None:
+        _check(isinstance(self.fn, (str, dict)) and bool(self.fn), "reward.fn", self.fn,
+               "a reward name, an import path 'pkg.module:fn', or a mapping {name: weight}")
+        if isinstance(self.fn, dict):
+            for name, weight in self.fn.items():
+                _check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
+                       f"reward.fn.{name}", weight, "a finite number (the weight of this reward in the sum)")
+        _check(0 < self.timeout_s < math.inf, "reward.timeout_s", self.timeout_s, "a finite number of seconds > 0")
+        _check(self.num_workers >= 1, "reward.num_workers", self.num_workers, ">= 1")
+        _check(self.step_budget_s is None or 0 < self.step_budget_s < math.inf, "reward.step_budget_s",
+               self.step_budget_s, "null or a finite number of seconds > 0")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of the G completions per prompt."""
+
+    engine: Literal["hf", "vllm"] = opt("hf", "Rollout engine: hf (transformers generate; CPU default) or vllm "
+                                              "(GPU, colocated with training).")
+    max_new_tokens: int = opt(256, "Maximum completion length L_max in tokens.")
+    temperature: float = opt(1.0, "Sampling temperature (> 0).")
+    top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1].")
+    top_k: int = opt(-1, "Top-k sampling; -1 = off.")
+    batch_size: int = opt(64, "HF engine: sequences generated per forward batch.")
+    gpu_memory_utilization: float = opt(0.5, "vLLM: fraction of GPU memory for weights + KV cache.")
+    enforce_eager: bool = opt(False, "vLLM: disable CUDA graphs.")
+    sleep_between_steps: bool = opt(True, "vLLM on GPU: release rollout memory while training (sleep/wake).")
+    weight_bucket_mb: int = opt(256, "Weight push: bucket size (MiB) of the streaming Megatron->HF export.")
+    offload_train_state: bool = opt(False, "vLLM on GPU: move the Megatron parameters, gradients, fp32 master "
+                                           "weights and Adam state to CPU while vLLM generates (after the weight "
+                                           "push, before the KV cache wakes), and back before training.")
+    sleep_level: int = opt(2, "vLLM sleep level: 2 discards the rollout weights while asleep (they are pushed "
+                              "again before every generation); 1 keeps a CPU copy.")
+    placement: Literal["colocated", "separate"] = opt(
+        "colocated", "Where generation runs. colocated: every training process also holds a rollout engine and "
+        "generates, then trains, then pushes weights in place (the synchronous loop). separate: the last "
+        "rollout.workers processes of the job are rollout workers (an engine each, no Megatron); the other "
+        "processes train (Megatron only); weights go trainer -> workers over a process group, stamped with a "
+        "version, and batches come back, so generation overlaps training up to train.max_staleness "
+        "(docs/async.md). separate needs rollout.engine=hf (the vLLM receiving side is not built yet), "
+        "eval.every=0 (evaluate checkpoints with `megatron-dppo eval`) and dynamic_sampling.enable=false.")
+    workers: int = opt(1, "rollout.placement=separate: how many of the job's processes are rollout workers "
+                          "(the last ones); they shard each batch's generation and scoring.")
+    worker_timeout_s: float = opt(600.0, "rollout.placement=separate: the trainer fails, naming the worker, when "
+                                         "no batch arrives for this long (a dead worker is reported at once).")
+
+    def validate(self) -> None:
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, ">= 1")
+        _check(self.temperature > 0, "rollout.temperature", self.temperature, "> 0")
+        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", self.top_k, "-1 or >= 1")
+        _check(self.batch_size >= 1, "rollout.batch_size", self.batch_size, ">= 1")
+        _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+               self.gpu_memory_utilization, "in (0, 1]")
+        _check(self.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", self.weight_bucket_mb, ">= 1")
+        _check(self.sleep_level in (1, 2), "rollout.sleep_level", self.sleep_level, "1 or 2")
+        _check(self.workers >= 1, "rollout.workers", self.workers, ">= 1")
+        _check(self.worker_timeout_s > 0, "rollout.worker_timeout_s", self.worker_timeout_s, "> 0")
+
+
+@dataclass
+class AlgoConfig:
+    """Pruning (docs/algorithms.md, "Pruning")."""
+
+    pruner: Literal["none", "cppo", "dppo"] = opt("dppo", "none = plain GRPO family; cppo = keep the largest-|A| "
+                                                          "completions (biased baseline); dppo = unbiased "
+                                                          "hierarchical pruning with 1/P reweighting.")
+    r_q: float = opt(0.5, "DPPO prompt-level pruning rate in [0, 1): candidate prompts (history score 0 or below "
+                          "the batch mean) are skipped with probability r_q, survivors weighted 1/(1-r_q).")
+    r_o: float = opt(0.5, "DPPO completion-level pruning rate in [0, 1): candidate completions (A == 0 or |A| "
+                          "below the group mean) are dropped with probability r_o, survivors weighted 1/(1-r_o).")
+    mode: Literal["bernoulli", "fixed_size", "deterministic"] = opt(
+        "bernoulli", "DPPO draw: bernoulli (independent, unbiased), fixed_size (exactly floor(r*|candidates|), "
+                     "exact-probability weights), deterministic (lowest scores first; biased, ablation only).")
+    dppo_keep: Literal["uniform", "optimal"] = opt(
+        "uniform", "DPPO keep probabilities: uniform = the paper's rule (candidates kept with 1 - r, the rest with 1); "
+                   "optimal = variance-optimal pi = clip(c * s, keep_floor, 1) per unit at the same expected budget "
+                   "(r_q / r_o = expected fraction of drawn prompts / generated completions pruned), s = the "
+                   "prompt's history score, resp. |A| * L^keep_length_exponent / pi_q; completions with A = 0 get "
+                   "pi = 0 when loss.kl_coef == 0 (their gradient is exactly zero). docs/algorithms.md, "
+                   "\"Variance-optimal keep probabilities\".")
+    keep_floor: float = opt(0.3, "dppo_keep=optimal: the least keep probability pi_min of every unit that can carry "
+                                 "gradient (every seen prompt; completions with A != 0, and all of them with a KL "
+                                 "term). In (0, 1]; > 0 is what keeps the prompt level unbiased when a prompt's "
+                                 "signal changes. 0.3: the lowest gradient variance of 0.02-0.5 on real quickstart "
+                                 "gradients (the prompt history is stale); docs/benchmarks.md, \"Variance-optimal "
+                                 "pruning\".")
+    keep_length_exponent: float = opt(0.0, "dppo_keep=optimal: alpha in the completion proxy |A| * L^alpha for a "
+                                           "completion's gradient norm (L = completion tokens). 0: alpha in "
+                                           "[-0.5, 1] changed the measured variance by <= 4% on the quickstart "
+                                           "(1-5-token completions, where alpha is poorly determined); measure it "
+                                           "for long completions. docs/benchmarks.md, \"Variance-optimal pruning\".")
+    history_ema: Optional[float] = opt(None, "DPPO prompt history: EMA factor for the mean-|A| score across "
+                                             "visits; null = the last visit's score.")
+    cppo_rate: float = opt(0.5, "CPPO pruning rate P in [0, 1).")
+    cppo_scope: Literal["group", "batch"] = opt("group", "CPPO: keep floor(G(1-P)) per prompt (group) or "
+                                                         "floor(N(1-P)) over the batch (batch).")
+    cppo_allocation: bool = opt(False, "CPPO dynamic completion allocation: draw B/(1-P) prompts, prune back to "
+                                       "B*G completions.")
+    drop_zero_variance_groups: bool = opt(False, "Deterministically drop groups whose rewards are all equal (DAPO "
+                                                 "dynamic-sampling filter; exact when loss.kl_coef == 0).")
+
+    def validate(self) -> None:
+        _check(0 <= self.r_q < 1, "algo.r_q", self.r_q, "a rate in [0, 1)")
+        _check(0 <= self.r_o < 1, "algo.r_o", self.r_o, "a rate in [0, 1)")
+        _check(0 <= self.cppo_rate < 1, "algo.cppo_rate", self.cppo_rate, "a rate in [0, 1)")
+        _check(self.history_ema is None or 0 < self.history_ema <= 1, "algo.history_ema", self.history_ema,
+               "null or in (0, 1]")
+        _check(0 < self.keep_floor <= 1, "algo.keep_floor", self.keep_floor,
+               "in (0, 1] (a floor of 0 would never revisit a prompt whose last group had one reward for all)")
+        _check(math.isfinite(self.keep_length_exponent), "algo.keep_length_exponent", self.keep_length_exponent,
+               "a finite number")
+        _check(not (self.dppo_keep == "optimal" and self.mode == "deterministic"), "algo.mode", self.mode,
+               "bernoulli or fixed_size with algo.dppo_keep=optimal (deterministic has no keep probabilities)")
+
+
+LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")
+
+
+@dataclass
+class LossConfig:
+    """Policy loss: a preset (docs/algorithms.md) plus optional per-field overrides (null = preset value)."""
+
+    preset: Literal["grpo", "dapo", "gspo", "dr_grpo", "verl_grpo", "trl_grpo"] = opt(
+        "grpo", "Loss preset: grpo (PPO clip, seq-mean-token-mean, std-normalized A), dapo (clip-higher 0.28, "
+                "token-mean), gspo (sequence ratio), dr_grpo (no std, sum-norm by L_max); the peers' defaults by "
+                "name: verl_grpo (token-mean, dual clip 3, k3 KL 0.001 clamped to 10, advantage eps 1e-6; with "
+                "policy_loss=gspo as verl's GSPO: no dual clip, gspo_gradient=stop_gradient), trl_grpo (token-"
+                "mean, no KL, advantage eps 1e-4, kl_bias_correction on). Several updates per rollout are train."
+                "mini_batches / train.epochs (verl ppo_mini_batch_size / ppo_epochs, TRL steps_per_generation / "
+                "num_iterations).")
+    policy_loss: Optional[Literal["ppo_clip", "gspo"]] = opt(None, "Override: per-token PPO clip or GSPO.")
+    eps_low: Optional[float] = opt(None, "Override: lower clip range (ratio >= 1 - eps_low).")
+    eps_high: Optional[float] = opt(None, "Override: upper clip range (ratio <= 1 + eps_high).")
+    kl_coef: Optional[float] = opt(None, "Override: KL penalty beta against the initial (reference) policy.")
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = opt(None, "Override: KL estimator (k3 = low-variance).")
+    aggregation: Optional[Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm",
+                                  "seq_mean_token_sum"]] = opt(
+        None, "Override: loss aggregation (fixes the full-batch denominator D). seq_mean_token_sum = verl's "
+              "seq-mean-token-sum: per-sequence token sums over D = B*G.")
+    advantage_estimator: Optional[Literal["grpo", "dr_grpo", "rloo"]] = opt(
+        None, "Override: advantage estimator on the full group.")
+    advantage_eps: Optional[float] = opt(None, "Override: eps of the grpo advantage (r - mean) / (std + eps); "
+                                               "presets use 1e-6 (verl), trl_grpo 1e-4 (TRL).")
+    clip_ratio_c: Optional[float] = opt(None, "Override: dual-clip bound c > 1 for tokens with A < 0 (objective "
+                                              "bounded below by c*A; verl's clip_ratio_c, default 3 there); null "
+                                              "in the preset = off.")
+    kl_clamp: Optional[float] = opt(None, "Override: clamp the k3 KL estimate to [-kl_clamp, kl_clamp] (and its "
+                                          "log-ratio to [-20, 20]) as verl's low_var_kl does with 10; k3 only, k1/k2 "
+                                          "ignore it.")
+    rollout_correction: Optional[Literal["none", "tis", "mis"]] = opt(
+        None, "Override: rollout/trainer mismatch correction of the policy-gradient term per token with u = "
+              "exp(trainer old logp - rollout-engine logp): tis = truncated IS, clamp(u, cap_low, cap) (verl token "
+              "TIS, slime TIS); mis = masked IS, u inside [cap_low, cap] else 0 (slime icepop, verl IcePop: "
+              "rollout_is_threshold \"lo_hi\"); none (preset default). verl's token rejection (rollout_rs, kept "
+              "tokens weigh 1, rejected ones leave the denominators) is not offered: docs/algorithms.md, \"Rollout "
+              "correction\". Forces the trainer's old log-prob pass; composes with the pruning weights 1/pi. Logs "
+              "rollout/is_ratio, rollout/is_corrected_fraction, rollout/kl_k1, rollout/kl_k3.")
+    rollout_correction_cap: Optional[float] = opt(None, "Override: upper bound of the rollout IS weight (preset 2.0, "
+                                                        "the verl and slime default).")
+    rollout_correction_cap_low: Optional[float] = opt(None, "Override: lower bound of the rollout IS weight "
+                                                            "(preset 0.0, slime's default).")
+    gspo_gradient: Optional[Literal["autograd", "stop_gradient"]] = opt(
+        None, "Override: how GSPO's sequence ratio S passes a per-token rollout-correction factor u_t to the "
+              "gradient. autograd (presets' default; TRL): u_t weighs the sequence term, every token gets gradient "
+              "through S, so a token zeroed by mis still learns; stop_gradient (verl_grpo; verl): s_t = sg[S] "
+              "pi_t/sg[pi_t], token t's gradient carries its own u_t. Identical without rollout_correction. "
+              "Default autograd: it is the exact gradient of the GSPO objective the docs write, and leaves runs "
+              "without rollout correction bit for bit as before; prefer stop_gradient with mis.")
+    kl_bias_correction: Optional[bool] = opt(
+        None, "Override: multiply the KL term by the importance ratio (rho_t; S for gspo) with full autograd, "
+              "TRL's use_bias_correction_kl (on in trl_grpo, off elsewhere); acts only with kl_coef > 0.")
+
+    def validate(self) -> None:
+        for name in ("eps_low", "eps_high"):
+            v = getattr(self, name)
+            _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
+        _check(self.kl_coef is None or self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "null or >= 0")
+        _check(self.advantage_eps is None or self.advantage_eps >= 0, "loss.advantage_eps", self.advantage_eps,
+               "null or >= 0")
+        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "loss.clip_ratio_c", self.clip_ratio_c,
+               "null or > 1")
+        _check(self.kl_clamp is None or self.kl_clamp > 0, "loss.kl_clamp", self.kl_clamp, "null or > 0")
+        for name in ("rollout_correction_cap", "rollout_correction_cap_low"):
+            v = getattr(self, name)
+            _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
+
+
+@dataclass
+class OptimConfig:
+    """Adam optimizer (optionally Megatron's DistributedOptimizer, which shards its state over DP ranks)."""
+
+    lr: float = opt(1e-6, "Peak learning rate of the RL phase.")
+    min_lr: float = opt(0.0, "Final learning rate of the cosine decay (if scheduler=cosine).")
+    scheduler: Literal["constant", "cosine"] = opt("constant", "Learning-rate schedule after warmup.")
+    warmup_steps: int = opt(0, "Linear warmup steps.")
+    weight_decay: float = opt(0.0, "Decoupled weight decay.")
+    adam_beta1: float = opt(0.9, "Adam beta1.")
+    adam_beta2: float = opt(0.999, "Adam beta2.")
+    adam_eps: float = opt(1e-8, "Adam epsilon.")
+    grad_clip: float = opt(1.0, "Global gradient-norm clip; 0 = off.")
+    distributed_optimizer: bool = opt(False, "Shard Adam state and fp32 master weights over the data-parallel "
+                                             "ranks (Megatron DistributedOptimizer); for large models.")
+
+    def validate(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "> 0")
+        _check(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "in [0, optim.lr]")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        _check(0 <= self.adam_beta1 < 1, "optim.adam_beta1", self.adam_beta1, "in [0, 1)")
+        _check(0 <= self.adam_beta2 < 1, "optim.adam_beta2", self.adam_beta2, "in [0, 1)")
+        _check(self.adam_eps > 0, "optim.adam_eps", self.adam_eps, "> 0")
+        _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, ">= 0")
+
+
+@dataclass
+class PackingConfig:
+    """Dense Prompt Packing (docs/algorithms.md)."""
+
+    capacity: int = opt(1024, "Token capacity C of one THD micro-batch (>= the longest prompt+completion). "
+                              "1024: the lowest train time per token measured on CPU (benchmarks/capacity.py, "
+                              "docs/benchmarks.md: 281 us/token vs 322 at 512 and 357 at 4096; larger micro-"
+                              "batches fall out of cache); long-completion GPU runs set it higher (examples/).")
+    window: int = opt(64, "Window-greedy packing window W (sequences considered together).")
+
+    def validate(self) -> None:
+        _check(self.capacity >= 1, "packing.capacity", self.capacity, ">= 1")
+        _check(self.window >= 1, "packing.window", self.window, ">= 1")
+
+
+@dataclass
+class TrainConfig:
+    """The RL schedule (and the optional supervised warm start)."""
+
+    steps: int = opt(100, "Number of RL steps (one rollout batch each; train.mini_batches * train.epochs optimizer "
+                          "updates each).")
+    prompts_per_step: int = opt(32, "Global batch B: prompts drawn per step (before prompt pruning).")
+    group_size: int = opt(8, "G: completions sampled per prompt.")
+    seed: int = opt(1234, "Seed of every random decision (data order, sampling, pruning draws), per step.")
+    cpu_threads: Optional[int] = opt(None, "CPU runs: torch threads per process; null = the machine's cores / "
+                                           "processes on this node (OMP_NUM_THREADS, when set, wins). 1 is fastest "
+                                           "for tiny models and on shared machines.")
+    output_dir: str = opt("runs/default", "Directory for metrics, plots, the resolved config and checkpoints.")
+    recompute_old_logprobs: bool = opt(False, "Always run the forward-only old-policy log-prob pass before the "
+                                              "update. false (default): run it only when the ratio can differ "
+                                              "from 1 (stages.old_logprobs_needed: several updates per rollout, "
+                                              "loss.rollout_correction); with one update per rollout "
+                                              "old = detached current log-probs, the identical update with one "
+                                              "forward pass less (as TRL does). The rollout/train mismatch "
+                                              "metric then uses the train forward's log-probs.")
+    mini_batches: int = opt(1, "PPO mini-batches per rollout batch: the drawn prompts are split by prompt (all G "
+                               "completions together), from (train.seed, step), BEFORE pruning, into this many "
+                               "parts of near-equal prompt count; each is packed separately and gets one update "
+                               "with its own full (un-pruned) denominator D_m, so its pruned gradient stays "
+                               "unbiased. Old log-probs are computed once per rollout, before the first update; "
+                               "the PPO ratio is live afterwards. <= train.prompts_per_step (verl "
+                               "ppo_mini_batch_size = B / mini_batches; TRL steps_per_generation).")
+    epochs: int = opt(1, "Passes over the rollout batch's mini-batches (verl ppo_epochs, TRL num_iterations); "
+                         "updates per RL step = train.mini_batches * train.epochs.")
+    sft_steps: int = opt(0, "Supervised warm-start steps on gold completions before RL (through the same "
+                            "Megatron engine: advantage 1 at ratio 1 == the log-likelihood gradient).")
+    sft_batch_size: int = opt(32, "Gold (prompt, completion) pairs per warm-start step.")
+    sft_lr: float = opt(1e-3, "Learning rate of the warm start.")
+    max_staleness: int = opt(0, "k: the batch trained at RL step t may be generated by weights at most k "
+                                "versions older (version v = the weights after v RL updates). 0 = on-policy, "
+                                "the synchronous loop. k >= 1 needs rollout.placement=separate: the rollout "
+                                "workers run ahead by up to k batches while the trainer trains; use "
+                                "loss.rollout_correction=tis|mis for the decoupled objective (docs/async.md). "
+                                "Resume is exact only at 0: batches in flight at the checkpoint are generated "
+                                "again with the restored weights.")
+
+    def validate(self) -> None:
+        _check(self.steps >= 0, "train.steps", self.steps, ">= 0")
+        _check(self.prompts_per_step >= 1, "train.prompts_per_step", self.prompts_per_step, ">= 1")
+        _check(self.group_size >= 2, "train.group_size", self.group_size, ">= 2 (advantages need a group)")
+        _check(self.sft_steps >= 0, "train.sft_steps", self.sft_steps, ">= 0")
+        _check(1 <= self.mini_batches <= self.prompts_per_step, "train.mini_batches", self.mini_batches,
+               f"an integer in [1, train.prompts_per_step={self.prompts_per_step}] (each needs a prompt)")
+        _check(self.epochs >= 1, "train.epochs", self.epochs, ">= 1")
+        _check(self.sft_batch_size >= 1, "train.sft_batch_size", self.sft_batch_size, ">= 1")
+        _check(self.sft_lr > 0, "train.sft_lr", self.sft_lr, "> 0")
+        _check(self.max_staleness >= 0, "train.max_staleness", self.max_staleness, ">= 0")
+        _check(self.cpu_threads is None or self.cpu_threads >= 1, "train.cpu_threads", self.cpu_threads,
+               "null or >= 1")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: pass@1 and pass@k."""
+
+    files: list = opt([], "Held-out JSONL/parquet files (same field options as data). With data.task="
+                          "arithmetic, an empty list evaluates on a held-out arithmetic split.")
+    every: int = opt(0, "Evaluate every N RL steps (and after the last); 0 = never.")
+    max_prompts: int = opt(200, "Evaluate at most this many prompts per file (first N, deterministic).")
+    samples: int = opt(4, "Completions per prompt (n); pass@1 = mean correctness, pass@k unbiased estimator.")
+    pass_k: int = opt(4, "k of pass@k (<= eval.samples).")
+    temperature: float = opt(1.0, "Sampling temperature of evaluation.")
+    reward: Any = opt("auto", "Correctness check of evaluation (same forms as reward.fn); auto = per file: gsm8k "
+                              "for GSM8K files, arithmetic for the arithmetic task, math (math-verify) otherwise.")
+    suite: Optional[Literal["math6", "math8"]] = opt(None, "A named benchmark suite evaluated in addition to eval.files: math6 (GSM8K, "
+                                     "MATH-500, AIME24, AMC23, Minerva Math, OlympiadBench) or math8 (math6 + SVAMP, "
+                                     "ASDiv); megatron-dppo eval prints one table with their average. For the papers' "
+                                     "protocol raise eval.max_prompts to cover every prompt.")
+    data_dir: str = opt("data/math", "Folder of the suite's files: <benchmark>_test.jsonl as `megatron-dppo data "
+                                     "prepare math6 --out data/math` writes them (or the Qwen2.5-Math layout: "
+                                     "gsm8k_test.jsonl, math500_test.jsonl, qwen25math/*.jsonl).")
+
+    def validate(self) -> None:
+        _check(self.every >= 0, "eval.every", self.every, ">= 0")
+        _check(self.max_prompts >= 1, "eval.max_prompts", self.max_prompts, ">= 1")
+        _check(self.samples >= 1, "eval.samples", self.samples, ">= 1")
+        _check(1 <= self.pass_k <= self.samples, "eval.pass_k", self.pass_k, f"in [1, eval.samples={self.samples}]")
+        _check(self.temperature > 0, "eval.temperature", self.temperature, "> 0")
+        for f in self.files:
+            if not Path(f).exists():
+                raise ValueError(f"eval.files: file {f!r} does not exist")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: model, optimizer, RNG, step, data cursor, prompt history (written atomically)."""
+
+    dir: Optional[str] = opt(None, "Checkpoint directory; null = <train.output_dir>/checkpoints.")
+    every: int = opt(0, "Save every N RL steps and every N warm-start steps (always at the end and on SIGINT/"
+                        "SIGTERM/SIGHUP/SIGUSR1); 0 = only then.")
+    resume: Literal["auto", "never", "must"] = opt("auto", "auto = resume from the latest checkpoint in "
+                                                           "checkpoint.dir if any; never = start fresh (error if "
+                                                           "one exists); must = error if none exists.")
+    keep_last: int = opt(2, "Keep the newest N checkpoints; older ones are deleted after a successful save.")
+    verify: Literal["hash", "size"] = opt("hash", "Check a checkpoint against its manifest before resuming from it: "
+                                                  "hash = sizes and SHA-256 of every file (reads it once), size = "
+                                                  "sizes only. A damaged checkpoint is skipped (with a warning) "
+                                                  "for the newest one that verifies.")
+
+    def validate(self) -> None:
+        _check(self.every >= 0, "checkpoint.every", self.every, ">= 0")
+        _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    tensorboard: bool = opt(True, "Write TensorBoard scalars to <output_dir>/tensorboard.")
+    jsonl: bool = opt(True, "Append one JSON line of metrics per step to <output_dir>/metrics.jsonl.")
+    wandb: Literal["auto", "on", "off"] = opt("off", "Weights & Biases: on (error if not installed), auto (when "
+                                                     "installed and WANDB_API_KEY / WANDB_MODE is set), off.")
+    wandb_project: str = opt("megatron-dppo", "W&B project name.")
+    audit_log: bool = opt(False, "Write every drawn prompt's id, prompt-level decision, and its completions' "
+                                 "rewards, advantages, keep flags and weights to <output_dir>/audit.jsonl.")
+    audit_every: int = opt(0, "Every N RL steps, measure the pruned gradient against the full-batch gradient at "
+                              "the current weights (audit/cosine, audit/rel_error, audit/ess; costs ~2-3x a "
+                              "step's training phase, not counted in time/step); 0 = off.")
+    progress_bar: bool = opt(True, "Show a tqdm progress bar with reward and throughput (rank 0).")
+    plot: bool = opt(True, "Save <output_dir>/reward_curve.png at the end.")
+    print_every: int = opt(1, "Print a one-line step summary every N steps; 0 = never.")
+
+    def validate(self) -> None:
+        _check(self.print_every >= 0, "logging.print_every", self.print_every, ">= 0")
+        _check(self.audit_every >= 0, "logging.audit_every", self.audit_every, ">= 0")
