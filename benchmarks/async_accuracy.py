@@ -1,0 +1,89 @@
+"""Accuracy at equal steps under staleness: the CPU quickstart trained with 1 trainer + 1 rollout worker at
+``train.max_staleness`` 0, 1, 2, without (``loss.rollout_correction=none``, the stale samples trained as if
+on-policy) and with the decoupled objective (``tis``), a few seeds (docs/benchmarks.md, section 10;
+docs/async.md).
+
+Each arm trains ``--steps`` RL steps after the quickstart's warm start, then the final checkpoint is evaluated
+with ``megatron-dppo eval`` (colocated, the quickstart's eval settings: fresh samples of the training facts,
+``eval.samples`` each). Reported per arm and seed: pass@1 at the end, the train reward of the last 10 steps
+(Horvitz-Thompson, ``reward/mean``), the mean staleness actually seen and the behaviour-vs-proximal KL
+(``rollout/kl_k1``, logged when the correction is on). Staleness 0 with and without the correction differ only in
+the correction of the engine/trainer numerics (the extra old-log-prob pass).
+
+Run: ``.venv/bin/python benchmarks/async_accuracy.py [--seeds 1,2] [--steps 60] [--arms k0-none,k1-none,...]
+[--out results.json]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from async_overlap import free_port  # noqa: E402
+
+ARMS = ["k0-none", "k0-tis", "k1-none", "k1-tis", "k2-none", "k2-tis"]
+
+
+def _env() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def run_arm(arm: str, seed: int, steps: int, root: Path) -> dict:
+    k, correction = int(arm[1]), arm.split("-")[1]
+    out = root / f"{arm}-s{seed}"
+    config = str(REPO / "examples" / "quickstart.yaml")
+    common = [f"train.steps={steps}", f"train.seed={seed}", f"train.output_dir={out}", "logging.plot=false",
+              "logging.tensorboard=false", f"loss.rollout_correction={correction}"]
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+          f"--master-port={free_port()}", "-m", "megatron_dppo.cli", "train", "--config", config, *common,
+          "rollout.placement=separate", f"train.max_staleness={k}", "eval.every=0", "checkpoint.every=0"])
+    _run([sys.executable, "-m", "megatron_dppo.cli", "eval", "--config", config, *common])
+    rl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rl = [r for r in rl if r.get("phase") == "rl"]
+    ev = json.loads((out / "eval.json").read_text())
+    pass1 = [v for key, v in ev.items() if key.endswith("pass@1")]
+    return {"arm": arm, "seed": seed, "pass@1": pass1[0] if pass1 else float("nan"),
+            "reward_last10": statistics.mean(r["reward/mean"] for r in rl[-10:]),
+            "staleness_mean": statistics.mean(r.get("async/staleness", 0.0) for r in rl),
+            "kl_k1_mean": statistics.mean(r.get("rollout/kl_k1", float("nan")) for r in rl),
+            "corrected_fraction_mean": statistics.mean(r.get("rollout/is_corrected_fraction", float("nan"))
+                                                       for r in rl)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", default="1,2")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="async_accuracy_") as tmp:
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            for arm in args.arms.split(","):
+                results.append(run_arm(arm, seed, args.steps, Path(tmp)))
+                r = results[-1]
+                print(f"{arm:8s} seed {seed}: pass@1 {r['pass@1']:.3f} | train reward (last 10) "
+                      f"{r['reward_last10']:.3f} | staleness {r['staleness_mean']:.2f} | KL(behav||prox) "
+                      f"{r['kl_k1_mean']:.2e} | corrected {r['corrected_fraction_mean']:.3f}", flush=True)
+                if args.out:
+                    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
