@@ -268,6 +268,8 @@ def bench(cfg: Config, steps: int = 5) -> dict[str, float]:
                                                              output_dir=str(Path(cfg.train.output_dir) / "bench")),
                               eval=dataclasses.replace(cfg.eval, every=0))
     summary = train(cfg, checkpoints=False)
+    if "worker" in summary:  # a rollout worker of rollout.placement=separate: the trainer reports
+        return {}
     from megatron_dppo.metrics import read_jsonl
 
     records = [r for r in read_jsonl(Path(cfg.train.output_dir) / "metrics.jsonl") if r.get("phase") == "rl"][1:]

@@ -1,7 +1,8 @@
 """Asynchronous RL end to end (rollout.placement=separate, train.max_staleness; docs/async.md), through the CLI:
 
-* max_staleness 0 with separate placement (1 trainer + 1 rollout worker under torchrun) equals the synchronous
-  colocated run bit for bit: every non-timing metric of every step (losses, grad norms, rewards, kept fractions);
+* max_staleness 0 with separate placement (1 trainer + 1 rollout worker under torchrun), stopped after 2 steps and
+  resumed to 4, equals the straight synchronous colocated run bit for bit: every non-timing metric of every step
+  (losses, grad norms, rewards, kept fractions);
 * max_staleness 1: every batch's staleness is within the bound (the trainer's gate would have failed the run
   otherwise; the metrics and the worker's record show it), the worker ran ahead (some batch is 1 version old),
   weight versions arrived at the worker in increasing order, and resume from a checkpoint regenerates the batch
@@ -32,12 +33,13 @@ def _rl(records):
     return [r for r in records if r.get("phase") == "rl"]
 
 
-def test_staleness_zero_separate_equals_colocated(tmp_path):
+def test_staleness_zero_separate_and_resumed_equals_colocated(tmp_path):
     sync_dir, sep_dir = tmp_path / "sync", tmp_path / "sep"
     cfg_sync = write_config(tmp_path / "sync.yaml", tiny_config(sync_dir, eval={"every": 0}))
     cfg_sep = write_config(tmp_path / "sep.yaml", tiny_config(sep_dir, eval={"every": 0}))
     run_cli(cfg_sync)
-    run_cli(cfg_sep, *SEPARATE, "train.max_staleness=0", nproc=2)
+    run_cli(cfg_sep, *SEPARATE, "train.max_staleness=0", "train.steps=2", nproc=2)
+    run_cli(cfg_sep, *SEPARATE, "train.max_staleness=0", nproc=2)  # resumed at step 2
     a, b = _rl(read_metrics(sync_dir)), _rl(read_metrics(sep_dir))
     assert len(a) == len(b) == 4
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("async/")} for r in stable_metrics(rs)]  # noqa
