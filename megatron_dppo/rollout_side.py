@@ -69,6 +69,7 @@ def serve(cfg) -> dict[str, Any]:
     from megatron_dppo.placement import connect_worker
     from megatron_dppo.staleness import StalenessGate
 
+    ignore_stop_signals()  # the trainer gets them too, stops at a step boundary and sends the stop message
     link = connect_worker(cfg)
     first = link.weights.wait(0)  # (after the trainer's set-up and warm start: its tokenizer is on disk)
     if first is None:
@@ -104,6 +105,18 @@ def serve(cfg) -> dict[str, Any]:
         path = Path(cfg.train.output_dir) / "rollout_worker.json"
         path.write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def ignore_stop_signals() -> None:
+    """A worker ends on the trainer's stop message, not on the signals that ask the trainer to stop (torchrun and
+    Slurm deliver them to every process): dying first would turn the trainer's clean stop into a failure. A dead
+    trainer still ends the worker (its receive fails)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1"):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def build_worker(cfg, r):
