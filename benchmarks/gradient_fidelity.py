@@ -336,6 +336,20 @@ def _ratio(u: dict | None, o: dict | None) -> str:
     return f"{ratio:.2f} ± {err:.2f}{star}"
 
 
+
+def _sweep_row(find, method: str, fraction: float, steps, labels, default: dict, **keys) -> str:
+    """One row of a sweep table: the method's relative MSE at each checkpoint and the geometric mean over the
+    checkpoints of its ratio to the main table's setting (``default``; checkpoints where that is exact left out)."""
+    cells, logs = [], []
+    for s in steps:
+        r = find(method, fraction, s, **keys)
+        d = find("sweep dppo-optimal bernoulli", fraction, s, **default)
+        cells.append(_cell(r))
+        if r and d and r.get("rel_mse") is not None and d.get("rel_mse") is not None and d["rel_mse"] >= EXACT:
+            logs.append(math.log(max(r["rel_mse"], EXACT) / d["rel_mse"]))
+    gm = f"{math.exp(sum(logs) / len(logs)):.3f}" if logs else "n/a"
+    return "| " + " | ".join(str(x) for x in labels) + " | " + " | ".join(cells) + f" | {gm} |"
+
 def markdown_real(rep: dict) -> str:
     c, ck, res = rep["config"], rep["checkpoints"], rep["results"]
     steps = [s["rl_step"] for s in ck]
@@ -427,34 +441,19 @@ def markdown_real(rep: dict) -> str:
     out += ["", f"### dppo-optimal (bernoulli) sweep at f = {sf}: relative MSE", "",
             "| keep_floor | length_exponent | " + " | ".join(f"step {s}" for s in steps) + " | geo-mean vs default |",
             "|---" * (len(steps) + 3) + "|"]
+    default = {"keep_floor": c["keep_floor"], "length_exponent": c["length_exponent"]}
     for floor in c["sweep_floors"]:
         for alpha in c["sweep_exponents"]:
-            cells, logs = [], []
-            for s in steps:
-                r = find("sweep dppo-optimal bernoulli", sf, s, keep_floor=floor, length_exponent=alpha)
-                d = find("sweep dppo-optimal bernoulli", sf, s, keep_floor=0.1, length_exponent=0.0)
-                cells.append(_cell(r))
-                if r and d and r.get("rel_mse") is not None and d.get("rel_mse") is not None \
-                        and d["rel_mse"] >= EXACT:
-                    logs.append(math.log(max(r["rel_mse"], EXACT) / d["rel_mse"]))
-            gm = f"{math.exp(sum(logs) / len(logs)):.3f}" if logs else "n/a"
-            out.append(f"| {floor} | {alpha} | " + " | ".join(cells) + f" | {gm} |")
+            out.append(_sweep_row(find, "sweep dppo-optimal bernoulli", sf, steps, (floor, alpha), default,
+                                  keep_floor=floor, length_exponent=alpha))
     out += ["", f"### dppo-optimal (bernoulli) at f = {sf} with the prompt level's floor apart (two pruners; not a "
             f"library option): relative MSE", "",
             "| prompt keep_floor | completion keep_floor | " + " | ".join(f"step {s}" for s in steps) +
             " | geo-mean vs default |", "|---" * (len(steps) + 3) + "|"]
     for floor_q in c["split_prompt_floors"]:
         for floor in c["split_completion_floors"]:
-            cells, logs = [], []
-            for s in steps:
-                r = find("split-floor dppo-optimal bernoulli", sf, s, keep_floor_prompt=floor_q, keep_floor=floor)
-                d = find("sweep dppo-optimal bernoulli", sf, s, keep_floor=0.1, length_exponent=0.0)
-                cells.append(_cell(r))
-                if r and d and r.get("rel_mse") is not None and d.get("rel_mse") is not None \
-                        and d["rel_mse"] >= EXACT:
-                    logs.append(math.log(max(r["rel_mse"], EXACT) / d["rel_mse"]))
-            gm = f"{math.exp(sum(logs) / len(logs)):.3f}" if logs else "n/a"
-            out.append(f"| {floor_q} | {floor} | " + " | ".join(cells) + f" | {gm} |")
+            out.append(_sweep_row(find, "split-floor dppo-optimal bernoulli", sf, steps, (floor_q, floor), default,
+                                  keep_floor_prompt=floor_q, keep_floor=floor))
     out += ["", "Methods: grpo-subsample = each prompt with all G completions kept with prob f, weight 1/f (a "
             "smaller GRPO batch); dppo-* = DPPOPruner with r_q = r_o = r (completion-only: r_q = 0), uniform = the "
             f"paper's candidate rule, optimal = keep='optimal' (keep_floor {c['keep_floor']}, length_exponent "
