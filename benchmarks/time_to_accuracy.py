@@ -85,6 +85,9 @@ METHODS = {  # nothing is tuned per arm
     "dppo-opt": ["algo.pruner=dppo", "algo.dppo_keep=optimal", "algo.r_q=0.5", "algo.r_o=0.5", "algo.keep_floor=0.1",
                  "algo.keep_length_exponent=0.0"],
     "cppo-0.5-alloc": ["algo.pruner=cppo", "algo.cppo_rate=0.5", "algo.cppo_allocation=true"],
+    # exploratory, after the study (not preregistered): the optimal rule at the floor the gradient measurement chose
+    "dppo-opt-0.3": ["algo.pruner=dppo", "algo.dppo_keep=optimal", "algo.r_q=0.5", "algo.r_o=0.5",
+                     "algo.keep_floor=0.3", "algo.keep_length_exponent=0.0"],
     # ablations, on request only (--arms)
     "dppo-0.5-prompt-only": ["algo.pruner=dppo", "algo.r_q=0.5", "algo.r_o=0"],
     "dppo-0.5-completion-only": ["algo.pruner=dppo", "algo.r_q=0", "algo.r_o=0.5"],
