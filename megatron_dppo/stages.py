@@ -138,6 +138,12 @@ def score(run: Run, scorer: Any, rollout: Rollout) -> torch.Tensor:
         if rollout.prompts else torch.zeros(0, run.cfg.train.group_size)
 
 
+def finished_completions(rollout: Rollout, group_size: int) -> torch.Tensor:
+    """[Bk, G] bool: the completions that ended before rollout.max_new_tokens (the ones overlong.filter trains and
+    counts in the denominators)."""
+    return ~torch.tensor(rollout.truncated, dtype=torch.bool).view(-1, group_size)
+
+
 def training_rewards(run: Run, rollout: Rollout) -> torch.Tensor:
     """The rewards the advantages see [Bk, G]: the task reward plus, with overlong.buffer > 0, DAPO's soft overlong
     penalty of each completion's length (docs/algorithms.md, "Overlong completions"). The task reward alone stays in
@@ -172,7 +178,7 @@ def select_completions(run: Run, prompt_cut: PruneResult, rollout: Rollout, adva
         if cfg.algo.drop_zero_variance_groups:
             decided = _drop(decided, zero_variance_filter(training_rewards(run, rollout)).keep)
         if cfg.overlong.filter:  # overlong filtering: truncated completions leave the loss (and D, see denominator)
-            decided = _drop(decided, ~torch.tensor(rollout.truncated, dtype=torch.bool).view(advantages.shape))
+            decided = _drop(decided, finished_completions(rollout, advantages.shape[1]))
     decided = D.broadcast_object(decided)
     if decided is None:  # no prompt survived prompt pruning
         B = len(prompt_cut.keep)
@@ -234,7 +240,7 @@ def denominator(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rollou
     if isinstance(run.pruner, DPPOPruner):
         pi_q = prompt_cut.probabilities()[prompt_cut.keep].double()
     num_prompts = len(prompts)
-    finished = ~torch.tensor(rollout.truncated, dtype=torch.bool).view(-1, G)
+    finished = finished_completions(rollout, G)
     if subset is not None:  # the generated rows (kept prompts) that belong to this mini-batch
         members = set(subset)
         rows = [row for row, q in enumerate(prompt_cut.keep.nonzero().flatten().tolist()) if q in members]
@@ -419,8 +425,7 @@ def gradient_audit(run: Run, prompts: list[Prompt], prompt_cut: PruneResult, rol
 
     full_cut = full_completion_cut(prompt_cut, run.cfg.train.group_size)
     if run.cfg.overlong.filter:  # the full batch of the filtered loss: every FINISHED completion
-        finished = ~torch.tensor(rollout.truncated, dtype=torch.bool).view(-1, run.cfg.train.group_size)
-        full_cut.keep[prompt_cut.keep] &= finished
+        full_cut.keep[prompt_cut.keep] &= finished_completions(rollout, run.cfg.train.group_size)
         full_cut.weight[~full_cut.keep] = 0.0
     full = build_train_batch(run, prompts, prompt_cut, rollout, advantages, full_cut)
     full_micro_batches, _ = pack(run, full)
