@@ -81,11 +81,17 @@ def test_bind_to_launcher_only_binds_torchrun_workers():
 def test_sighup_stops_like_sigterm():
     from megatron_dppo.lifecycle import StopSignals
 
-    with StopSignals() as stop:
-        os.kill(os.getpid(), signal.SIGHUP)
-        time.sleep(0.05)
-        assert stop.received == signal.SIGHUP and stop.poll() == signal.SIGHUP
-    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    # a terminal's SIGHUP (default action), whatever pytest inherited: under `nohup` SIGHUP is ignored and stays
+    # ignored by design (the next test)
+    inherited = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)
+            assert stop.received == signal.SIGHUP and stop.poll() == signal.SIGHUP
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, inherited)
 
 
 def test_nohup_keeps_ignoring_sighup():
