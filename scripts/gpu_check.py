@@ -6,7 +6,7 @@ scratch folder (``--work``, default a fresh temporary folder) that is removed at
 
 The stages live in ``scripts/gpu_checks/`` by concept: ``harness`` (the runner and report), ``shapes`` (models,
 batches, engines, FLOPs), ``env_stages`` (1-2), ``attention_stage`` (3), ``parity_stages`` (4, 5b),
-``train_stages`` (5, 6), ``quickstart_stage`` (7).
+``train_stages`` (5, 6), ``quickstart_stage`` (7), ``async_stage`` (8).
 
 Stages (pass/fail thresholds in each):
 
@@ -26,6 +26,10 @@ Stages (pass/fail thresholds in each):
 6. checkpoint    save / load into a fresh engine: every tensor of the training state bit-exact; the next step's
                  loss bit-exact and its grad norm within 1e-3 relative (exact on the CPU), deterministic kernels on.
 7. quickstart    the CLI quickstart in bf16 on CUDA for a few steps, then resumed for more (subprocess).
+8. async         the quickstart with rollout.placement=separate under torchrun (1 trainer + 1 rollout worker on
+                 the one GPU), max_staleness 1, then resumed: the bound holds, versions arrive in order, the
+                 staleness-0 behaviour-vs-proximal KL is small; the trainer's wait and the worker's idle seconds.
+                 Last, so that a device run short of time loses only it (``--skip async`` leaves it out).
 
 ``--cpu-smoke`` runs the same stages small in fp32 on the CPU (CPU reference kernel for varlen), in under a
 minute: it is part of the default test suite so this script cannot rot. The device call (``run`` tool):
@@ -46,7 +50,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpu_checks.attention_stage import stage_varlen  # noqa: E402 - after the repository joins sys.path
+from gpu_checks.async_stage import stage_async  # noqa: E402 - after the repository joins sys.path
+from gpu_checks.attention_stage import stage_varlen  # noqa: E402
 from gpu_checks.env_stages import stage_dist, stage_environment  # noqa: E402
 from gpu_checks.harness import REPORT, Check  # noqa: E402
 from gpu_checks.parity_stages import stage_hf_parity, stage_moe  # noqa: E402
@@ -56,7 +61,7 @@ from gpu_checks.train_stages import stage_checkpoint, stage_train_step  # noqa: 
 STAGES = [("environment", stage_environment), ("dist", stage_dist), ("varlen", stage_varlen),
           ("hf_parity", stage_hf_parity), ("train_step", stage_train_step), ("moe", stage_moe),
           ("checkpoint", stage_checkpoint),
-          ("quickstart", stage_quickstart)]
+          ("quickstart", stage_quickstart), ("async", stage_async)]
 
 
 def main(argv=None) -> int:

@@ -33,12 +33,13 @@ def _run(tmp_path, *args):
 
 
 def test_gpu_check_cpu_smoke_every_stage_passes(tmp_path):
-    proc, report = _run(tmp_path, "--skip", "quickstart")  # the quickstart stage: test below (slow)
+    proc, report = _run(tmp_path, "--skip", "quickstart,async")  # those two stages: tests below (slow)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     stages = report["stages"]
     assert list(stages) == ["environment", "dist", "varlen", "hf_parity", "train_step", "moe", "checkpoint",
-                            "quickstart"]
-    assert {k: v["status"] for k, v in stages.items()} == {**{k: "pass" for k in stages}, "quickstart": "skip"}
+                            "quickstart", "async"]
+    assert {k: v["status"] for k, v in stages.items()} == {**{k: "pass" for k in stages}, "quickstart": "skip",
+                                                           "async": "skip"}
     assert stages["varlen"]["module_tail_zero"] and stages["checkpoint"]["bit_exact"]
     assert stages["train_step"]["master_weights"] == "torch.float32" and stages["train_step"]["master_weights_changed"]
     assert stages["moe"]["logits_max_diff_fp32"] <= 1e-3 and stages["moe"]["master_weights_changed"]
@@ -54,6 +55,18 @@ def test_gpu_check_cpu_smoke_quickstart_resumes(tmp_path):
     assert stage["status"] == "pass" and stage["rl_steps"] == 2 and "attention sdpa" in stage["banner"]
     assert stage["logs"] == ["quickstart_run1.log", "quickstart_run2.log"]
     _only_report_and_logs(tmp_path)  # the run folder and its checkpoints stayed in the scratch folder
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_async_separate_placement_resumes(tmp_path):
+    proc, report = _run(tmp_path, "--only", "async")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    stage = report["stages"]["async"]
+    assert stage["status"] == "pass", stage
+    assert len(stage["staleness"]) == 4 and stage["staleness"][2] == 0 and max(stage["staleness"]) <= 1
+    assert stage["kl_k3_staleness0_max"] < 1e-5  # fp32 on the CPU: the worker generated with the trainer's weights
+    assert stage["logs"] == ["async_run1.log", "async_run2.log"]
+    _only_report_and_logs(tmp_path)
 
 
 def test_resumed_step_comparison():
