@@ -156,6 +156,46 @@ def test_preempted_trainer_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert_four_ranks_took_part(tmp_path, job, out / "checkpoints" / latest.read_text().strip(), runs=2)
 
 
+def test_async_job_trainer_node_and_rollout_node_preempted_and_resumed(slurm, tmp_path):
+    """Asynchronous RL in one job (docs/async.md): n1's two ranks train, n2's two are the rollout workers
+    (rollout.workers=2, the job's last ranks), max_staleness 1. SIGUSR1 to the batch shell mid-run: the trainers
+    agree on the stop file at a step boundary, checkpoint and send the workers their stop message (the workers
+    ignore the signals), the job exits 0, requeues itself and resumes to the same final step; every batch within
+    the staleness bound, the first resumed batch generated again from the restored weights."""
+    steps = 6
+    out = tmp_path / "run"
+    cfg = tiny_config(out, train={"steps": steps, "sft_steps": 1, "max_staleness": 1}, eval={"every": 0},
+                      checkpoint={"every": 1, "keep_last": 100}, rollout={"placement": "separate", "workers": 2},
+                      reward={"fn": "tests.slurm._rewards:parity_or_fail", "isolation": "inline"})
+    config = write_config(tmp_path / "async.yaml", cfg)
+    job = slurm.submit(tmp_path, [TRAIN, "--config", str(config)], name="t-async", sbatch_args=TWO_BY_TWO,
+                       env=trainer_env(slurm, DPPO_STOP_GRACE="90"))
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 180
+    while not latest.exists():  # wait for the first checkpoint (after RL step 1)
+        assert time.monotonic() < deadline and slurm.state(job) not in slurm.TERMINAL, slurm.describe(job)
+        time.sleep(0.2)
+    slurm.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
+    state, _ = slurm.wait(job, timeout=220)
+    assert state == "COMPLETED", slurm.describe(job)
+    assert slurm.show(job)["Restarts"] == "1"
+    logs = job.logs()
+    assert re.search(r"world 2 \(tp 1, pp 1, dp 2\)", logs), logs[-3000:]  # the trainers' world: n1's ranks
+    resumed = set(re.findall(r"resumed from \S+ \(warm-start step 1, RL step (\d+)\)", logs))
+    assert len(resumed) == 1, (resumed, logs[-3000:])
+    resumed_step = int(resumed.pop())
+    assert 1 <= resumed_step < steps
+    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("phase") == "rl"]
+    assert [r["step"] for r in records] == list(range(steps))  # every RL step logged once, as in a straight run
+    staleness = [r["async/staleness"] for r in records]
+    assert all(0 <= s <= 1 for s in staleness) and staleness[resumed_step] == 0, staleness
+    assert latest.read_text().strip() == f"step_{1 + steps:08d}"
+    ckpt = out / "checkpoints" / latest.read_text().strip()
+    assert {int(p.name.split("_")[2]) for p in ckpt.glob("__*_*.distcp")} == {0, 1}  # only the trainers save
+    worker = json.loads((out / "rollout_worker.json").read_text())  # the resumed run's worker record
+    assert [b["step"] for b in worker["batches"]] == list(range(resumed_step, steps))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launch, stop_by", [("torchrun", "stop-file"), ("srun", "sigterm")])
 def test_preempted_stand_in_checkpoints_requeues_and_resumes(slurm, tmp_path, launch, stop_by):
