@@ -39,11 +39,13 @@ vLLM is optional: it is imported when an engine is created, with a clear error w
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +124,28 @@ def expected_hf_weights(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def checked_weights(weights: WeightStream, expected: dict[str, tuple[int, ...]], model_path: str,
+                    counter: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with each name and shape checked against ``expected`` (``expected_hf_weights``); counts them in
+    ``counter[0]``. The first tensor is checked at once, so a bad first name or shape (or an empty stream) raises
+    ValueError before the stream reaches vLLM; a bad later one raises while vLLM consumes the stream."""
+
+    def check(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        shape = expected.get(name)
+        if shape is None:
+            raise ValueError(f"unknown weight {name!r} for the model in {model_path}")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} but the model expects {shape}")
+        counter[0] += 1
+        return name, tensor
+
+    items = iter(weights)
+    first = next(items, None)
+    if first is None:
+        raise ValueError("load_weights() got an empty weight stream")
+    return itertools.chain([check(*first)], (check(name, tensor) for name, tensor in items))
+
+
 def _ensure_single_process_env() -> None:
     """external_launcher reads the torch.distributed env; fill it in for a lone process (world size 1)."""
     if "WORLD_SIZE" in os.environ:
@@ -129,6 +153,51 @@ def _ensure_single_process_env() -> None:
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+@contextlib.contextmanager
+def _ranks_of_the_default_group(tensor_parallel_size: int):
+    """RANK and WORLD_SIZE of the default process group while vLLM is built, when there is one.
+
+    What external_launcher reads (vLLM 0.32): ``ExecutorWithExternalLauncher._distributed_args`` takes the worker's
+    rank from RANK and its device from LOCAL_RANK; ``init_distributed_environment`` keeps an initialized default
+    group as vLLM's world (MASTER_ADDR/MASTER_PORT are read only when there is none); WORLD_SIZE is not read. Under
+    a launcher the default group is the job's, so nothing changes. In a separate-placement job
+    (``placement.init_side``) a rollout worker's default group is the workers' own (rank = worker index, size =
+    rollout.workers) while RANK/WORLD_SIZE are the job's: vLLM must see the former. LOCAL_RANK stays the job's (the
+    device of this process). The environment is restored afterwards (the job's roles are read from it)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        yield
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide the {world} processes of the "
+                         "default process group (vLLM's ranks): use a divisor of it")
+    saved = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE")}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+# The worker extension that receives versioned weights from a trainer (rollout.placement=separate).
+WEIGHT_SYNC_EXTENSION = "megatron_dppo.rollout.vllm_weight_sync.WeightSyncExtension"
+
+
+@dataclass
+class ReceivedVersion:
+    """A weight version held by the weight-sync extension inside vLLM's worker: its number and the sender's small
+    ``extra`` object (the tensors stay in the worker)."""
+
+    version: int
+    extra: Any = None
 
 
 class VLLMRolloutEngine:
@@ -144,12 +213,16 @@ class VLLMRolloutEngine:
         sleep_level: 1 keeps a CPU copy of the weights while asleep; 2 (default) discards them (every wake-up is
             followed by a full weight push).
         seed: engine seed; per-request seeds come from ``SamplingParams.seed``.
+        weight_sync: install the weight-sync worker extension (``rollout/vllm_weight_sync.py``): the engine then
+            receives versioned weights from a trainer's process group (``join_weight_group``, ``wait_weights``,
+            ``load_received``) besides ``load_weights``.
         **llm_kwargs: passed to ``vllm.LLM`` (e.g. max_model_len, enforce_eager, max_num_seqs).
     """
 
     def __init__(self, model_path: str | Path, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  load_format: str = "dummy", gpu_memory_utilization: float = 0.5,
-                 enable_sleep_mode: bool | None = None, sleep_level: int = 2, seed: int = 0, **llm_kwargs: Any):
+                 enable_sleep_mode: bool | None = None, sleep_level: int = 2, seed: int = 0,
+                 weight_sync: bool = False, **llm_kwargs: Any):
         vllm = import_vllm()
         self.model_path = str(model_path)
         if not (Path(model_path) / "config.json").is_file():
@@ -169,9 +242,13 @@ class VLLMRolloutEngine:
         )
         if on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.weight_sync = weight_sync
+        if weight_sync:
+            kwargs["worker_extension_cls"] = WEIGHT_SYNC_EXTENSION
         kwargs.update(llm_kwargs)
         self.weight_push = weight_push_api(str(getattr(vllm, "__version__", "dev")))
-        self.llm = vllm.LLM(**kwargs)
+        with _ranks_of_the_default_group(tensor_parallel_size):
+            self.llm = vllm.LLM(**kwargs)
         self._asleep: set[str] = set()  # parts put to sleep and not yet woken
         self._weights_incomplete = False  # a weight push failed midway
 
@@ -211,16 +288,6 @@ class VLLMRolloutEngine:
         return groups
 
     # ------------------------------------------------------------------------------------------------------------
-    def _checked(self, weights: WeightStream, counter: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            shape = self._expected.get(name)
-            if shape is None:
-                raise ValueError(f"unknown weight {name!r} for the model in {self.model_path}")
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} but the model expects {shape}")
-            counter[0] += 1
-            yield name, tensor
-
     def load_weights(self, weights: WeightStream) -> int:
         """Stream HF-named tensors into all vLLM workers (see the module docstring); returns the tensor count.
 
@@ -230,11 +297,7 @@ class VLLMRolloutEngine:
         if "weights" in self._asleep:
             raise RuntimeError("VLLMRolloutEngine.load_weights() called while the weights sleep; wake_up(['weights'])")
         counter = [0]
-        checked = self._checked(weights, counter)
-        first = next(checked, None)  # validated before vLLM starts its layer-wise reload
-        if first is None:
-            raise ValueError("load_weights() got an empty weight stream")
-        stream: Any = itertools.chain([first], checked)
+        stream: Any = checked_weights(weights, self._expected, self.model_path, counter)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":  # an engine-core process: must pickle
             stream = list(stream)
         self._weights_incomplete = True
@@ -246,6 +309,52 @@ class VLLMRolloutEngine:
         self._weights_incomplete = False
         self.llm.reset_prefix_cache()
         return counter[0]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Versioned weights from a trainer (weight_sync=True; rollout/vllm_weight_sync.py runs inside each worker)
+    # ------------------------------------------------------------------------------------------------------------
+    def join_weight_group(self, host: str, port: int, rank: int, size: int, timeout_s: float, peer: str) -> None:
+        """Every vLLM worker joins the weights group (gloo, under the job's store at ``host:port``, group ``rank``
+        of ``size``; ``peer`` names the sender in errors) and starts receiving versions in a thread."""
+        self._require_weight_sync()
+        self.llm.collective_rpc("dppo_join_weights", args=(host, int(port), int(rank), int(size), float(timeout_s),
+                                                          peer))
+
+    def wait_weights(self, min_version: int, timeout_s: float | None = None) -> ReceivedVersion | None:
+        """Block until every worker holds a version >= ``min_version`` and return it (the same one in every worker:
+        the newest, pinned for ``load_received``), or None after the sender's stop message."""
+        self._require_weight_sync()
+        while True:
+            got = self.llm.collective_rpc("dppo_wait_weights", args=(int(min_version), timeout_s))
+            versions = {None if g is None else g["version"] for g in got}
+            if None in versions:
+                return None
+            if len(versions) == 1:
+                return ReceivedVersion(got[0]["version"], got[0]["extra"])
+            min_version = max(versions)  # a newer one reached some workers first: wait for it in all of them
+
+    def load_received(self, version: int) -> int:
+        """Load the version ``wait_weights`` returned into every worker (Worker.reload_weights, as ``load_weights``);
+        returns the tensor count. The tensors never leave the workers."""
+        self._require_weight_sync()
+        if "weights" in self._asleep:
+            raise RuntimeError("VLLMRolloutEngine.load_received() called while the weights sleep; "
+                               "wake_up(['weights'])")
+        self._weights_incomplete = True
+        counts = self.llm.collective_rpc("dppo_load_weights", args=(int(version),))
+        self._weights_incomplete = False
+        self.llm.reset_prefix_cache()
+        return int(counts[0])
+
+    def weights_arrived(self) -> list[int]:
+        """Every version number the (first) worker received, in arrival order."""
+        self._require_weight_sync()
+        return list(self.llm.collective_rpc("dppo_weights_arrived")[0])
+
+    def _require_weight_sync(self) -> None:
+        if not self.weight_sync:
+            raise RuntimeError("this VLLMRolloutEngine was built without weight_sync=True: no worker extension "
+                               "receives versioned weights")
 
     def sleep(self) -> None:
         """Free accelerator memory (GPU sleep mode); generate() and load_weights() need a wake_up() first."""

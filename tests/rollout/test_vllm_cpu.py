@@ -156,3 +156,67 @@ def test_external_launcher_two_processes(model_dirs, tmp_path):
         samples = iter(ranks[0][key])
         groups = [CompletionGroup(p, [Completion(*next(samples), "stop") for _ in range(2)]) for p in PROMPTS]
         assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(path), groups) < 1e-4
+
+
+SENDER_SCRIPT = textwrap.dedent("""
+    import sys
+    from transformers import AutoModelForCausalLM
+    import torch.distributed as dist
+    from megatron_dppo.rollout.transfer import WeightSender, process_group
+
+    port, model_dir = int(sys.argv[1]), sys.argv[2]
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    group = process_group(store, "weights", 0, 2, 120.0)
+    weights = list(AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items())
+    sender = WeightSender(group, 64 << 10, "the test's vLLM worker")  # 64 KiB buckets: a version is many buckets
+    sender.send(1, iter(weights), {"history": "h1", "rl_step": 7})
+    store.set("sent-1", "1")  # the send returned: nobody on the vLLM side asked for anything yet
+    store.wait(["send-again"])
+    # a sender that forgot its versions (a fresh WeightSender) sends version 1 again: the receiver refuses it
+    WeightSender(group, 64 << 10).send(1, iter(weights), {"history": "again"})
+""")
+
+
+def test_weight_sync_extension_receives_versions_inside_vllm(model_dirs, tmp_path):
+    """rollout/vllm_weight_sync.py: a plain sender process (the trainer's WeightSender over gloo) sends version 1 =
+    model B to an engine built from model A; the send completes while the engine is not asked for anything (the
+    receive is posted by the thread inside the vLLM worker); after wait_weights + load_received vLLM samples from
+    model B; a version that does not increase is refused, naming it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_dppo.rollout import SamplingParams
+    from megatron_dppo.rollout.transfer import PeerFailed
+    from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
+
+    first, second = model_dirs
+    engine = VLLMRolloutEngine(first, weight_sync=True, **ENGINE_KWARGS)
+    sampling = SamplingParams(max_new_tokens=8, seed=0)
+    assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(first), engine.generate(PROMPTS, 2, sampling)) \
+        < 1e-4
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    sender = subprocess.Popen([sys.executable, "-c", SENDER_SCRIPT, str(store.port), str(second)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        engine.join_weight_group("127.0.0.1", store.port, 1, 2, 120.0, "the test's sender")
+        store.wait(["sent-1"])  # the whole version crossed before the engine was asked to wait or load
+        received = engine.wait_weights(1)
+        assert (received.version, received.extra) == (1, {"history": "h1", "rl_step": 7})
+        with pytest.raises(RuntimeError, match="weight version 2 is not the one dppo_wait_weights returned"):
+            engine.load_received(2)
+        model_b = AutoModelForCausalLM.from_pretrained(second)
+        assert engine.load_received(1) == len(model_b.state_dict())
+        assert _max_logprob_error(model_b, engine.generate(PROMPTS, 3, sampling)) < 1e-4
+        assert engine.weights_arrived() == [1]
+
+        store.set("send-again", "1")
+        with pytest.raises(PeerFailed, match="weight version 1 arrived after version 1 .*versions must increase"):
+            engine.wait_weights(2, timeout_s=120)
+        output, _ = sender.communicate(timeout=120)
+        assert sender.returncode == 0, output[-4000:]
+    finally:
+        if sender.poll() is None:
+            sender.kill()
