@@ -93,10 +93,7 @@ class Config:
             _check(k == 0, "train.max_staleness", k, "0 with rollout.placement=colocated (one process generates "
                    "and trains in turn: nothing to overlap); use rollout.placement=separate for k >= 1")
             return
-        for key, value, valid, ok in (("rollout.engine", r.engine, "hf", r.engine == "hf"),
-                                      ("eval.every", self.eval.every, "0", not self.eval.every),
-                                      ("dynamic_sampling.enable", self.dynamic_sampling.enable, "false",
-                                       not self.dynamic_sampling.enable)):
+        for key, value, valid, ok in (("rollout.engine", r.engine, "hf", r.engine == "hf"),):
             _check(ok, key, value, f"{valid} with rollout.placement=separate (see rollout.placement)")
 
     @property

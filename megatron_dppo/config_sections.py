@@ -154,8 +154,9 @@ class RolloutConfig:
         "rollout.workers processes of the job are rollout workers (an engine each, no Megatron); the other "
         "processes train (Megatron only); weights go trainer -> workers over a process group, stamped with a "
         "version, and batches come back, so generation overlaps training up to train.max_staleness "
-        "(docs/async.md). separate needs rollout.engine=hf (the vLLM receiving side is not built yet), "
-        "eval.every=0 (evaluate checkpoints with `megatron-dppo eval`) and dynamic_sampling.enable=false.")
+        "(docs/async.md). The workers also run DAPO's refill rounds (dynamic_sampling.*) and the evaluations "
+        "(eval.every: of exactly the due weight version; the trainer waits for each). separate needs "
+        "rollout.engine=hf (the vLLM receiving side is not built yet).")
     workers: int = opt(1, "rollout.placement=separate: how many of the job's processes are rollout workers "
                           "(the last ones); they shard each batch's generation and scoring.")
     worker_timeout_s: float = opt(600.0, "rollout.placement=separate: the trainer fails, naming the worker, when "

@@ -10,6 +10,7 @@ talk across; the other trainer ranks get each batch by a broadcast inside the tr
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import time
@@ -29,6 +30,16 @@ from megatron_dppo.rollout.transfer import (
 from megatron_dppo.staleness import StalenessGate
 
 TIMEOUT_S = 1800.0
+
+
+@dataclass
+class WorkerEval:
+    """The rollout workers' evaluation of one weight version, sent on the batch channel (``rollout_side.serve``):
+    ``metrics`` are ``evaluation.evaluate``'s, of the policy after ``version`` updates, at RL step ``version - 1``
+    as the synchronous loop evaluates it."""
+
+    version: int
+    metrics: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -116,11 +127,13 @@ class TrainerLink:
         self.timeout_s = cfg.rollout.worker_timeout_s
         self.sender = self.batches = None
         self.last_wait_s = 0.0
+        self.early: collections.deque = collections.deque()  # batches that came before an awaited evaluation
         if r.job_rank == 0:
             self.sender = WeightSender(process_group(store, "weights", 0, r.workers + 1, TIMEOUT_S),
                                        cfg.rollout.weight_bucket_mb << 20, r.describe_workers())
+            in_flight = cfg.train.max_staleness + 1 + (1 if cfg.eval.every else 0)  # batches, and one evaluation
             self.batches = BatchReceiver(process_group(store, "batches", 0, 2, TIMEOUT_S), r.describe(0),
-                                         capacity=cfg.train.max_staleness + 1)
+                                         capacity=in_flight)
 
     def send_weights(self, stream, version: int, extra: dict[str, Any]) -> int:
         """Every trainer rank iterates the (collective) export; the main rank sends it, stamped ``version``."""
@@ -133,13 +146,35 @@ class TrainerLink:
     def receive(self, step: int) -> Any:
         """The batch of RL step ``step`` on every trainer rank, its staleness checked against the bound."""
         start = time.monotonic()
-        batch = self.batches.get(self.timeout_s) if self.batches is not None else None
+        batch = self._next() if self.batches is not None else None
         batch = D.broadcast_object(batch)
         self.last_wait_s = time.monotonic() - start
+        if isinstance(batch, WorkerEval):
+            raise RuntimeError(f"an evaluation of weight version {batch.version} arrived while the trainer waits for "
+                               f"the batch of step {step}: only the evaluations the trainer waits for are sent")
         if batch.step != step:
             raise RuntimeError(f"rollout batch for step {batch.step} arrived while the trainer is at step {step}")
         self.gate.admit(step, batch.version)
         return batch
+
+    def receive_eval(self, version: int) -> dict[str, float]:
+        """The workers' evaluation of weight ``version`` (marked due in its ``extra``) on every trainer rank. The
+        batches that come before it on the channel (max_staleness >= 1: generated while the version was on its way)
+        are kept for ``receive``, in order."""
+        found = None
+        while self.batches is not None and found is None:
+            message = self.batches.get(self.timeout_s)
+            if isinstance(message, WorkerEval):
+                if message.version != version:
+                    raise RuntimeError(f"the evaluation of weight version {message.version} arrived while the "
+                                       f"trainer waits for that of version {version}")
+                found = message
+            else:
+                self.early.append(message)
+        return D.broadcast_object(found.metrics if found is not None else None)
+
+    def _next(self) -> Any:
+        return self.early.popleft() if self.early else self.batches.get(self.timeout_s)
 
     def close(self, clean: bool) -> None:
         """The stop message to the workers, then their end marker (only after a clean end: after a failure

@@ -77,7 +77,17 @@ def serve(cfg) -> dict[str, Any]:
         return {"batches": 0}
     run = build_worker(cfg, link.roles)
     gate = StalenessGate(cfg.train.max_staleness)
-    step, loaded, used = first.extra["rl_step"], None, []
+    step, loaded, used, evals, newest = first.extra["rl_step"], None, [], DueEvaluations(run, link.batches), first
+
+    def take(version) -> float:
+        """Load ``version`` (if it is not loaded yet) and evaluate it if it is due; returns the eval seconds."""
+        nonlocal loaded
+        if version.version != loaded:
+            run.rollout.load_weights(iter(version.weights))
+            run.history.load_state_dict(version.extra["history"])
+            loaded = version.version
+        return evals.run_if_due(version)
+
     run.sampler.load_state_dict(first.extra["sampler"])
     while step < cfg.train.steps:
         idle_start = time.monotonic()
@@ -85,26 +95,53 @@ def serve(cfg) -> dict[str, Any]:
         idle = time.monotonic() - idle_start
         if newest is None:  # the trainer stopped (a signal): no more batches wanted
             break
-        if newest.version != loaded:
-            run.rollout.load_weights(iter(newest.weights))
-            run.history.load_state_dict(newest.extra["history"])
-            loaded = newest.version
+        eval_s = take(newest)  # (a due version is the newest: the trainer sends no other before it has the eval)
         timer = PhaseTimer()
         drawn = draw_batch(run, step, timer)
         drawn.version, drawn.sampler_state = loaded, run.sampler.state_dict()
         drawn.metrics = {"async/rollout_idle_s": idle, "async/rollout_busy_s": timer.as_metrics()["time/step"],
-                         "async/rollout_cpu_s": D.sum_over_ranks(timer.cpu_seconds)}
+                         "async/rollout_cpu_s": D.sum_over_ranks(timer.cpu_seconds), "async/rollout_eval_s": eval_s}
         if link.batches is not None:
             link.batches.send(drawn)
         used.append({"step": step, "version": loaded, **drawn.metrics})
         step += 1
+    while cfg.eval.every and newest is not None and newest.version < cfg.train.steps:
+        newest = link.weights.wait(newest.version + 1)  # after the last batch: the last version (due), and any due
+        if newest is not None and newest.extra.get("eval"):  # one that came after the last batch's check
+            take(newest)
     link.weights.wait(1 << 62)  # until the stop message (returns None), so no side leaves early
     link.close()
-    summary = {"batches": used, "versions_arrived": link.weights.arrived}
+    summary = {"batches": used, "evals": evals.done, "versions_arrived": link.weights.arrived}
     if D.is_main():  # the worker's record: which version generated each batch, idle / busy / CPU seconds
         path = Path(cfg.train.output_dir) / "rollout_worker.json"
         path.write_text(json.dumps(summary, indent=1))
     return summary
+
+
+class DueEvaluations:
+    """The worker's side of evaluation during training: a weight version marked due (``extra["eval"]``, set by
+    ``run.push_weights``) is evaluated once, with exactly its weights and the synchronous loop's seeds (RL step
+    version - 1), and the result goes to the trainer on the batch channel (``placement.WorkerEval``; worker main
+    rank). The trainer waits for it before it sends a newer version, so the receiver's newest is the due version
+    and no weight copy is kept for evaluation. ``done`` records each (version, step, seconds)."""
+
+    def __init__(self, run, sender):
+        self.run, self.sender = run, sender
+        self.done: list[dict[str, float]] = []
+
+    def run_if_due(self, version) -> float:
+        from megatron_dppo.evaluation import evaluate
+        from megatron_dppo.placement import WorkerEval
+
+        if not version.extra.get("eval") or any(d["version"] == version.version for d in self.done):
+            return 0.0
+        start = time.monotonic()
+        metrics = evaluate(self.run, version.version - 1)
+        if self.sender is not None:
+            self.sender.send(WorkerEval(version.version, metrics))
+        seconds = time.monotonic() - start
+        self.done.append({"version": version.version, "step": version.version - 1, "seconds": seconds})
+        return seconds
 
 
 def ignore_stop_signals() -> None:
@@ -130,6 +167,7 @@ def build_worker(cfg, r):
         build_scorer,
         build_tokenizer,
         eos_ids,
+        load_eval_sets,
         load_train_prompts,
         quiet_logs,
         resolve_model_dir,
@@ -150,9 +188,11 @@ def build_worker(cfg, r):
     arch = ModelArch.from_hf_config(hf_config)
     loss_cfg, estimator = build_loss(cfg)
     prompts, _ = load_train_prompts(cfg, tokenizer, arch)
+    eval_sets = load_eval_sets(cfg, tokenizer, arch) if cfg.eval.every else {}  # (the workers evaluate: serve)
+    eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward, step_budget=False) for name in eval_sets}
     rollout = build_rollout(cfg, hf_config, model_dir, tokenizer)
     return Run(cfg=cfg, info=None, tokenizer=tokenizer, hf_config=hf_config, arch=arch, engine=None,
-               rollout=rollout, scorer=scorer, eval_scorers={}, train_prompts=prompts, eval_sets={},
+               rollout=rollout, scorer=scorer, eval_scorers=eval_scorers, train_prompts=prompts, eval_sets=eval_sets,
                sampler=PromptSampler(len(prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
                pruner=build_pruner(cfg, loss_cfg), history=PromptHistory(cfg.algo.history_ema), loss_cfg=loss_cfg,
                estimator=estimator, sink=None, eos_ids=eos_ids(tokenizer, hf_config),

@@ -223,15 +223,27 @@ def push_weights(run: Run, version: int | None = None) -> int:
     order of ``rollout.handover.MemoryHandover``: empty the cache, wake the rollout weights, push (the KV cache
     wakes right before the next generation). Separate placement: send them to the rollout workers instead,
     stamped ``version`` (default: ``run.rl_step``, the weights the next RL step trains), with the prompt history
-    the workers decide from and, with the first version, where to start."""
+    the workers decide from, with the first version, where to start, and ``extra["eval"]``: the workers evaluate
+    this version and send the result back (the trainer waits for it: ``trainer.evaluation``). Due are the version
+    before the first RL step (0) and every new version of ``eval_due``; not the restored version of a resumed run,
+    evaluated before its checkpoint was written."""
     if run.link is None:
         return run.handover.push()
     from megatron_dppo.convert import export_hf_weights
 
     version = run.rl_step if version is None else version
-    extra = {"history": run.history.state_dict(), "rl_step": run.rl_step, "sampler": run.sampler.state_dict()}
+    new = version > run.rl_step  # an update's version; else the restored or warmed-up policy the RL phase starts from
+    due = eval_due(run.cfg, version) if new else bool(run.cfg.eval.every) and version == 0
+    extra = {"history": run.history.state_dict(), "rl_step": run.rl_step, "sampler": run.sampler.state_dict(),
+             "eval": due}
     stream = export_hf_weights(run.engine.model_chunks, run.arch, run.cfg.rollout.weight_bucket_mb << 20)
     return run.link.send_weights(stream, version, extra)
+
+
+def eval_due(cfg: Config, version: int) -> bool:
+    """Whether the policy after ``version`` RL updates is evaluated (``eval.every``: every eval.every updates and
+    after the last; the one before the first update is the trainer's own rule: an RL phase that starts at 0)."""
+    return bool(cfg.eval.every) and version > 0 and (version % cfg.eval.every == 0 or version == cfg.train.steps)
 
 
 def build_pruner(cfg: Config, loss_cfg) -> DPPOPruner | CPPOPruner | None:

@@ -53,7 +53,7 @@ from megatron_dppo.lifecycle import STOP_REQUESTED, StopSignals, save
 from megatron_dppo.metrics import PhaseTimer, plot_reward_curve
 from megatron_dppo.placement import roles
 from megatron_dppo.rollout_side import DrawnBatch, draw_batch, serve
-from megatron_dppo.run import Run, push_weights, rl_learning_rate, set_learning_rate, setup, teardown
+from megatron_dppo.run import Run, eval_due, push_weights, rl_learning_rate, set_learning_rate, setup, teardown
 from megatron_dppo.stages import (
     build_train_batch,
     correct_rollout_mismatch,
@@ -142,6 +142,9 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         metrics.update(logprob_mismatch(rollout, mini_batches, packed, run.engine.last_logprobs))
     else:  # nothing survived (e.g. every group had equal rewards and was dropped): no update this step
         metrics["train/skipped"] = 1.0
+        if run.link is not None:  # the workers still wait for version step + 1 (the same weights)
+            with timer("weight_sync"):
+                push_weights(run, version=step + 1)
 
     # 14. Metrics (docs/algorithms.md, "Metrics").
     metrics.update(step_metrics(run, prompt_cut, completion_cut, total_cut, rollout, batch))
@@ -166,6 +169,13 @@ def receive_batch(run: Run, step: int, timer: PhaseTimer) -> DrawnBatch:
         drawn = run.link.receive(step)
     run.sampler.load_state_dict(drawn.sampler_state)
     return drawn
+
+
+def evaluation(run: Run, step: int) -> dict[str, float]:
+    """The evaluation after RL step ``step`` (-1: before the first), of the policy after step + 1 updates: here,
+    or (separate placement) the rollout workers' of that weight version, which ``push_weights`` marked due; the
+    trainer waits for it as the synchronous loop waits for its own (docs/async.md, "Evaluation")."""
+    return evaluate(run, step) if run.link is None else run.link.receive_eval(step + 1)
 
 
 def async_metrics(run: Run, drawn: DrawnBatch) -> dict[str, float]:
@@ -221,15 +231,15 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
 
             # -- RL (with an evaluation before the first step, logged at step -1, and every eval.every steps)
             if cfg.eval.every and run.rl_step == 0 and stopped_by is None:
-                run.sink.log(-1, evaluate(run, -1), phase="eval", global_step=cfg.train.sft_steps)
+                run.sink.log(-1, evaluation(run, -1), phase="eval", global_step=cfg.train.sft_steps)
             bar = console.progress_bar(tqdm, cfg, run.rl_step, cfg.train.steps, "RL") if stopped_by is None else None
             while run.rl_step < cfg.train.steps and stopped_by is None:
                 step = run.rl_step
                 m = rl_step(run, step)
                 run.rl_step += 1
                 run.sink.log(step, m, global_step=cfg.train.sft_steps + step)
-                if cfg.eval.every and (run.rl_step % cfg.eval.every == 0 or run.rl_step == cfg.train.steps):
-                    ev = evaluate(run, step)
+                if eval_due(cfg, run.rl_step):
+                    ev = evaluation(run, step)
                     run.sink.log(step, ev, phase="eval", global_step=cfg.train.sft_steps + step)
                     m.update(ev)
                 last = m

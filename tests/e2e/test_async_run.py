@@ -26,33 +26,52 @@ from _e2e_helpers import PY, REPO, env, free_port, read_metrics, run_cli, stable
 
 pytestmark = pytest.mark.slow
 
-SEPARATE = ("rollout.placement=separate", "eval.every=0")
+SEPARATE = ("rollout.placement=separate",)
+EVAL = {"every": 2, "reward": "tests.e2e._rewards:parity"}  # a reward the tiny policy earns: metrics that move
 
 
 def _rl(records):
     return [r for r in records if r.get("phase") == "rl"]
 
 
+def _eval(records):
+    return [r for r in records if r.get("phase") == "eval"]
+
+
+def _strip(records):
+    """Records without wall-clock fields and without the async/* family (only separate placement has it)."""
+    return [{k: v for k, v in r.items() if not k.startswith("async/")} for r in stable_metrics(records)]
+
+
 def test_staleness_zero_separate_and_resumed_equals_colocated(tmp_path):
+    """Also evaluation on the worker (eval.every=2): the same eval records at the same steps, none lost or repeated
+    by the resume at step 2 (version 2 was evaluated before the checkpoint)."""
     sync_dir, sep_dir = tmp_path / "sync", tmp_path / "sep"
-    cfg_sync = write_config(tmp_path / "sync.yaml", tiny_config(sync_dir, eval={"every": 0}))
-    cfg_sep = write_config(tmp_path / "sep.yaml", tiny_config(sep_dir, eval={"every": 0}))
+    cfg_sync = write_config(tmp_path / "sync.yaml", tiny_config(sync_dir, eval=EVAL))
+    cfg_sep = write_config(tmp_path / "sep.yaml", tiny_config(sep_dir, eval=EVAL))
     run_cli(cfg_sync)
     run_cli(cfg_sep, *SEPARATE, "train.max_staleness=0", "train.steps=2", nproc=2)
     run_cli(cfg_sep, *SEPARATE, "train.max_staleness=0", nproc=2)  # resumed at step 2
-    a, b = _rl(read_metrics(sync_dir)), _rl(read_metrics(sep_dir))
-    assert len(a) == len(b) == 4
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("async/")} for r in stable_metrics(rs)]  # noqa
-    assert strip(a) == strip(b)
-    assert all(r["async/staleness"] == 0.0 for r in b)
+    a, b = read_metrics(sync_dir), read_metrics(sep_dir)
+    assert len(_rl(a)) == len(_rl(b)) == 4
+    assert [r["step"] for r in _eval(b)] == [-1, 1, 3]
+    assert len({r["eval/arithmetic_test/reward_mean"] for r in _eval(b)}) > 1  # seeds and weights show
+    assert _strip(a) == _strip(b)  # every record of every phase, in order: warm start, eval, RL
+    assert all(r["async/staleness"] == 0.0 for r in _rl(b))
+    worker = json.loads((sep_dir / "rollout_worker.json").read_text())  # the resumed run's worker
+    assert [e["version"] for e in worker["evals"]] == [4]
 
 
 def test_staleness_one_bound_versions_and_resume(tmp_path):
+    """Also evaluation on the worker (eval.every=2): each due version evaluated once, with exactly its weights
+    (the trainer sends no newer version before it has the result), logged at step version - 1."""
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "k1.yaml", tiny_config(out, eval={"every": 0}, train={"steps": 4}))
+    cfg = write_config(tmp_path / "k1.yaml", tiny_config(out, eval=EVAL, train={"steps": 4}))
     run_cli(cfg, *SEPARATE, "train.max_staleness=1", nproc=2)
     first = _rl(read_metrics(out))
     worker = json.loads((out / "rollout_worker.json").read_text())
+    assert [(e["version"], e["step"]) for e in worker["evals"]] == [(0, -1), (2, 1), (4, 3)]
+    assert [r["step"] for r in _eval(read_metrics(out))] == [-1, 1, 3]
     staleness = [r["async/staleness"] for r in first]
     assert all(0 <= s <= 1 for s in staleness) and max(staleness) == 1, staleness
     arrived = worker["versions_arrived"]
@@ -67,6 +86,8 @@ def test_staleness_one_bound_versions_and_resume(tmp_path):
     worker = json.loads((out / "rollout_worker.json").read_text())
     assert [b["step"] for b in worker["batches"]] == [4, 5]
     assert worker["batches"][0]["version"] == 4
+    assert [e["version"] for e in worker["evals"]] == [6]  # version 4 was evaluated before the checkpoint
+    assert [r["step"] for r in _eval(read_metrics(out))] == [-1, 1, 3, 5]
 
 
 def test_a_killed_rollout_worker_ends_the_trainer_naming_it(tmp_path):

@@ -50,18 +50,23 @@ def test_colocated_refuses_staleness():
         _config(train__max_staleness=1).validate()
 
 
-@pytest.mark.parametrize("key, value", [("rollout__engine", "vllm"), ("eval__every", 5),
-                                        ("dynamic_sampling__enable", True)])
+@pytest.mark.parametrize("key, value", [("rollout__engine", "vllm")])
 def test_separate_names_what_it_cannot_do_yet(key, value):
     cfg = _config(rollout__placement="separate", train__max_staleness=1, **{"eval__every": 0, key: value})
-    if key == "dynamic_sampling__enable":
-        cfg.algo.pruner = "none"
     with pytest.raises(ValueError, match=key.replace("__", ".")):
         cfg.validate()
 
 
 def test_separate_with_staleness_validates():
     _config(rollout__placement="separate", train__max_staleness=2, eval__every=0).validate()
+
+
+def test_separate_evaluates_and_refills_on_the_workers():
+    """eval.every and dynamic sampling run on the rollout workers (tests/e2e/test_async_run.py runs both)."""
+    cfg = _config(rollout__placement="separate", train__max_staleness=1, eval__every=5,
+                  dynamic_sampling__enable=True)
+    cfg.algo.pruner = "none"
+    cfg.validate()
 
 
 def test_roles_from_the_launch():
