@@ -55,15 +55,20 @@ def _bcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     pg.broadcast([tensor], opts).wait()
 
 
-def broadcast_object(pg: dist.ProcessGroup, obj: Any = None) -> Any:
-    """Rank 0's ``obj`` on every rank of ``pg`` (pickled: a length, then the bytes)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if pg.rank() == 0 else None
+def broadcast_object(pg: dist.ProcessGroup, obj: Any = None, pickled: bytes | None = None) -> Any:
+    """Rank 0's ``obj`` on every rank of ``pg`` (pickled: a length, then the bytes; ``pickled``: rank 0's object
+    already pickled)."""
+    if pg.rank() == 0 and pickled is None:
+        pickled = pickle.dumps(obj)
+    payload = torch.frombuffer(bytearray(pickled), dtype=torch.uint8) if pg.rank() == 0 else None
     length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
     _bcast(pg, length)
     if payload is None:
         payload = torch.empty(int(length), dtype=torch.uint8)
     _bcast(pg, payload)
-    return obj if pg.rank() == 0 else pickle.loads(payload.numpy().tobytes())
+    if pg.rank() == 0:
+        return obj
+    return pickle.loads(payload.numpy().tobytes())
 
 
 def send_object(pg: dist.ProcessGroup, obj: Any, dst: int) -> None:
@@ -113,42 +118,83 @@ def _unflatten(flat: torch.Tensor, specs: list[tuple[str, tuple, torch.dtype]]) 
 
 class WeightSender:
     """Trainer main rank: ``send(version, stream, extra)`` broadcasts one version to every rollout rank;
-    ``stop()`` ends the rollout side's loop."""
+    ``stop()`` ends the rollout side's loop.
 
-    def __init__(self, pg: dist.ProcessGroup, bucket_bytes: int, peers: str = "the rollout workers"):
-        self.pg, self.bucket_bytes, self.peers = pg, int(bucket_bytes), peers
+    ``background=True``: ``send`` first copies the whole version into host buffers (the export's collectives run
+    in the caller's thread, as they must; the prompt history in ``extra`` is pickled then, so later changes do not
+    leak into the version) and returns; a thread broadcasts the buffers while the trainer goes on with its next
+    step. One version at most is in flight: the next ``send`` (or ``stop``) first waits for it, and a failure of
+    the thread is raised there as :class:`PeerFailed`. The cost is one host copy of the model on this rank, against
+    two buckets at a time when sending inline. The trainer's main rank then blocks only for the copy, not for the
+    transfer (``benchmarks/weight_transfer.py``)."""
+
+    def __init__(self, pg: dist.ProcessGroup, bucket_bytes: int, peers: str = "the rollout workers",
+                 background: bool = False):
+        self.pg, self.bucket_bytes, self.peers, self.background = pg, int(bucket_bytes), peers, background
         self.last_version: int | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def send(self, version: int, stream: Iterable[tuple[str, torch.Tensor]], extra: Any = None) -> int:
-        """Returns the number of tensors sent. Versions must increase. A failed send (a receiver died) raises
-        :class:`PeerFailed` naming ``peers``."""
+        """Returns the number of tensors sent (background: copied, to be sent). Versions must increase. A failed
+        send (a receiver died) raises :class:`PeerFailed` naming ``peers`` (background: at the next send or stop)."""
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"weight version {version} after version {self.last_version}: versions must increase")
-        count, first = 0, True
-        parts = buckets(stream, self.bucket_bytes)
-        bucket = next(parts, [])
-        while True:  # one bucket of lookahead, to mark the last one; at most two buckets in memory
-            following = next(parts, None)
-            self._send_bucket(version, bucket, following is None, extra if first else None)
-            count, first = count + len(bucket), False
-            if following is None:
-                break
-            bucket = following
+        self.wait()
+        messages = self._messages(version, stream, extra)
+        if self.background:
+            messages = list(messages)  # every bucket copied to host memory before the trainer goes on
+            self._thread = threading.Thread(target=self._send_all, args=(version, messages), name="weight-sender",
+                                            daemon=True)
+            self._thread.start()
+            count = sum(n for _, _, n in messages)
+        else:
+            count = self._send_all(version, messages, raise_now=True)
         self.last_version = version
         return count
 
-    def _send_bucket(self, version: int, bucket: list[tuple[str, torch.Tensor]], last: bool, extra: Any) -> None:
-        flat = _flat_bytes(bucket) if bucket else torch.empty(0, dtype=torch.uint8)
-        specs = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
+    def wait(self) -> None:
+        """Until the version being sent in the background has gone out; raises what its thread hit."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise PeerFailed(f"sending weights to {self.peers} failed: {err}") from err
+
+    def _messages(self, version: int, stream, extra: Any) -> Iterator[tuple[bytes, torch.Tensor, int]]:
+        """(pickled header, flat bytes, tensor count) per bucket; ``last`` marks the final one (one bucket of
+        lookahead: at most two in memory when consumed as they come)."""
+        first, parts = True, buckets(stream, self.bucket_bytes)
+        bucket = next(parts, [])
+        while True:
+            following = next(parts, None)
+            flat = _flat_bytes(bucket) if bucket else torch.empty(0, dtype=torch.uint8)
+            specs = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
+            header = {"version": version, "specs": specs, "nbytes": flat.numel(), "last": following is None,
+                      "extra": extra if first else None}
+            yield pickle.dumps(header), flat, len(bucket)
+            if following is None:
+                return
+            first, bucket = False, following
+
+    def _send_all(self, version: int, messages, raise_now: bool = False) -> int:
+        count = 0
         try:
-            broadcast_object(self.pg, {"version": version, "specs": specs, "nbytes": flat.numel(), "last": last,
-                                       "extra": extra})
-            _bcast(self.pg, flat)
+            for header, flat, n in messages:
+                broadcast_object(self.pg, pickled=header)
+                _bcast(self.pg, flat)
+                count += n
         except RuntimeError as err:  # gloo: the connection to a receiver closed, or the group's timeout passed
-            raise PeerFailed(f"sending weight version {version} to {self.peers} failed: {err}") from err
+            if raise_now:
+                raise PeerFailed(f"sending weight version {version} to {self.peers} failed: {err}") from err
+            self._error = err
+        return count
 
     def stop(self) -> None:
-        """The stop message, then a barrier of the whole group: no side leaves before every rank has it."""
+        """The stop message (after the version in flight), then a barrier of the whole group: no side leaves
+        before every rank has it."""
+        self.wait()
         broadcast_object(self.pg, {"version": STOP, "specs": [], "nbytes": 0, "last": True, "extra": None})
         _bcast(self.pg, torch.empty(0, dtype=torch.uint8))
         self.pg.barrier().wait()

@@ -99,6 +99,89 @@ def test_weight_versions_arrive_in_order_bit_for_bit_and_batches_come_back():
         assert arrived == sorted(arrived) and arrived[-1] == 3 and len(set(arrived)) == len(arrived)
 
 
+def _background_trainer(port: int, out: mp.Queue) -> None:
+    """Sends in the background and overwrites what it sent right after each send() returns: the receivers must
+    still get each version as it was when sent (the copy and the pickled history are made inside send())."""
+    try:
+        store = _store(port)
+        sender = WeightSender(process_group(store, "weights", 0, 2, TIMEOUT_S), bucket_bytes=256, background=True)
+        returned = []
+        for v in range(4):
+            weights, history = _weights(v), {"history": v}
+            returned.append(sender.send(v, iter(weights), extra=history))
+            for _, t in weights:
+                t.fill_(-1.0)  # the trainer's next update
+            history["history"] = -1
+        sender.stop()
+        out.put(("trainer", returned))
+    except BaseException as err:  # noqa: BLE001
+        out.put(("trainer-error", repr(err)))
+
+
+def _receiver_of_all(port: int, out: mp.Queue) -> None:
+    try:
+        store = _store(port)
+        receiver = WeightReceiver(process_group(store, "weights", 1, 2, TIMEOUT_S), "trainer")
+        newest = receiver.wait(3, TIMEOUT_S)
+        exact = all(n == m and torch.equal(t, u) for (n, t), (m, u) in zip(newest.weights, _weights(3)))
+        out.put(("rollout", newest.extra, exact, receiver.arrived, receiver.wait(99, TIMEOUT_S) is None))
+    except BaseException as err:  # noqa: BLE001
+        out.put(("rollout-error", repr(err)))
+
+
+def test_background_send_sends_each_version_as_it_was_when_sent():
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    procs, out = _run([(_background_trainer, ()), (_receiver_of_all, ())], port)
+    results = {r[0]: r for r in (out.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(30)
+    del master
+    assert set(results) == {"trainer", "rollout"}, results
+    assert results["trainer"][1] == [3, 3, 3, 3]  # tensors per version
+    _, extra, exact, arrived, stopped = results["rollout"]
+    assert extra == {"history": 3} and exact and stopped
+    assert arrived == sorted(set(arrived)) and arrived[-1] == 3
+
+
+def _background_trainer_of_a_dead_worker(port: int, out: mp.Queue) -> None:
+    store = _store(port)
+    sender = WeightSender(process_group(store, "weights", 0, 2, TIMEOUT_S), bucket_bytes=256,
+                          peers="rollout worker 0 (job rank 1)", background=True)
+    sender.send(0, iter(_weights(0)))
+    sender.wait()
+    out.put(("sent", 0))
+    time.sleep(2.0)  # the worker dies meanwhile
+    start = time.monotonic()
+    try:
+        for v in range(1, 50):  # gloo may buffer a send or two before it notices the closed connection
+            sender.send(v, iter(_weights(v)))
+        sender.stop()
+        out.put(("no-error", time.monotonic() - start))
+    except PeerFailed as err:
+        out.put(("failed", str(err), time.monotonic() - start))
+
+
+def _worker_dies_after_version_0(port: int, out: mp.Queue) -> None:
+    store = _store(port)
+    receiver = WeightReceiver(process_group(store, "weights", 1, 2, TIMEOUT_S), "trainer")
+    receiver.wait(0, TIMEOUT_S)
+    os._exit(9)
+
+
+def test_a_failed_background_send_is_raised_at_the_next_send_naming_the_workers():
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    procs, out = _run([(_background_trainer_of_a_dead_worker, ()), (_worker_dies_after_version_0, ())], port)
+    first, result = out.get(timeout=120), out.get(timeout=120)
+    for p in procs:
+        p.join(30)
+    del master
+    assert first == ("sent", 0)
+    assert result[0] == "failed", result
+    assert "rollout worker 0 (job rank 1)" in result[1] and result[2] < 20.0, result
+
+
 def _trainer_waits(port: int, out: mp.Queue) -> None:
     store = _store(port)
     batches = BatchReceiver(process_group(store, "batches", 0, 2, TIMEOUT_S), "rollout worker (job rank 1)",
