@@ -10,8 +10,11 @@ with ``megatron-dppo eval`` (colocated, the quickstart's eval settings: fresh sa
 (``rollout/kl_k1``, logged when the correction is on). Staleness 0 with and without the correction differ only in
 the correction of the engine/trainer numerics (the extra old-log-prob pass).
 
+``--set key=value`` (repeatable) adds config overrides to every arm, e.g. ``--set optim.lr=3e-3`` for a policy
+that moves more per version (the quickstart's 5e-4 moves it little: KL(behav || prox) ~2-4e-3 per token).
+
 Run: ``.venv/bin/python benchmarks/async_accuracy.py [--seeds 1,2] [--steps 60] [--arms k0-none,k1-none,...]
-[--out results.json]``
+[--set optim.lr=3e-3] [--out results.json]``
 """
 from __future__ import annotations
 
@@ -43,12 +46,12 @@ def _run(cmd: list[str]) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def run_arm(arm: str, seed: int, steps: int, root: Path) -> dict:
+def run_arm(arm: str, seed: int, steps: int, root: Path, overrides: list[str] = ()) -> dict:
     k, correction = int(arm[1]), arm.split("-")[1]
     out = root / f"{arm}-s{seed}"
     config = str(REPO / "examples" / "quickstart.yaml")
     common = [f"train.steps={steps}", f"train.seed={seed}", f"train.output_dir={out}", "logging.plot=false",
-              "logging.tensorboard=false", f"loss.rollout_correction={correction}"]
+              "logging.tensorboard=false", f"loss.rollout_correction={correction}", *overrides]
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
           f"--master-port={free_port()}", "-m", "megatron_dppo.cli", "train", "--config", config, *common,
           "rollout.placement=separate", f"train.max_staleness={k}", "eval.every=0", "checkpoint.every=0"])
@@ -70,13 +73,16 @@ def main() -> None:
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every arm (repeatable)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="async_accuracy_") as tmp:
         for seed in [int(s) for s in args.seeds.split(",")]:
             for arm in args.arms.split(","):
-                results.append(run_arm(arm, seed, args.steps, Path(tmp)))
+                results.append({**run_arm(arm, seed, args.steps, Path(tmp), args.overrides),
+                                "overrides": args.overrides})
                 r = results[-1]
                 print(f"{arm:8s} seed {seed}: pass@1 {r['pass@1']:.3f} | train reward (last 10) "
                       f"{r['reward_last10']:.3f} | staleness {r['staleness_mean']:.2f} | KL(behav||prox) "
