@@ -2,11 +2,14 @@
 
 * max_staleness 0 with separate placement (1 trainer + 1 rollout worker under torchrun), stopped after 2 steps and
   resumed to 4, equals the straight synchronous colocated run bit for bit: every non-timing metric of every step
-  (losses, grad norms, rewards, kept fractions);
+  (losses, grad norms, rewards, kept fractions) and every evaluation (eval.every=2, run by the worker);
 * max_staleness 1: every batch's staleness is within the bound (the trainer's gate would have failed the run
   otherwise; the metrics and the worker's record show it), the worker ran ahead (some batch is 1 version old),
   weight versions arrived at the worker in increasing order, and resume from a checkpoint regenerates the batch
-  that was in flight (staleness 0 at the first resumed step) from the checkpointed sampler position;
+  that was in flight (staleness 0 at the first resumed step) from the checkpointed sampler position; every due
+  version is evaluated once, none again after the resume;
+* DAPO's dynamic sampling on the worker: max_staleness 0 equals the colocated run bit for bit, max_staleness 1
+  stays within the bound, and steps that train nothing still hand the worker its next version;
 * a rollout worker killed mid-run ends the trainer within a bounded time, with an error naming the worker (the
   processes started by hand, without torchrun, which would otherwise end the job itself).
 
@@ -88,6 +91,40 @@ def test_staleness_one_bound_versions_and_resume(tmp_path):
     assert worker["batches"][0]["version"] == 4
     assert [e["version"] for e in worker["evals"]] == [6]  # version 4 was evaluated before the checkpoint
     assert [r["step"] for r in _eval(read_metrics(out))] == [-1, 1, 3, 5]
+
+
+def _dapo(out, **sections):
+    """The DAPO run of tests/e2e/test_dapo_sampling_run.py: refill rounds until B groups with signal, overlong."""
+    base = dict(algo={"pruner": "none"}, reward={"fn": "tests.e2e._rewards:solved_or_parity", "isolation": "inline"},
+                dynamic_sampling={"enable": True, "max_rounds": 4}, overlong={"buffer": 2, "filter": True},
+                train={"steps": 4, "sft_steps": 0}, eval=EVAL, checkpoint={"every": 2})
+    for k, v in sections.items():
+        base.setdefault(k, {}).update(v)
+    return tiny_config(out, **base)
+
+
+def test_dynamic_sampling_on_the_worker(tmp_path):
+    """The refill rounds run on the rollout worker: at max_staleness 0 every record equals the colocated run's
+    (dynamic_sampling/*, reward/* over every generated group, evaluations); at max_staleness 1 every step trains
+    B groups within the bound; a task no round can fill trains nothing, and the worker still gets every version."""
+    sync_dir, sep_dir, k1_dir, empty_dir = (tmp_path / n for n in ("sync", "sep", "k1", "empty"))
+    run_cli(write_config(tmp_path / "sync.yaml", _dapo(sync_dir)))
+    run_cli(write_config(tmp_path / "sep.yaml", _dapo(sep_dir)), *SEPARATE, "train.max_staleness=0", nproc=2)
+    a, b = read_metrics(sync_dir), read_metrics(sep_dir)
+    assert _strip(a) == _strip(b)
+    assert sum(r["dynamic_sampling/rounds"] > 1 for r in _rl(b)) >= 2  # the task leaves groups with one reward
+
+    run_cli(write_config(tmp_path / "k1.yaml", _dapo(k1_dir)), *SEPARATE, "train.max_staleness=1", nproc=2)
+    rl = _rl(read_metrics(k1_dir))
+    assert [r["step"] for r in rl] == [0, 1, 2, 3]
+    assert all(0 <= r["async/staleness"] <= 1 for r in rl)
+    assert all(r["dynamic_sampling/kept_groups"] == 8 and r["dynamic_sampling/exhausted"] == 0 for r in rl)
+
+    empty = _dapo(empty_dir, reward={"fn": "tests.e2e._rewards:constant"}, overlong={"buffer": 0, "filter": False},
+                  dynamic_sampling={"max_rounds": 2}, train={"steps": 2}, eval={"every": 0}, checkpoint={"every": 0})
+    run_cli(write_config(tmp_path / "empty.yaml", empty), *SEPARATE, "train.max_staleness=0",
+            "rollout.worker_timeout_s=120", nproc=2)  # batch 1 needs version 1, pushed after a step with no update
+    assert [(r["train/skipped"], r["dynamic_sampling/rounds"]) for r in _rl(read_metrics(empty_dir))] == [(1, 2)] * 2
 
 
 def test_a_killed_rollout_worker_ends_the_trainer_naming_it(tmp_path):
