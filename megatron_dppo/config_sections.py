@@ -160,7 +160,8 @@ class RolloutConfig:
     workers: int = opt(1, "rollout.placement=separate: how many of the job's processes are rollout workers "
                           "(the last ones); they shard each batch's generation and scoring.")
     worker_timeout_s: float = opt(600.0, "rollout.placement=separate: the trainer fails, naming the worker, when "
-                                         "no batch arrives for this long (a dead worker is reported at once).")
+                                         "no batch (or awaited evaluation) arrives for this long (a dead worker is "
+                                         "reported at once).")
 
     def validate(self) -> None:
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, ">= 1")
