@@ -5,8 +5,9 @@ One job of N + M processes (``torchrun --nproc-per-node N+M``, or srun): job ran
 (``rollout.workers``) are rollout workers. All of them meet in the job's rendezvous store; each side then has a
 default process group of its own (the trainers' holds Megatron's groups, the workers' shards generation), under
 its own prefix of the store, and two groups cross the sides (``rollout/transfer.py``): the trainer main rank with
-every worker for the weights, the trainer main rank with the worker main rank for the batches. Only the main ranks
-talk across; the other trainer ranks get each batch by a broadcast inside the trainers' group."""
+every worker for the weights, the trainer main rank with the worker main rank for the batches (and the workers'
+evaluations). Only the main ranks talk across; the other trainer ranks get each batch by a broadcast inside the
+trainers' group."""
 
 from __future__ import annotations
 

@@ -8,8 +8,10 @@ version of the weights that generated it, the sampler position after it, and the
 A worker's loop: for RL step t, wait for weight version >= t - k (``staleness.StalenessGate``), load the newest
 version that arrived (with the prompt history the trainer had at that version: the prompt decisions are made from
 history up to k + 1 steps old, unbiased because pi is recorded with the batch, tests/unit/test_lagged_pruning.py),
-draw the batch, send it; then the next. The first version also carries the trainer's RL step, sampler position and
-history, so a resumed trainer repositions the workers (batches that were in flight are generated again)."""
+draw the batch, send it; then the next. A version the trainer marked due for evaluation is evaluated first, and
+the metrics sent the same way (``DueEvaluations``). The first version also carries the trainer's RL step, sampler
+position and history, so a resumed trainer repositions the workers (batches that were in flight are generated
+again)."""
 
 from __future__ import annotations
 

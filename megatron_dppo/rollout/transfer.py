@@ -218,7 +218,8 @@ class _Slot:
 class WeightReceiver:
     """Rollout rank: a thread receives every version as it is broadcast and keeps the newest complete one.
     ``wait(min_version)`` blocks until a version >= ``min_version`` (or the stop message) arrived and returns the
-    newest (None after stop); ``peer`` names the sender in errors."""
+    newest (None after stop); ``peer`` names the sender in errors. One version is kept, evaluation included: the
+    trainer sends nothing newer before it has a due version's evaluation (``rollout_side.DueEvaluations``)."""
 
     def __init__(self, pg: dist.ProcessGroup, peer: str, poll_s: float = 0.5):
         self.pg, self.peer, self.poll_s = pg, peer, poll_s
