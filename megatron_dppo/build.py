@@ -196,10 +196,23 @@ def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenize
         return create_engine("hf", directory, load_weights=False, dtype=torch_dtype(cfg.model.dtype),
                              eos_token_ids=eos_ids(tokenizer, hf_config), pad_token_id=tokenizer.pad_token_id,
                              max_batch_size=cfg.rollout.batch_size)
-    return create_engine("vllm", directory, tensor_parallel_size=cfg.parallel.tp, dtype=cfg.model.dtype,
+    tp, separate = rollout_tensor_parallel(cfg), cfg.rollout.placement == "separate"
+    heads = int(hf_config.get("num_attention_heads", tp))
+    if separate and heads % tp:
+        raise ValueError(f"rollout.workers={tp} with rollout.engine=vllm: the rollout workers are the ranks of one "
+                         f"tensor-parallel vLLM engine, which splits the {heads} attention heads among them; use a "
+                         f"worker count that divides {heads}")
+    return create_engine("vllm", directory, tensor_parallel_size=tp, dtype=cfg.model.dtype,
                          load_format="dummy", gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                          seed=cfg.train.seed, enforce_eager=cfg.rollout.enforce_eager,
-                         sleep_level=cfg.rollout.sleep_level)
+                         sleep_level=cfg.rollout.sleep_level, weight_sync=separate,
+                         enable_sleep_mode=None if not separate else False)  # (a worker shares its GPU with nothing)
+
+
+def rollout_tensor_parallel(cfg: Config) -> int:
+    """vLLM's tensor-parallel size: the trainer's (``parallel.tp``) when colocated; with separate placement the
+    rollout workers together are one engine (``rollout.workers`` ranks)."""
+    return cfg.rollout.workers if cfg.rollout.placement == "separate" else cfg.parallel.tp
 
 
 def full_hf_config(hf_config: dict) -> dict:

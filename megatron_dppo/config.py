@@ -92,9 +92,6 @@ class Config:
         if r.placement == "colocated":
             _check(k == 0, "train.max_staleness", k, "0 with rollout.placement=colocated (one process generates "
                    "and trains in turn: nothing to overlap); use rollout.placement=separate for k >= 1")
-            return
-        for key, value, valid, ok in (("rollout.engine", r.engine, "hf", r.engine == "hf"),):
-            _check(ok, key, value, f"{valid} with rollout.placement=separate (see rollout.placement)")
 
     @property
     def checkpoint_dir(self) -> str:

@@ -155,10 +155,12 @@ class RolloutConfig:
         "processes train (Megatron only); weights go trainer -> workers over a process group, stamped with a "
         "version, and batches come back, so generation overlaps training up to train.max_staleness "
         "(docs/async.md). The workers also run DAPO's refill rounds (dynamic_sampling.*) and the evaluations "
-        "(eval.every: of exactly the due weight version; the trainer waits for each). separate needs "
-        "rollout.engine=hf (the vLLM receiving side is not built yet).")
+        "(eval.every: of exactly the due weight version; the trainer waits for each). With rollout.engine=vllm "
+        "the workers are the ranks of one tensor-parallel vLLM engine (rollout.workers must divide the attention "
+        "heads) and receive the weights inside vLLM, in a worker extension (rollout/vllm_weight_sync.py).")
     workers: int = opt(1, "rollout.placement=separate: how many of the job's processes are rollout workers "
-                          "(the last ones); they shard each batch's generation and scoring.")
+                          "(the last ones); they shard each batch's generation (vLLM: generate together as "
+                          "one tensor-parallel engine) and scoring.")
     worker_timeout_s: float = opt(600.0, "rollout.placement=separate: the trainer fails, naming the worker, when "
                                          "no batch (or awaited evaluation) arrives for this long (a dead worker is "
                                          "reported at once).")

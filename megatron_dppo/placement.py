@@ -31,6 +31,7 @@ from megatron_dppo.rollout.transfer import (
 from megatron_dppo.staleness import StalenessGate
 
 TIMEOUT_S = 1800.0
+WEIGHTS_READY = "dppo/weights-ready"  # set in the job's store by the trainer main rank before its first weight send
 
 
 @dataclass
@@ -130,19 +131,29 @@ class TrainerLink:
         self.last_wait_s = 0.0
         self.early: collections.deque = collections.deque()  # batches that came before an awaited evaluation
         if r.job_rank == 0:
-            self.sender = WeightSender(process_group(store, "weights", 0, r.workers + 1, TIMEOUT_S),
-                                       cfg.rollout.weight_bucket_mb << 20, r.describe_workers())
+            self._store, self._bucket_bytes = store, cfg.rollout.weight_bucket_mb << 20
             in_flight = cfg.train.max_staleness + 1 + (1 if cfg.eval.every else 0)  # batches, and one evaluation
             self.batches = BatchReceiver(process_group(store, "batches", 0, 2, TIMEOUT_S), r.describe(0),
                                          capacity=in_flight)
 
     def send_weights(self, stream, version: int, extra: dict[str, Any]) -> int:
         """Every trainer rank iterates the (collective) export; the main rank sends it, stamped ``version``."""
-        if self.sender is None:
+        if self.roles.job_rank != 0:
             for _ in stream:
                 pass
             return 0
-        return self.sender.send(version, stream, extra)
+        return self._weights_sender().send(version, stream, extra)
+
+    def _weights_sender(self) -> WeightSender:
+        """The weights group, made at the first send (main rank): the workers build their rollout engines only once
+        the trainer's set-up is done (they read its tokenizer), and a vLLM worker can join only with its engine
+        built (the receiver lives inside it). ``WEIGHTS_READY`` in the store tells them; the group's set-up waits
+        for them all."""
+        if self.sender is None:
+            self._store.set(WEIGHTS_READY, "1")
+            self.sender = WeightSender(process_group(self._store, "weights", 0, self.roles.workers + 1, TIMEOUT_S),
+                                       self._bucket_bytes, self.roles.describe_workers())
+        return self.sender
 
     def receive(self, step: int) -> Any:
         """The batch of RL step ``step`` on every trainer rank, its staleness checked against the bound."""
@@ -180,8 +191,8 @@ class TrainerLink:
     def close(self, clean: bool) -> None:
         """The stop message to the workers, then their end marker (only after a clean end: after a failure
         nobody waits for them). Nothing is left pending in the cross groups when the processes exit."""
-        if clean and self.sender is not None:
-            self.sender.stop()
+        if clean and self.roles.job_rank == 0:
+            self._weights_sender().stop()
             self.batches.join(self.timeout_s)
 
 
@@ -196,11 +207,90 @@ def connect_trainer(cfg) -> TrainerLink:
 # ------------------------------------------------------------------------------------------------------------
 # The worker's end
 # ------------------------------------------------------------------------------------------------------------
+class WorkerWeights:
+    """A rollout worker's end of the weights channel, the same for every engine: ``wait(min_version)`` returns a
+    version >= ``min_version`` (``.version``, ``.extra``), the same one on every rank of the worker side, or None
+    after the stop message; ``load(version)`` puts that version into the engine; ``arrived`` lists the versions
+    received. Subclasses say where the versions land (``_newest``, ``load``, ``arrived``)."""
+
+    def wait(self, min_version: int) -> Any:
+        newest = self._newest(min_version)
+        while D.world_size() > 1:  # the ranks generate together (vLLM: one tensor-parallel engine): agree
+            versions = D.all_gather_objects(None if newest is None else newest.version)
+            if None in versions:
+                return None
+            if min(versions) == max(versions):
+                break
+            newest = self._newest(max(versions))  # a newer one reached some ranks first: wait for it on all
+        return newest
+
+    def _newest(self, min_version: int) -> Any:
+        raise NotImplementedError
+
+    def load(self, version: Any) -> None:
+        raise NotImplementedError
+
+    @property
+    def arrived(self) -> list[int]:
+        raise NotImplementedError
+
+
+class HostWeights(WorkerWeights):
+    """The versions land in this process's memory (``transfer.WeightReceiver``'s thread, joined here) and are
+    pushed into the engine with its ``load_weights`` (the HF engine)."""
+
+    def __init__(self, receiver: WeightReceiver, engine):
+        self.receiver, self.engine = receiver, engine
+
+    def _newest(self, min_version: int) -> Any:
+        return self.receiver.wait(min_version)
+
+    def load(self, version: Any) -> None:
+        self.engine.load_weights(iter(version.weights))
+
+    @property
+    def arrived(self) -> list[int]:
+        return self.receiver.arrived
+
+
+class EngineWeights(WorkerWeights):
+    """The versions land inside the engine's workers (vLLM: ``rollout/vllm_weight_sync.py``, a receiver thread in
+    each worker); only the version number and ``extra`` come out, and the engine loads the version it returned."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def _newest(self, min_version: int) -> Any:
+        return self.engine.wait_weights(min_version)
+
+    def load(self, version: Any) -> None:
+        self.engine.wake_up(["weights"])  # (marked asleep after each generation: rollout.handover; no sleep mode)
+        self.engine.load_received(version.version)
+
+    @property
+    def arrived(self) -> list[int]:
+        return self.engine.weights_arrived()
+
+
 @dataclass
 class WorkerLink:
     roles: Roles
-    weights: WeightReceiver
     batches: BatchSender | None  # worker main rank only
+    store: dist.Store
+    weights: WorkerWeights | None = None  # after join_weights
+
+    def join_weights(self, cfg, engine) -> WorkerWeights:
+        """Join the weights group (every worker at once with the trainer main rank, whose set-up waits for all):
+        the vLLM engine's workers join it themselves, given the store's address; the HF engine's versions are
+        received here."""
+        rank, size, peer = weight_group_rank(self.roles), self.roles.workers + 1, "the trainer (job rank 0)"
+        if cfg.rollout.engine == "vllm":
+            engine.join_weight_group(self.store.host, self.store.port, rank, size, TIMEOUT_S, peer)
+            self.weights = EngineWeights(engine)
+        else:
+            self.weights = HostWeights(WeightReceiver(process_group(self.store, "weights", rank, size, TIMEOUT_S),
+                                                      peer), engine)
+        return self.weights
 
     def close(self) -> None:
         """After the trainer's stop message: the end marker of the batch channel, then this side's group."""
@@ -210,11 +300,11 @@ class WorkerLink:
 
 
 def connect_worker(cfg) -> WorkerLink:
-    """Process groups of a rollout worker; its receiver thread starts at once."""
+    """Process groups of a rollout worker (the weights group comes with its engine: ``WorkerLink.join_weights``);
+    returns once the trainer's set-up is done (``WEIGHTS_READY``)."""
     r = roles(cfg)
     store = job_store(r)
     init_side(r, store)
-    receiver = WeightReceiver(process_group(store, "weights", weight_group_rank(r), r.workers + 1, TIMEOUT_S),
-                              "the trainer (job rank 0)")
     sender = BatchSender(process_group(store, "batches", 1, 2, TIMEOUT_S)) if r.side_rank == 0 else None
-    return WorkerLink(r, receiver, sender)
+    store.wait([WEIGHTS_READY], datetime.timedelta(seconds=TIMEOUT_S))
+    return WorkerLink(r, sender, store)

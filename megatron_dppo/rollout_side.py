@@ -72,12 +72,13 @@ def serve(cfg) -> dict[str, Any]:
     from megatron_dppo.staleness import StalenessGate
 
     ignore_stop_signals()  # the trainer gets them too, stops at a step boundary and sends the stop message
-    link = connect_worker(cfg)
-    first = link.weights.wait(0)  # (after the trainer's set-up and warm start: its tokenizer is on disk)
+    link = connect_worker(cfg)  # (returns after the trainer's set-up and warm start: its tokenizer is on disk)
+    run = build_worker(cfg, link.roles)
+    link.join_weights(cfg, run.rollout)  # (HF: received here; vLLM: inside its workers, rollout/vllm_weight_sync.py)
+    first = link.weights.wait(0)
     if first is None:
         link.close()
         return {"batches": 0}
-    run = build_worker(cfg, link.roles)
     gate = StalenessGate(cfg.train.max_staleness)
     step, loaded, used, evals, newest = first.extra["rl_step"], None, [], DueEvaluations(run, link.batches), first
 
@@ -85,7 +86,7 @@ def serve(cfg) -> dict[str, Any]:
         """Load ``version`` (if it is not loaded yet) and evaluate it if it is due; returns the eval seconds."""
         nonlocal loaded
         if version.version != loaded:
-            run.rollout.load_weights(iter(version.weights))
+            link.weights.load(version)
             run.history.load_state_dict(version.extra["history"])
             loaded = version.version
         return evals.run_if_due(version)

@@ -27,6 +27,7 @@ from megatron_dppo.build import (
     load_train_prompts,
     quiet_logs,
     resolve_model_dir,
+    rollout_tensor_parallel,
     torch_dtype,
     train_sources,
 )
@@ -191,7 +192,8 @@ def load_pretrained(run: Run, model_dir: Path) -> None:
 def generation_shards(run: Run) -> tuple[int, int]:
     """Who generates what: the HF engine shards over every rank; vLLM over TP groups (same prompts per group)."""
     if run.cfg.rollout.engine == "vllm":
-        return D.rank() // run.cfg.parallel.tp, D.world_size() // run.cfg.parallel.tp
+        tp = rollout_tensor_parallel(run.cfg)
+        return D.rank() // tp, D.world_size() // tp
     return D.rank(), D.world_size()
 
 

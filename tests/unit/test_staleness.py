@@ -50,11 +50,20 @@ def test_colocated_refuses_staleness():
         _config(train__max_staleness=1).validate()
 
 
-@pytest.mark.parametrize("key, value", [("rollout__engine", "vllm")])
-def test_separate_names_what_it_cannot_do_yet(key, value):
-    cfg = _config(rollout__placement="separate", train__max_staleness=1, **{"eval__every": 0, key: value})
-    with pytest.raises(ValueError, match=key.replace("__", ".")):
-        cfg.validate()
+def test_separate_takes_vllm_and_refuses_a_worker_count_vllm_cannot_split_the_heads_over(tmp_path):
+    """The rollout workers are the ranks of one tensor-parallel vLLM engine (docs/async.md, "vLLM rollout
+    workers"): 3 workers cannot share 4 attention heads, refused by name before vLLM is imported."""
+    from megatron_dppo.build import build_rollout, rollout_tensor_parallel
+
+    cfg = _config(rollout__placement="separate", train__max_staleness=1, rollout__engine="vllm", rollout__workers=3,
+                  train__output_dir=str(tmp_path))
+    cfg.validate()
+    assert rollout_tensor_parallel(cfg) == 3
+    hf_config = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 64}
+    with pytest.raises(ValueError, match=r"rollout.workers=3 with rollout.engine=vllm: .* the 4 attention heads .*"
+                                         r"use a worker count that divides 4"):
+        build_rollout(cfg, hf_config, None, tokenizer=None)
 
 
 def test_separate_with_staleness_validates():
