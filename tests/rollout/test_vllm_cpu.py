@@ -37,11 +37,11 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
 ENGINE_KWARGS = dict(dtype="float32", load_format="auto", enforce_eager=True, max_model_len=64, max_num_seqs=16)
 
 
-def _tiny_model(seed):
+def _tiny_model(seed, tied=False):
     # head_dim 64: vLLM's CPU attention supports only some head sizes (16 is rejected)
     config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=3,
-                         pad_token_id=0, bos_token_id=2, tie_word_embeddings=False)
+                         pad_token_id=0, bos_token_id=2, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -220,3 +220,19 @@ def test_weight_sync_extension_receives_versions_inside_vllm(model_dirs, tmp_pat
     finally:
         if sender.poll() is None:
             sender.kill()
+
+
+def test_tied_embeddings_without_lm_head_in_the_stream(tmp_path):
+    """The Megatron export never sends ``lm_head.weight`` of a tied model (Qwen2.5-0.5B/1.5B): the engine sends the
+    embeddings as the output layer too, else vLLM's layer-wise reload keeps the old one (error 0.8 before the fix)."""
+    from megatron_dppo.rollout import SamplingParams
+    from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    _tiny_model(0, tied=True).save_pretrained(first)
+    new_model = _tiny_model(1, tied=True)
+    engine = VLLMRolloutEngine(first, **ENGINE_KWARGS)
+    exported = [(name, t) for name, t in new_model.state_dict().items() if name != "lm_head.weight"]
+    assert engine.load_weights(exported) == len(exported)
+    assert _max_logprob_error(new_model, engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=8, seed=0))) \
+        < 1e-4
