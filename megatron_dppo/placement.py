@@ -132,6 +132,9 @@ class TrainerLink:
         self.early: collections.deque = collections.deque()  # batches that came before an awaited evaluation
         if r.job_rank == 0:
             self._store, self._bucket_bytes = store, cfg.rollout.weight_bucket_mb << 20
+            # k >= 1: the workers need version t + 1 only for a later batch, so the trainer's next step need not
+            # wait for its transfer (one host copy of the model; transfer.WeightSender)
+            self._background = cfg.train.max_staleness >= 1
             in_flight = cfg.train.max_staleness + 1 + (1 if cfg.eval.every else 0)  # batches, and one evaluation
             self.batches = BatchReceiver(process_group(store, "batches", 0, 2, TIMEOUT_S), r.describe(0),
                                          capacity=in_flight)
@@ -152,7 +155,7 @@ class TrainerLink:
         if self.sender is None:
             self._store.set(WEIGHTS_READY, "1")
             self.sender = WeightSender(process_group(self._store, "weights", 0, self.roles.workers + 1, TIMEOUT_S),
-                                       self._bucket_bytes, self.roles.describe_workers())
+                                       self._bucket_bytes, self.roles.describe_workers(), background=self._background)
         return self.sender
 
     def receive(self, step: int) -> Any:
