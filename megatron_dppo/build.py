@@ -199,9 +199,9 @@ def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenize
     tp, separate = rollout_tensor_parallel(cfg), cfg.rollout.placement == "separate"
     heads = int(hf_config.get("num_attention_heads", tp))
     if separate and heads % tp:
-        raise ValueError(f"rollout.workers={tp} with rollout.engine=vllm: the rollout workers are the ranks of one "
-                         f"tensor-parallel vLLM engine, which splits the {heads} attention heads among them; use a "
-                         f"worker count that divides {heads}")
+        raise ValueError(f"rollout.tp={tp} with rollout.engine=vllm: each vLLM engine of the rollout workers splits "
+                         f"the {heads} attention heads among its {tp} ranks; use a rollout.tp that divides {heads} "
+                         f"and rollout.workers={cfg.rollout.workers}")
     return create_engine("vllm", directory, tensor_parallel_size=tp, dtype=cfg.model.dtype,
                          load_format="dummy", gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                          seed=cfg.train.seed, enforce_eager=cfg.rollout.enforce_eager,
@@ -210,9 +210,9 @@ def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenize
 
 
 def rollout_tensor_parallel(cfg: Config) -> int:
-    """vLLM's tensor-parallel size: the trainer's (``parallel.tp``) when colocated; with separate placement the
-    rollout workers together are one engine (``rollout.workers`` ranks)."""
-    return cfg.rollout.workers if cfg.rollout.placement == "separate" else cfg.parallel.tp
+    """vLLM's tensor-parallel size: the trainer's (``parallel.tp``) when colocated; with separate placement
+    ``rollout.tp``: the ``rollout.workers`` ranks form ``rollout.workers / rollout.tp`` engines."""
+    return cfg.rollout.tp if cfg.rollout.placement == "separate" else cfg.parallel.tp
 
 
 def full_hf_config(hf_config: dict) -> dict:

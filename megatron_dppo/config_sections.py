@@ -156,11 +156,16 @@ class RolloutConfig:
         "version, and batches come back, so generation overlaps training up to train.max_staleness "
         "(docs/async.md). The workers also run DAPO's refill rounds (dynamic_sampling.*) and the evaluations "
         "(eval.every: of exactly the due weight version; the trainer waits for each). With rollout.engine=vllm "
-        "the workers are the ranks of one tensor-parallel vLLM engine (rollout.workers must divide the attention "
-        "heads) and receive the weights inside vLLM, in a worker extension (rollout/vllm_weight_sync.py).")
+        "the workers form rollout.workers / rollout.tp vLLM engines of rollout.tp ranks each and receive the "
+        "weights inside vLLM, in a worker extension (rollout/vllm_weight_sync.py).")
     workers: int = opt(1, "rollout.placement=separate: how many of the job's processes are rollout workers "
-                          "(the last ones); they shard each batch's generation (vLLM: generate together as "
-                          "one tensor-parallel engine) and scoring.")
+                          "(the last ones); they shard each batch's generation (vLLM: over the rollout.workers / "
+                          "rollout.tp engines) and scoring.")
+    tp: int = opt(1, "rollout.placement=separate with rollout.engine=vllm: tensor-parallel size of each vLLM "
+                     "engine; the rollout.workers ranks form rollout.workers / rollout.tp independent engines (data "
+                     "parallel), each generating its own shard of the batch. rollout.tp must divide rollout.workers "
+                     "and the attention heads. Colocated vLLM uses parallel.tp (the trainer's); the HF engine has "
+                     "no tensor parallelism (each worker is an engine): both need rollout.tp=1.")
     worker_timeout_s: float = opt(600.0, "rollout.placement=separate: the trainer fails, naming the worker, when "
                                          "no batch (or awaited evaluation) arrives for this long (a dead worker is "
                                          "reported at once).")
@@ -176,6 +181,13 @@ class RolloutConfig:
         _check(self.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", self.weight_bucket_mb, ">= 1")
         _check(self.sleep_level in (1, 2), "rollout.sleep_level", self.sleep_level, "1 or 2")
         _check(self.workers >= 1, "rollout.workers", self.workers, ">= 1")
+        _check(self.tp >= 1, "rollout.tp", self.tp, ">= 1")
+        _check(self.tp == 1 or (self.placement == "separate" and self.engine == "vllm"), "rollout.tp", self.tp,
+               f"1 with rollout.placement={self.placement} and rollout.engine={self.engine} (only separate vLLM "
+               "rollout workers take their own tensor-parallel size; colocated vLLM uses parallel.tp)")
+        _check(self.workers % self.tp == 0, "rollout.tp", self.tp,
+               f"a divisor of rollout.workers={self.workers} (the workers form rollout.workers / rollout.tp vLLM "
+               f"engines): one of {[d for d in range(1, self.workers + 1) if self.workers % d == 0]}")
         _check(self.worker_timeout_s > 0, "rollout.worker_timeout_s", self.worker_timeout_s, "> 0")
 
 

@@ -190,7 +190,9 @@ def load_pretrained(run: Run, model_dir: Path) -> None:
 
 
 def generation_shards(run: Run) -> tuple[int, int]:
-    """Who generates what: the HF engine shards over every rank; vLLM over TP groups (same prompts per group)."""
+    """Who generates what: the HF engine shards over every rank; vLLM over its engines, the TP groups of
+    ``rollout_tensor_parallel`` consecutive ranks (same prompts per group): colocated, the trainer's TP groups;
+    on separate rollout workers, ``rollout.workers / rollout.tp`` engines."""
     if run.cfg.rollout.engine == "vllm":
         tp = rollout_tensor_parallel(run.cfg)
         return D.rank() // tp, D.world_size() // tp

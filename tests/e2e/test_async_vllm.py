@@ -36,15 +36,17 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"
 FLOAT32_NOISE = 1e-4  # mean |log-prob difference| per token; a one-version-stale batch is far above it
 
 
-def _train(cfg, out, *overrides: str, timeout: float = 900) -> None:
-    """The CLI as job rank 0 (trainer, Megatron venv) and job rank 1 (rollout worker, this vLLM venv)."""
-    port, procs = free_port(), []
-    args = ["-m", "megatron_dppo.cli", "train", "--config", str(cfg), "rollout.placement=separate", *overrides]
-    for rank, python in ((0, TRAINER_PY), (1, sys.executable)):
+def _train(cfg, out, *overrides: str, workers: int = 1, timeout: float = 900) -> None:
+    """The CLI as job rank 0 (trainer, Megatron venv) and job ranks 1..workers (rollout workers, this vLLM venv)."""
+    port, procs, world = free_port(), [], 1 + workers
+    args = ["-m", "megatron_dppo.cli", "train", "--config", str(cfg), "rollout.placement=separate",
+            f"rollout.workers={workers}", *overrides]
+    for rank in range(world):
+        python = TRAINER_PY if rank == 0 else sys.executable
         log = open(out.parent / f"{out.name}-rank{rank}-{len(list(out.parent.glob('*.log')))}.log", "w")
         procs.append((subprocess.Popen([python, *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                       env=env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                                               LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                       env=env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                                                MASTER_PORT=str(port), **VLLM_ENV)), log))
     deadline = time.monotonic() + timeout
     try:
@@ -84,3 +86,26 @@ def test_vllm_rollout_worker_holds_the_trainers_weights_and_resumes(tmp_path):
     assert [b["step"] for b in worker["batches"]] == [4, 5]
     assert worker["batches"][0]["version"] == 4
     assert worker["versions_arrived"] == sorted(set(worker["versions_arrived"]))
+
+
+def test_two_vllm_rollout_workers_are_two_engines_with_the_trainers_weights(tmp_path):
+    """rollout.workers=2 at rollout.tp=1: two independent vLLM engines (external_launcher's data parallel over the
+    workers' group), each generating half of every batch. At max_staleness 0 every batch is fresh, so the mean
+    log-prob difference stays at float32 noise only if BOTH engines loaded each version exactly (one engine with
+    other weights would move the mean of the whole batch by ~0.4: half of the 0.8 measured for wrong weights)."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "vllm2.yaml", tiny_config(
+        out, model={"hf_config": MODEL}, rollout={"engine": "vllm", "max_new_tokens": 4, "enforce_eager": True},
+        eval={"every": 0}, checkpoint={"every": 0}, train={"steps": 3}))
+    _train(cfg, out, "train.max_staleness=0", "rollout.tp=1", workers=2)
+
+    rl = [r for r in read_metrics(out) if r.get("phase") == "rl"]
+    assert [r["step"] for r in rl] == [0, 1, 2]
+    assert all(r["async/staleness"] == 0.0 for r in rl), [r["async/staleness"] for r in rl]
+    diffs = [r["rollout/logprob_abs_diff"] for r in rl]
+    assert max(diffs) < FLOAT32_NOISE, diffs
+    worker = json.loads((out / "rollout_worker.json").read_text())  # (the worker main rank's record)
+    assert [(b["step"], b["version"]) for b in worker["batches"]] == [(0, 0), (1, 1), (2, 2)]
+    for rank in (1, 2):  # each worker built its own engine of one rank (not one engine of two)
+        log = next(out.parent.glob(f"{out.name}-rank{rank}-*.log")).read_text()
+        assert "tensor_parallel_size=1" in log and "tensor_parallel_size=2" not in log, log[-3000:]

@@ -79,6 +79,27 @@ def test_validation_names_the_key_and_valid_values(override, pattern):
         _load(override)
 
 
+@pytest.mark.parametrize("overrides, pattern", [
+    (["rollout.tp=0"], r"rollout.tp=0 is invalid: expected >= 1"),
+    (["rollout.placement=separate", "train.max_staleness=1", "rollout.engine=vllm", "rollout.workers=8",
+      "rollout.tp=3"], r"rollout.tp=3 is invalid: expected a divisor of rollout.workers=8 .*\[1, 2, 4, 8\]"),
+    (["rollout.engine=vllm", "rollout.tp=2"], r"rollout.tp=2 is invalid: expected 1 with rollout.placement="
+                                              r"colocated and rollout.engine=vllm .*parallel.tp"),
+    (["rollout.placement=separate", "rollout.workers=2", "rollout.tp=2"],
+     r"rollout.tp=2 is invalid: expected 1 with rollout.placement=separate and rollout.engine=hf"),
+])
+def test_rollout_tp_is_a_divisor_of_the_vllm_rollout_workers(overrides, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _load(*overrides)
+
+
+def test_rollout_tp_splits_the_vllm_rollout_workers_into_engines():
+    cfg = _load("rollout.placement=separate", "train.max_staleness=1", "rollout.engine=vllm", "rollout.workers=8",
+                "rollout.tp=2")
+    assert (cfg.rollout.workers, cfg.rollout.tp) == (8, 2)
+    assert _load().rollout.tp == 1
+
+
 def test_missing_data_file_is_named():
     with pytest.raises(ValueError, match=r"data.train_files: file '/nonexistent/x.jsonl' does not exist"):
         load_config(None, ["model.hf_config.model_type=qwen2", "data.train_files=[/nonexistent/x.jsonl]"])

@@ -50,19 +50,23 @@ def test_colocated_refuses_staleness():
         _config(train__max_staleness=1).validate()
 
 
-def test_separate_takes_vllm_and_refuses_a_worker_count_vllm_cannot_split_the_heads_over(tmp_path):
-    """The rollout workers are the ranks of one tensor-parallel vLLM engine (docs/async.md, "vLLM rollout
-    workers"): 3 workers cannot share 4 attention heads, refused by name before vLLM is imported."""
+def test_separate_vllm_workers_form_workers_over_tp_engines_and_refuse_a_tp_that_cannot_split_the_heads(tmp_path):
+    """The rollout workers form rollout.workers / rollout.tp vLLM engines (docs/async.md, "vLLM rollout workers"):
+    3 workers at rollout.tp=1 are 3 engines of TP 1 whatever the heads; at rollout.tp=3 one engine cannot split
+    4 attention heads over its 3 ranks, refused by name before vLLM is imported."""
     from megatron_dppo.build import build_rollout, rollout_tensor_parallel
 
+    hf_config = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 64}
     cfg = _config(rollout__placement="separate", train__max_staleness=1, rollout__engine="vllm", rollout__workers=3,
                   train__output_dir=str(tmp_path))
     cfg.validate()
+    assert rollout_tensor_parallel(cfg) == 1
+    cfg.rollout.tp = 3
+    cfg.validate()
     assert rollout_tensor_parallel(cfg) == 3
-    hf_config = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-                 "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 64}
-    with pytest.raises(ValueError, match=r"rollout.workers=3 with rollout.engine=vllm: .* the 4 attention heads .*"
-                                         r"use a worker count that divides 4"):
+    with pytest.raises(ValueError, match=r"rollout.tp=3 with rollout.engine=vllm: .* the 4 attention heads among "
+                                         r"its 3 ranks; use a rollout.tp that divides 4 and rollout.workers=3"):
         build_rollout(cfg, hf_config, None, tokenizer=None)
 
 
