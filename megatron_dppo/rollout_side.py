@@ -115,7 +115,8 @@ def serve(cfg) -> dict[str, Any]:
     link.weights.wait(1 << 62)  # until the stop message (returns None), so no side leaves early
     link.close()
     summary = {"batches": used, "evals": evals.done, "versions_arrived": link.weights.arrived}
-    if D.is_main():  # the worker's record: which version generated each batch, idle / busy / CPU seconds
+    if link.roles.side_rank == 0:  # the worker's record: which version generated each batch, idle / busy / CPU
+        # seconds (D.is_main() no longer tells: link.close() destroyed the group, so every worker is "rank 0")
         path = Path(cfg.train.output_dir) / "rollout_worker.json"
         path.write_text(json.dumps(summary, indent=1))
     return summary
