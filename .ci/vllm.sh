@@ -3,8 +3,9 @@
 # touch the main environment. Not part of `make test`; run it with `make test-vllm` or DPPO_CI_VLLM=1 .ci/run.
 #   generation + log-probs vs HF, weight reload through Worker.reload_weights, external_launcher with 2 processes,
 #   the weight-sync worker extension (rollout/vllm_weight_sync.py), and separate placement end to end: a trainer on
-#   the main venv (DPPO_TRAINER_PYTHON, default .venv/bin/python: it needs Megatron-Core) with a vLLM rollout worker.
-# Measured on 2 cores: install ~1.5-3 min, tests ~4-5 min.
+#   the main venv (DPPO_TRAINER_PYTHON, default .venv/bin/python: it needs Megatron-Core) with one vLLM rollout
+#   worker, and with two (two engines at rollout.tp=1, one at rollout.tp=2).
+# Measured on 2 cores: install ~1.5-3 min, tests ~4-5 min (+1.4 min for the two-worker runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${DPPO_VLLM_VENV:-.venv-vllm}"

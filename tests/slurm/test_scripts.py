@@ -31,7 +31,7 @@ def test_there_is_something_to_check():
 
 def dry_run(recipe: Path, tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     settings = {"NODES", "GPUS_PER_NODE", "TP", "PP", "EP", "ETP", "CONFIG", "HF_MODEL", "MEGATRON_CKPT",
-                "MEGATRON_CKPT_KEY"}
+                "MEGATRON_CKPT_KEY", "WORKERS", "ROLLOUT_TP", "ENGINE", "STALENESS"}
     full_env = {key: value for key, value in os.environ.items() if key not in settings}
     full_env.update({"DRY_RUN": "1", **env})
     return subprocess.run([str(recipe), *args], capture_output=True, text=True, cwd=tmp_path, env=full_env,
@@ -89,6 +89,20 @@ def test_moe_recipe_lays_experts_inside_a_node(tmp_path):
     assert cfg.model.moe_routing_replay and cfg.model.moe_aux_loss_coeff == 0.0
     out = dry_run(REPO / "slurm/recipes/qwen3-30b-a3b-math.sh", tmp_path, HF_MODEL="/models/m", EP="3")
     assert out.returncode == 2 and "ETP*EP*PP" in out.stderr  # 3 expert ranks cannot tile 16 GPUs
+
+
+@pytest.mark.parametrize("rollout_tp", [None, "2"])
+def test_async_recipe_with_vllm_makes_the_workers_independent_engines(tmp_path, rollout_tp):
+    """ENGINE=vllm: the node of 8 rollout workers is 8 engines of TP 1 by default (a 1.5B model's 12 heads do not
+    split over 8 ranks), ROLLOUT_TP=2 makes it 4 engines of TP 2."""
+    extra = {} if rollout_tp is None else {"ROLLOUT_TP": rollout_tp}
+    out = dry_run(REPO / "slurm/recipes/qwen2.5-1.5b-gsm8k-async.sh", tmp_path, HF_MODEL="/models/m",
+                  ENGINE="vllm", **extra)
+    assert out.returncode == 0, out.stderr
+    train = out.stderr.splitlines()[0]
+    for override in ("rollout.placement=separate", "rollout.engine=vllm", "rollout.workers=8",
+                     f"rollout.tp={rollout_tp or 1}"):
+        assert f" {override} " in train, train
 
 
 def test_impossible_layout_is_refused(tmp_path):
