@@ -399,8 +399,14 @@ class TrainConfig:
                                 "the synchronous loop. k >= 1 needs rollout.placement=separate: the rollout "
                                 "workers run ahead by up to k batches while the trainer trains; use "
                                 "loss.rollout_correction=tis|mis for the decoupled objective (docs/async.md). "
-                                "Resume is exact only at 0: batches in flight at the checkpoint are generated "
-                                "again with the restored weights.")
+                                "Which version generates a batch: train.staleness_mode.")
+    staleness_mode: Literal["newest", "fixed"] = opt(
+        "newest", "train.max_staleness = k >= 1: which weight version generates the batch of RL step t. newest: "
+        "the newest version that has reached the workers, at least t - k; it depends on timing, so two runs "
+        "differ, and a resume generates the batches in flight at the checkpoint again from the restored weights. "
+        "fixed: exactly version max(0, t - k) (verl's one-step-off-policy at k = 1): a run is reproducible bit for "
+        "bit and resumes exactly, because the checkpoint keeps the batches in flight (the trainer waits for them "
+        "when it saves); each worker holds up to k + 1 versions of the weights in host memory.")
 
     def validate(self) -> None:
         _check(self.steps >= 0, "train.steps", self.steps, ">= 0")
@@ -413,6 +419,8 @@ class TrainConfig:
         _check(self.sft_batch_size >= 1, "train.sft_batch_size", self.sft_batch_size, ">= 1")
         _check(self.sft_lr > 0, "train.sft_lr", self.sft_lr, "> 0")
         _check(self.max_staleness >= 0, "train.max_staleness", self.max_staleness, ">= 0")
+        _check(self.staleness_mode in ("newest", "fixed"), "train.staleness_mode", self.staleness_mode,
+               "'newest' or 'fixed'")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "train.cpu_threads", self.cpu_threads,
                "null or >= 1")
 

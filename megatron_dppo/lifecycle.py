@@ -26,6 +26,8 @@ def save(run: Run) -> Path:
 
     extra = {"rl_step": run.rl_step, "sft_step": run.sft_step, "sampler": run.sampler.state_dict(),
              "history": run.history.state_dict(), "config": run.cfg.to_dict()}
+    if run.link is not None:  # train.staleness_mode=fixed: the batches in flight, so that a resume is exact
+        extra["in_flight"] = run.link.in_flight(run.rl_step, run.cfg.train.steps)
     return save_checkpoint(run.engine, run.cfg.checkpoint_dir, extra, keep_last=run.cfg.checkpoint.keep_last)
 
 
@@ -51,6 +53,8 @@ def restore(run: Run, path: Path) -> None:
     run.rl_step, run.sft_step = int(extra["rl_step"]), int(extra["sft_step"])
     run.sampler.load_state_dict(extra["sampler"])
     run.history.load_state_dict(extra["history"])
+    if run.link is not None:
+        run.link.resume_at(run.rl_step, extra.get("in_flight"))
     if D.is_main():
         print(f"resumed from {path} (warm-start step {run.sft_step}, RL step {run.rl_step})", flush=True)
 

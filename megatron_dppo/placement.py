@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import datetime
 import os
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -125,7 +126,9 @@ class TrainerLink:
     workers (the others take part in the broadcasts inside the trainers' group)."""
 
     def __init__(self, cfg, r: Roles, store: dist.Store):
-        self.roles, self.gate = r, StalenessGate(cfg.train.max_staleness)
+        self.roles = r
+        self.gate = StalenessGate(cfg.train.max_staleness, fixed=cfg.train.staleness_mode == "fixed")
+        self.restored: list = []  # staleness_mode=fixed: the in-flight batches a resumed run took from its checkpoint
         self.timeout_s = cfg.rollout.worker_timeout_s
         self.sender = self.batches = None
         self.last_wait_s = 0.0
@@ -191,6 +194,45 @@ class TrainerLink:
     def _next(self) -> Any:
         return self.early.popleft() if self.early else self.batches.get(self.timeout_s)
 
+    # -- train.staleness_mode=fixed: the batches in flight go into the checkpoint
+    def in_flight(self, step: int, steps: int) -> bytes | None:
+        """The batches of RL steps ``step`` .. ``step`` + k - 1 (not past ``steps``) on every trainer rank, pickled
+        for a checkpoint at ``step`` (whose common state is loaded with ``weights_only``). They come from versions
+        already sent (t - k < ``step``), so the main rank waits for them and keeps them for ``receive``. None in
+        newest mode, or before the first version went out (no batch is in flight then)."""
+        if not self.gate.fixed:
+            return None
+        count, batches = max(0, min(self.gate.k, steps - step)), None
+        if self.batches is not None and self.sender is not None and self.sender.last_version is not None:
+            while len(self.early) < count:
+                message = self.batches.get(self.timeout_s)
+                if isinstance(message, WorkerEval):
+                    raise RuntimeError(f"an evaluation of weight version {message.version} arrived while the trainer "
+                                       f"collects the batches in flight at step {step}")
+                self.early.append(message)
+            batches = list(self.early)[:count]
+            if [b.step for b in batches] != list(range(step, step + count)):
+                raise RuntimeError(f"the batches in flight at step {step} are those of steps "
+                                   f"{[b.step for b in batches]}")
+        batches = D.broadcast_object(batches)
+        return None if batches is None else pickle.dumps(batches)
+
+    def resume_at(self, rl_step: int, in_flight: bytes | None) -> None:
+        """A run resumed at ``rl_step``: its first version is ``rl_step`` (the staleness gate's floor), and the
+        checkpoint's in-flight batches (fixed mode, ``in_flight``) are trained first, without being generated
+        again."""
+        self.gate.floor = rl_step
+        self.restored = pickle.loads(in_flight) if in_flight else []
+        if self.batches is not None:
+            self.early.extend(self.restored)
+
+    def worker_start(self, rl_step: int, sampler_state: dict) -> tuple[int, dict]:
+        """Where the workers start: after the restored in-flight batches (their last sampler position), else at
+        ``rl_step`` with the trainer's sampler position."""
+        if self.restored:
+            return self.restored[-1].step + 1, self.restored[-1].sampler_state
+        return rl_step, sampler_state
+
     def close(self, clean: bool) -> None:
         """The stop message to the workers, then their end marker (only after a clean end: after a failure
         nobody waits for them). Nothing is left pending in the cross groups when the processes exit."""
@@ -216,18 +258,19 @@ class WorkerWeights:
     after the stop message; ``load(version)`` puts that version into the engine; ``arrived`` lists the versions
     received. Subclasses say where the versions land (``_newest``, ``load``, ``arrived``)."""
 
-    def wait(self, min_version: int) -> Any:
-        newest = self._newest(min_version)
-        while D.world_size() > 1:  # the ranks generate together (vLLM: one tensor-parallel engine): agree
+    def wait(self, min_version: int, exact: bool = False) -> Any:
+        """``exact`` (staleness_mode=fixed): version ``min_version`` itself, the older ones released."""
+        newest = self._newest(min_version, exact)
+        while D.world_size() > 1 and not exact:  # one batch, one version stamp: the worker ranks agree on it
             versions = D.all_gather_objects(None if newest is None else newest.version)
             if None in versions:
                 return None
             if min(versions) == max(versions):
                 break
-            newest = self._newest(max(versions))  # a newer one reached some ranks first: wait for it on all
+            newest = self._newest(max(versions), False)  # a newer one reached some ranks first: wait for it on all
         return newest
 
-    def _newest(self, min_version: int) -> Any:
+    def _newest(self, min_version: int, exact: bool) -> Any:
         raise NotImplementedError
 
     def load(self, version: Any) -> None:
@@ -245,8 +288,8 @@ class HostWeights(WorkerWeights):
     def __init__(self, receiver: WeightReceiver, engine):
         self.receiver, self.engine = receiver, engine
 
-    def _newest(self, min_version: int) -> Any:
-        return self.receiver.wait(min_version)
+    def _newest(self, min_version: int, exact: bool) -> Any:
+        return self.receiver.wait(min_version, exact=exact)
 
     def load(self, version: Any) -> None:
         self.engine.load_weights(iter(version.weights))
@@ -263,8 +306,8 @@ class EngineWeights(WorkerWeights):
     def __init__(self, engine):
         self.engine = engine
 
-    def _newest(self, min_version: int) -> Any:
-        return self.engine.wait_weights(min_version)
+    def _newest(self, min_version: int, exact: bool) -> Any:
+        return self.engine.wait_weights(min_version, exact=exact)
 
     def load(self, version: Any) -> None:
         self.engine.wake_up(["weights"])  # (marked asleep after each generation: rollout.handover; no sleep mode)
@@ -287,12 +330,13 @@ class WorkerLink:
         the vLLM engine's workers join it themselves, given the store's address; the HF engine's versions are
         received here."""
         rank, size, peer = weight_group_rank(self.roles), self.roles.workers + 1, "the trainer (job rank 0)"
+        keep_all = cfg.train.staleness_mode == "fixed"  # (every version kept until the worker is past it)
         if cfg.rollout.engine == "vllm":
-            engine.join_weight_group(self.store.host, self.store.port, rank, size, TIMEOUT_S, peer)
+            engine.join_weight_group(self.store.host, self.store.port, rank, size, TIMEOUT_S, peer, keep_all=keep_all)
             self.weights = EngineWeights(engine)
         else:
             self.weights = HostWeights(WeightReceiver(process_group(self.store, "weights", rank, size, TIMEOUT_S),
-                                                      peer), engine)
+                                                      peer, keep_all=keep_all), engine)
         return self.weights
 
     def close(self) -> None:

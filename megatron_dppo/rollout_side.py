@@ -79,7 +79,9 @@ def serve(cfg) -> dict[str, Any]:
     if first is None:
         link.close()
         return {"batches": 0}
-    gate = StalenessGate(cfg.train.max_staleness)
+    fixed = cfg.train.staleness_mode == "fixed"  # (batch t from exactly version t - k: StalenessGate)
+    gate = StalenessGate(cfg.train.max_staleness, fixed=fixed)
+    gate.floor = link.weights.arrived[0]  # this run's first version (a resumed trainer may have sent more since)
     step, loaded, used, evals, newest = first.extra["rl_step"], None, [], DueEvaluations(run, link.batches), first
 
     def take(version) -> float:
@@ -94,7 +96,7 @@ def serve(cfg) -> dict[str, Any]:
     run.sampler.load_state_dict(first.extra["sampler"])
     while step < cfg.train.steps:
         idle_start = time.monotonic()
-        newest = link.weights.wait(gate.min_version(step))
+        newest = link.weights.wait(gate.fixed_version(step) if fixed else gate.min_version(step), exact=fixed)
         idle = time.monotonic() - idle_start
         if newest is None:  # the trainer stopped (a signal): no more batches wanted
             break
@@ -109,8 +111,8 @@ def serve(cfg) -> dict[str, Any]:
         used.append({"step": step, "version": loaded, **drawn.metrics})
         step += 1
     while cfg.eval.every and newest is not None and newest.version < cfg.train.steps:
-        newest = link.weights.wait(newest.version + 1)  # after the last batch: the last version (due), and any due
-        if newest is not None and newest.extra.get("eval"):  # one that came after the last batch's check
+        newest = link.weights.wait(newest.version + 1, exact=fixed)  # after the last batch: the last version
+        if newest is not None and newest.extra.get("eval"):  # (due), and any due one that came after the check
             take(newest)
     link.weights.wait(1 << 62)  # until the stop message (returns None), so no side leaves early
     link.close()

@@ -238,8 +238,8 @@ def push_weights(run: Run, version: int | None = None) -> int:
     version = run.rl_step if version is None else version
     new = version > run.rl_step  # an update's version; else the restored or warmed-up policy the RL phase starts from
     due = eval_due(run.cfg, version) if new else bool(run.cfg.eval.every) and version == 0
-    extra = {"history": run.history.state_dict(), "rl_step": run.rl_step, "sampler": run.sampler.state_dict(),
-             "eval": due}
+    start, sampler = run.link.worker_start(run.rl_step, run.sampler.state_dict())
+    extra = {"history": run.history.state_dict(), "rl_step": start, "sampler": sampler, "eval": due}
     stream = export_hf_weights(run.engine.model_chunks, run.arch, run.cfg.rollout.weight_bucket_mb << 20)
     return run.link.send_weights(stream, version, extra)
 

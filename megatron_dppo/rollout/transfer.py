@@ -210,6 +210,7 @@ class WeightVersion:
 @dataclass
 class _Slot:
     newest: WeightVersion | None = None
+    kept: dict[int, WeightVersion] = field(default_factory=dict)  # keep_all: every version not yet released
     arrived: list[int] = field(default_factory=list)  # every version number, in arrival order (instrumentation)
     stopped: bool = False
     error: BaseException | None = None
@@ -219,10 +220,14 @@ class WeightReceiver:
     """Rollout rank: a thread receives every version as it is broadcast and keeps the newest complete one.
     ``wait(min_version)`` blocks until a version >= ``min_version`` (or the stop message) arrived and returns the
     newest (None after stop); ``peer`` names the sender in errors. One version is kept, evaluation included: the
-    trainer sends nothing newer before it has a due version's evaluation (``rollout_side.DueEvaluations``)."""
+    trainer sends nothing newer before it has a due version's evaluation (``rollout_side.DueEvaluations``).
 
-    def __init__(self, pg: dist.ProcessGroup, peer: str, poll_s: float = 0.5):
-        self.pg, self.peer, self.poll_s = pg, peer, poll_s
+    ``keep_all=True`` (``train.staleness_mode=fixed``): every version is kept until released, and
+    ``wait(v, exact=True)`` returns exactly version v and releases the older ones. The sender runs at most k + 1
+    versions ahead of the version a worker generates with (``staleness``), so at most k + 1 are held."""
+
+    def __init__(self, pg: dist.ProcessGroup, peer: str, poll_s: float = 0.5, keep_all: bool = False):
+        self.pg, self.peer, self.poll_s, self.keep_all = pg, peer, poll_s, keep_all
         self._slot = _Slot()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
@@ -232,6 +237,13 @@ class WeightReceiver:
     def arrived(self) -> list[int]:
         with self._cond:
             return list(self._slot.arrived)
+
+    @property
+    def held(self) -> list[int]:
+        """The versions held now (keep_all: those not yet released; else the newest)."""
+        with self._cond:
+            slot = self._slot
+            return sorted(slot.kept) if self.keep_all else [] if slot.newest is None else [slot.newest.version]
 
     def _run(self) -> None:
         try:
@@ -259,19 +271,32 @@ class WeightReceiver:
                                          f"{self.peer}: versions must increase")
                     arrived.append(version)
                     self._slot.newest = WeightVersion(version, weights, extra)
+                    if self.keep_all:
+                        self._slot.kept[version] = self._slot.newest
                     self._cond.notify_all()
         except BaseException as err:  # noqa: BLE001 - handed to the main thread, which raises it
             with self._cond:
                 self._slot.error = err
                 self._cond.notify_all()
 
-    def wait(self, min_version: int, timeout_s: float | None = None) -> WeightVersion | None:
+    def wait(self, min_version: int, timeout_s: float | None = None, exact: bool = False) -> WeightVersion | None:
+        """The newest version >= ``min_version`` (``exact``: version ``min_version`` itself, the older ones
+        released), or None after the stop message."""
+        if exact and not self.keep_all:
+            raise ValueError("wait(exact=True) needs a WeightReceiver made with keep_all=True")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
                 slot = self._slot
                 if slot.newest is not None and slot.newest.version >= min_version:
-                    return slot.newest
+                    if not exact:
+                        return slot.newest
+                    if min_version not in slot.kept:
+                        raise PeerFailed(f"weight version {min_version} is no longer held (held: {sorted(slot.kept)}"
+                                         f"): it was released by an earlier wait")
+                    for version in [v for v in slot.kept if v < min_version]:
+                        del slot.kept[version]
+                    return slot.kept[min_version]
                 if slot.stopped:
                     return None
                 if slot.error is not None:

@@ -341,19 +341,23 @@ class VLLMRolloutEngine:
     # ------------------------------------------------------------------------------------------------------------
     # Versioned weights from a trainer (weight_sync=True; rollout/vllm_weight_sync.py runs inside each worker)
     # ------------------------------------------------------------------------------------------------------------
-    def join_weight_group(self, host: str, port: int, rank: int, size: int, timeout_s: float, peer: str) -> None:
+    def join_weight_group(self, host: str, port: int, rank: int, size: int, timeout_s: float, peer: str,
+                          keep_all: bool = False) -> None:
         """Every vLLM worker joins the weights group (gloo, under the job's store at ``host:port``, group ``rank``
-        of ``size``; ``peer`` names the sender in errors) and starts receiving versions in a thread."""
+        of ``size``; ``peer`` names the sender in errors) and starts receiving versions in a thread (``keep_all``:
+        every version kept until ``wait_weights(exact=True)`` is past it; ``transfer.WeightReceiver``)."""
         self._require_weight_sync()
         self.llm.collective_rpc("dppo_join_weights", args=(host, int(port), int(rank), int(size), float(timeout_s),
-                                                          peer))
+                                                          peer, bool(keep_all)))
 
-    def wait_weights(self, min_version: int, timeout_s: float | None = None) -> ReceivedVersion | None:
+    def wait_weights(self, min_version: int, timeout_s: float | None = None,
+                     exact: bool = False) -> ReceivedVersion | None:
         """Block until every worker holds a version >= ``min_version`` and return it (the same one in every worker:
-        the newest, pinned for ``load_received``), or None after the sender's stop message."""
+        the newest, pinned for ``load_received``; ``exact``: version ``min_version`` itself), or None after the
+        sender's stop message."""
         self._require_weight_sync()
         while True:
-            got = self.llm.collective_rpc("dppo_wait_weights", args=(int(min_version), timeout_s))
+            got = self.llm.collective_rpc("dppo_wait_weights", args=(int(min_version), timeout_s, bool(exact)))
             versions = {None if g is None else g["version"] for g in got}
             if None in versions:
                 return None

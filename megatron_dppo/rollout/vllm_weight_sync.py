@@ -51,21 +51,25 @@ class WeightSyncExtension:
     """Mixed into vLLM's Worker (``VLLMRolloutEngine(weight_sync=True)``); called through ``collective_rpc``.
     Names start with ``dppo_`` (vLLM refuses an extension attribute the Worker already has)."""
 
-    def dppo_join_weights(self, host: str, port: int, rank: int, size: int, timeout_s: float, peer: str) -> None:
+    def dppo_join_weights(self, host: str, port: int, rank: int, size: int, timeout_s: float, peer: str,
+                          keep_all: bool = False) -> None:
         """Join the weights group of the job whose rendezvous store listens on ``host:port`` as group ``rank`` of
-        ``size`` and start receiving (``transfer.WeightReceiver``); ``peer`` names the sender in errors."""
+        ``size`` and start receiving (``transfer.WeightReceiver``, ``keep_all`` as there); ``peer`` names the
+        sender in errors."""
         if getattr(self, "_dppo_receiver", None) is not None:
             raise RuntimeError("this vLLM worker already joined a weights group")
         store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        self._dppo_receiver = WeightReceiver(process_group(store, "weights", rank, size, timeout_s), peer)
+        self._dppo_receiver = WeightReceiver(process_group(store, "weights", rank, size, timeout_s), peer,
+                                             keep_all=keep_all)
         self._dppo_pinned: WeightVersion | None = None
         self._dppo_expected: dict[str, tuple[int, ...]] | None = None
 
-    def dppo_wait_weights(self, min_version: int, timeout_s: float | None = None) -> dict[str, Any] | None:
-        """Block until a version >= ``min_version`` arrived; pin the newest and return {"version", "extra"}, or
-        None after the stop message. A receive that failed (the sender died, a version that does not increase)
-        raises ``transfer.PeerFailed``."""
-        newest = self._dppo_joined().wait(min_version, timeout_s)
+    def dppo_wait_weights(self, min_version: int, timeout_s: float | None = None,
+                          exact: bool = False) -> dict[str, Any] | None:
+        """Block until a version >= ``min_version`` arrived; pin the newest (``exact``: version ``min_version``)
+        and return {"version", "extra"}, or None after the stop message. A receive that failed (the sender died, a
+        version that does not increase) raises ``transfer.PeerFailed``."""
+        newest = self._dppo_joined().wait(min_version, timeout_s, exact=exact)
         if newest is None:
             return None
         self._dppo_pinned = newest

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -97,8 +98,8 @@ def _dapo(out, **sections):
     """The DAPO run of tests/e2e/test_dapo_sampling_run.py: refill rounds until B groups with signal, overlong."""
     base = dict(algo={"pruner": "none"}, reward={"fn": "tests.e2e._rewards:solved_or_parity", "isolation": "inline"},
                 dynamic_sampling={"enable": True, "max_rounds": 4}, overlong={"buffer": 2, "filter": True},
-                train={"steps": 4, "sft_steps": 0}, eval=EVAL, checkpoint={"every": 2})
-    for k, v in sections.items():
+                train={"steps": 4, "sft_steps": 0}, eval=dict(EVAL), checkpoint={"every": 2})
+    for k, v in sections.items():  # (on copies: EVAL is shared by the other tests)
         base.setdefault(k, {}).update(v)
     return tiny_config(out, **base)
 
@@ -125,6 +126,36 @@ def test_dynamic_sampling_on_the_worker(tmp_path):
     run_cli(write_config(tmp_path / "empty.yaml", empty), *SEPARATE, "train.max_staleness=0",
             "rollout.worker_timeout_s=120", nproc=2)  # batch 1 needs version 1, pushed after a step with no update
     assert [(r["train/skipped"], r["dynamic_sampling/rounds"]) for r in _rl(read_metrics(empty_dir))] == [(1, 2)] * 2
+
+
+def test_fixed_staleness_is_reproducible_and_resumes_exactly(tmp_path):
+    """train.staleness_mode=fixed, max_staleness 2: batch t comes from exactly version max(0, t - 2), so two runs
+    of the config are equal in every non-timing record, evaluations on the worker included; and a run resumed from
+    the checkpoint at RL step 2 (the batches of steps 2 and 3, in flight then, saved with it) equals the straight
+    run from there on, instead of generating those batches again from newer weights."""
+    fixed = (*SEPARATE, "train.max_staleness=2", "train.staleness_mode=fixed")
+    runs = {}
+    for name in ("a", "b"):
+        runs[name] = tmp_path / name
+        run_cli(write_config(tmp_path / f"{name}.yaml", tiny_config(runs[name], eval=EVAL, train={"steps": 5})),
+                *fixed, nproc=2)
+    a, b = read_metrics(runs["a"]), read_metrics(runs["b"])
+    assert [r["async/staleness"] for r in _rl(a)] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert [r["step"] for r in _eval(a)] == [-1, 1, 3, 4]
+    assert _strip(a) == _strip(b)
+
+    resumed = tmp_path / "c"  # only the checkpoint of RL step 2 (2 warm-start steps + 2 RL steps) of run a
+    name = f"step_{2 + 2:08d}"
+    shutil.copytree(runs["a"] / "checkpoints" / name, resumed / "checkpoints" / name)
+    (resumed / "checkpoints" / "latest").write_text(name)
+    proc = run_cli(write_config(tmp_path / "c.yaml", tiny_config(resumed, eval=EVAL, train={"steps": 5})),
+                   *fixed, nproc=2)
+    assert "RL step 2)" in proc.stdout + proc.stderr
+    c = read_metrics(resumed)
+    later = [r for r in a if r.get("phase") in ("rl", "eval") and r["step"] >= 2]
+    assert _strip([r for r in c if r.get("phase") in ("rl", "eval")]) == _strip(later)
+    worker = json.loads((resumed / "rollout_worker.json").read_text())
+    assert [b["step"] for b in worker["batches"]] == [4]  # 2 and 3 came from the checkpoint
 
 
 def test_a_killed_rollout_worker_ends_the_trainer_naming_it(tmp_path):

@@ -25,6 +25,29 @@ def test_gate_admits_exactly_the_versions_t_minus_k_to_t(k):
         assert gate.max_seen <= k
 
 
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_fixed_gate_admits_only_version_t_minus_k(k):
+    for step in range(6):
+        gate = StalenessGate(k, fixed=True)
+        for version in range(-1, step + 3):
+            if version == max(0, step - k):
+                assert gate.admit(step, version) == step - version
+            else:
+                with pytest.raises(StalenessExceeded, match=f"needs exactly version {max(0, step - k)}"
+                                   if max(0, step - k) <= version <= step else "train.max_staleness"):
+                    gate.admit(step, version)
+
+
+def test_fixed_gate_after_a_resume_without_in_flight_batches_starts_from_the_restored_version():
+    gate = StalenessGate(2, fixed=True)
+    gate.floor = 5  # resumed at RL step 5: versions 3 and 4 are gone
+    assert [gate.fixed_version(t) for t in range(5, 9)] == [5, 5, 5, 6]
+    assert gate.admit(5, 3) == 2  # an in-flight batch from the checkpoint, with its own version
+    assert gate.admit(6, 5) == 1  # a batch regenerated from the restored version
+    with pytest.raises(StalenessExceeded, match="needs exactly version 6"):
+        gate.admit(8, 7)
+
+
 def test_gate_refuses_a_bad_bound():
     with pytest.raises(ValueError, match="max_staleness must be an integer >= 0, got -1"):
         StalenessGate(-1)
