@@ -114,3 +114,23 @@ def test_two_vllm_rollout_workers_hold_the_trainers_weights_in_each_engine(tmp_p
         log = next(out.parent.glob(f"{out.name}-rank{rank}-*.log")).read_text()
         sizes = set(re.findall(r"tensor_parallel_size=(\d+)", log))
         assert sizes == {str(rollout_tp)}, (sizes, log[-3000:])
+
+
+def test_vllm_rollout_worker_in_fixed_staleness_mode(tmp_path):
+    """train.staleness_mode=fixed through the weight-sync extension: the receiver inside vLLM's worker keeps every
+    version until the worker is past it and hands out exactly version t - 1 for batch t (the trainer's gate refuses
+    any other), with the worker evaluating the due versions on the way (eval.every=2)."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "fixed.yaml", tiny_config(
+        out, model={"hf_config": MODEL}, rollout={"engine": "vllm", "max_new_tokens": 4, "enforce_eager": True},
+        eval={"every": 2, "reward": "tests.e2e._rewards:parity"}, checkpoint={"every": 0}, train={"steps": 4}))
+    _train(cfg, out, "train.max_staleness=1", "train.staleness_mode=fixed")
+
+    records = read_metrics(out)
+    rl = [r for r in records if r.get("phase") == "rl"]
+    assert [r["async/staleness"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["step"] for r in records if r.get("phase") == "eval"] == [-1, 1, 3]
+    assert rl[0]["rollout/logprob_abs_diff"] < FLOAT32_NOISE  # batch 0: version 0, the trainer's own weights
+    worker = json.loads((out / "rollout_worker.json").read_text())
+    assert [(b["step"], b["version"]) for b in worker["batches"]] == [(0, 0), (1, 0), (2, 1), (3, 2)]
+    assert [e["version"] for e in worker["evals"]] == [0, 2, 4]
