@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
 import time
 
 from .harness import Check, require
-from .quickstart_stage import REPO
+from .quickstart_stage import REPO, clean_env, quickstart_args
 
 KL_STALENESS0_MAX = 0.05  # bf16 trainer vs bf16 HF generate at the same weights; fp32 on the CPU is ~1e-7
 
@@ -35,20 +34,11 @@ def _free_port() -> int:
 def stage_async(c: Check) -> dict:
     out = c.work / "async"
     shutil.rmtree(out, ignore_errors=True)
-    base = ["-m", "megatron_dppo.cli", "train", "--config", str(REPO / "examples" / "quickstart.yaml"),
-            f"train.output_dir={out}", "eval.every=0", "logging.progress_bar=false", "rollout.placement=separate",
-            "rollout.workers=1", "train.max_staleness=1", "checkpoint.every=0", "rollout.worker_timeout_s=120",
+    base = [*quickstart_args(c, out), "rollout.placement=separate", "rollout.workers=1", "train.max_staleness=1",
+            "checkpoint.every=0", "rollout.worker_timeout_s=120",
             "loss.rollout_correction=tis"]  # (tis: logs the behaviour-vs-proximal KL)
-    if c.cpu_smoke:
-        base += ["train.sft_steps=1", "train.prompts_per_step=4", "train.group_size=2", "train.sft_batch_size=8",
-                 "data.arithmetic_train_size=16", "rollout.max_new_tokens=3"]
-        first, second = 2, 4
-    else:
-        base += ["model.dtype=bfloat16", "train.sft_steps=20", "train.cpu_threads=4"]
-        first, second = 4, 8
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    first, second = (2, 4) if c.cpu_smoke else (4, 8)
+    env = clean_env()
     timings, log_files, logs = [], [], []
     for run, steps in enumerate((first, second), 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",

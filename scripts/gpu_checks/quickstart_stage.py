@@ -22,18 +22,9 @@ def stage_quickstart(c: Check) -> dict:
 
     out = c.work / "quickstart"
     shutil.rmtree(out, ignore_errors=True)
-    base = [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", str(REPO / "examples" / "quickstart.yaml"),
-            f"train.output_dir={out}", "eval.every=0", "logging.progress_bar=false"]
-    if c.cpu_smoke:
-        base += ["train.sft_steps=1", "train.prompts_per_step=4", "train.group_size=2", "train.sft_batch_size=8",
-                 "data.arithmetic_train_size=16", "rollout.max_new_tokens=3"]
-        first, second = 1, 2
-    else:
-        base += ["model.dtype=bfloat16", "train.sft_steps=20", "train.cpu_threads=4"]
-        first, second = 4, 8
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        env.pop(key, None)
+    base = [sys.executable, *quickstart_args(c, out)]
+    first, second = (1, 2) if c.cpu_smoke else (4, 8)
+    env = clean_env()
     timings, logs, log_files = [], [], []
     for run, steps in enumerate((first, second), 1):
         t0 = time.perf_counter()
@@ -52,3 +43,22 @@ def stage_quickstart(c: Check) -> dict:
     require(all(math.isfinite(r) for r in rewards), f"non-finite rewards {rewards}")
     return {"runs_s": timings, "rl_steps": len(steps_seen), "reward_mean_last": rewards[-1], "logs": log_files,
             "banner": next((line for line in logs[0].splitlines() if line.startswith("megatron-dppo:")), None)}
+
+
+def quickstart_args(c: Check, out: Path) -> list[str]:
+    """``-m megatron_dppo.cli train`` on the quickstart into ``out``, no evaluation: bf16 with a 20-step warm start
+    on CUDA; tiny (1 warm-start step, 4 prompts x 2, 3 new tokens) with ``--cpu-smoke``."""
+    args = ["-m", "megatron_dppo.cli", "train", "--config", str(REPO / "examples" / "quickstart.yaml"),
+            f"train.output_dir={out}", "eval.every=0", "logging.progress_bar=false"]
+    if c.cpu_smoke:
+        return args + ["train.sft_steps=1", "train.prompts_per_step=4", "train.group_size=2",
+                       "train.sft_batch_size=8", "data.arithmetic_train_size=16", "rollout.max_new_tokens=3"]
+    return args + ["model.dtype=bfloat16", "train.sft_steps=20", "train.cpu_threads=4"]
+
+
+def clean_env() -> dict:
+    """This environment with the repository importable and no rank variables (a CLI run starts its own world)."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env

@@ -81,6 +81,19 @@ def assert_two_by_two(outputs: dict[int, dict], launcher: str) -> None:
     assert {o["local_world_size"] for o in outputs.values()} == {2}
 
 
+def preempt_after_first_checkpoint(slurm, job, latest: Path) -> None:
+    """Wait for the job's first checkpoint (``latest`` appears), send SIGUSR1 to its batch shell (what
+    --signal=B:USR1@<s> does before the time limit), and check that it then requeued once and completed."""
+    deadline = time.monotonic() + 180
+    while not latest.exists():
+        assert time.monotonic() < deadline and slurm.state(job) not in slurm.TERMINAL, slurm.describe(job)
+        time.sleep(0.2)
+    slurm.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
+    state, _ = slurm.wait(job, timeout=220)
+    assert state == "COMPLETED", slurm.describe(job)
+    assert slurm.show(job)["Restarts"] == "1"
+
+
 def test_trainer_on_two_nodes_two_ranks_completes_with_checkpoint(slurm, tmp_path):
     """The real trainer (the script's default DPPO_CMD) through srun + torchrun: 2 nodes x 2 ranks, gloo."""
     steps = 2
@@ -135,14 +148,7 @@ def test_preempted_trainer_checkpoints_requeues_and_resumes(slurm, tmp_path):
     job = slurm.submit(tmp_path, [TRAIN, "--config", str(config)], name="t-requeue", sbatch_args=TWO_BY_TWO,
                        env=trainer_env(slurm, DPPO_STOP_GRACE="90"))
     latest = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 180
-    while not latest.exists():  # wait for the first checkpoint (after RL step 1)
-        assert time.monotonic() < deadline and slurm.state(job) not in slurm.TERMINAL, slurm.describe(job)
-        time.sleep(0.2)
-    slurm.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
-    state, _ = slurm.wait(job, timeout=220)
-    assert state == "COMPLETED", slurm.describe(job)
-    assert slurm.show(job)["Restarts"] == "1"
+    preempt_after_first_checkpoint(slurm, job, latest)
     log = job.batch_log.read_text()
     assert "requeueing job" in log and "restart 1" in log and "SIGTERM" not in log
     logs = job.logs()
@@ -171,14 +177,7 @@ def test_async_job_trainer_node_and_rollout_node_preempted_and_resumed(slurm, tm
     job = slurm.submit(tmp_path, [TRAIN, "--config", str(config)], name="t-async", sbatch_args=TWO_BY_TWO,
                        env=trainer_env(slurm, DPPO_STOP_GRACE="90"))
     latest = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 180
-    while not latest.exists():  # wait for the first checkpoint (after RL step 1)
-        assert time.monotonic() < deadline and slurm.state(job) not in slurm.TERMINAL, slurm.describe(job)
-        time.sleep(0.2)
-    slurm.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
-    state, _ = slurm.wait(job, timeout=220)
-    assert state == "COMPLETED", slurm.describe(job)
-    assert slurm.show(job)["Restarts"] == "1"
+    preempt_after_first_checkpoint(slurm, job, latest)
     logs = job.logs()
     assert re.search(r"world 2 \(tp 1, pp 1, dp 2\)", logs), logs[-3000:]  # the trainers' world: n1's ranks
     resumed = set(re.findall(r"resumed from \S+ \(warm-start step 1, RL step (\d+)\)", logs))
