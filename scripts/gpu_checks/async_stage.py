@@ -13,12 +13,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
 import sys
-import time
 
 from .harness import Check, require
-from .quickstart_stage import REPO, clean_env, quickstart_args
+from .quickstart_stage import clean_env, quickstart_args, run_then_resume
 
 KL_STALENESS0_MAX = 0.05  # bf16 trainer vs bf16 HF generate at the same weights; fp32 on the CPU is ~1e-7
 
@@ -39,17 +37,10 @@ def stage_async(c: Check) -> dict:
             "loss.rollout_correction=tis"]  # (tis: logs the behaviour-vs-proximal KL)
     first, second = (2, 4) if c.cpu_smoke else (4, 8)
     env = clean_env()
-    timings, log_files, logs = [], [], []
-    for run, steps in enumerate((first, second), 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-               f"--master-port={_free_port()}", *base, f"train.steps={steps}"]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-        timings.append(round(time.perf_counter() - t0, 1))
-        logs.append(proc.stdout + proc.stderr)
-        log_files.append(c.write_log(f"async_run{run}", logs[-1]))
-        require(proc.returncode == 0, f"async train.steps={steps} exited {proc.returncode}:\n{logs[-1][-3000:]}")
-    require("resuming" in logs[1], "the second async run did not resume from the first run's checkpoint")
+    timings, logs, log_files = run_then_resume(
+        c, "async", lambda steps: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                                   "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *base,
+                                   f"train.steps={steps}"], env, (first, second), timeout=180)
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rl = [r for r in records if r.get("phase") == "rl"]

@@ -25,16 +25,8 @@ def stage_quickstart(c: Check) -> dict:
     base = [sys.executable, *quickstart_args(c, out)]
     first, second = (1, 2) if c.cpu_smoke else (4, 8)
     env = clean_env()
-    timings, logs, log_files = [], [], []
-    for run, steps in enumerate((first, second), 1):
-        t0 = time.perf_counter()
-        proc = subprocess.run(base + [f"train.steps={steps}"], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=150 if not c.cpu_smoke else 120)
-        timings.append(round(time.perf_counter() - t0, 1))
-        logs.append(proc.stdout + proc.stderr)
-        log_files.append(c.write_log(f"quickstart_run{run}", logs[-1]))
-        require(proc.returncode == 0, f"quickstart train.steps={steps} exited {proc.returncode}:\n{logs[-1][-3000:]}")
-    require("resuming" in logs[1], "the second run did not resume from the first run's checkpoint")
+    timings, logs, log_files = run_then_resume(c, "quickstart", lambda steps: base + [f"train.steps={steps}"], env,
+                                               (first, second), timeout=150 if not c.cpu_smoke else 120)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rl = [m for m in metrics if m.get("phase") == "rl" and "reward/mean" in m]
     steps_seen = sorted({m.get("step") for m in rl})
@@ -62,3 +54,18 @@ def clean_env() -> dict:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
+
+
+def run_then_resume(c: Check, name: str, command, env: dict, steps: tuple[int, int], timeout: float):
+    """``command(steps)`` for each of ``steps`` (the second run resumes the first's checkpoint); returns the wall
+    seconds, the outputs and the log files (``<name>_run<i>.log`` next to the report) of the two runs."""
+    timings, logs, log_files = [], [], []
+    for run, n in enumerate(steps, 1):
+        t0 = time.perf_counter()
+        proc = subprocess.run(command(n), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        timings.append(round(time.perf_counter() - t0, 1))
+        logs.append(proc.stdout + proc.stderr)
+        log_files.append(c.write_log(f"{name}_run{run}", logs[-1]))
+        require(proc.returncode == 0, f"{name} train.steps={n} exited {proc.returncode}:\n{logs[-1][-3000:]}")
+    require("resuming" in logs[1], f"the second {name} run did not resume from the first run's checkpoint")
+    return timings, logs, log_files

@@ -81,15 +81,16 @@ def assert_two_by_two(outputs: dict[int, dict], launcher: str) -> None:
     assert {o["local_world_size"] for o in outputs.values()} == {2}
 
 
-def preempt_after_first_checkpoint(slurm, job, latest: Path) -> None:
-    """Wait for the job's first checkpoint (``latest`` appears), send SIGUSR1 to its batch shell (what
-    --signal=B:USR1@<s> does before the time limit), and check that it then requeued once and completed."""
-    deadline = time.monotonic() + 180
+def preempt_after_first_checkpoint(slurm, job, latest: Path, first_s: float = 180, rest_s: float = 220) -> None:
+    """Wait for the job's first checkpoint (``latest`` appears, within ``first_s``), send SIGUSR1 to its batch shell
+    (what --signal=B:USR1@<s> does before the time limit), and check that it then requeued once and completed
+    (within ``rest_s``)."""
+    deadline = time.monotonic() + first_s
     while not latest.exists():
         assert time.monotonic() < deadline and slurm.state(job) not in slurm.TERMINAL, slurm.describe(job)
         time.sleep(0.2)
     slurm.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
-    state, _ = slurm.wait(job, timeout=220)
+    state, _ = slurm.wait(job, timeout=rest_s)
     assert state == "COMPLETED", slurm.describe(job)
     assert slurm.show(job)["Restarts"] == "1"
 
@@ -208,15 +209,7 @@ def test_preempted_stand_in_checkpoints_requeues_and_resumes(slurm, tmp_path, la
                                   "--step-seconds", "0.3", *extra], name="t-requeue", sbatch_args=TWO_BY_TWO,
                        env=slurm.job_env(DPPO_LAUNCH=launch, DPPO_STOP_GRACE="2" if stop_by == "sigterm" else "90",
                                          DPPO_CMD=CHECK))
-    latest = tmp_path / "ckpt" / "latest"
-    deadline = time.monotonic() + 120
-    while not latest.exists():  # wait for the first checkpoint
-        assert time.monotonic() < deadline and slurm.state(job) not in slurm.TERMINAL, slurm.describe(job)
-        time.sleep(0.2)
-    slurm.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
-    state, _ = slurm.wait(job, timeout=180)
-    assert state == "COMPLETED", slurm.describe(job)
-    assert slurm.show(job)["Restarts"] == "1"
+    preempt_after_first_checkpoint(slurm, job, tmp_path / "ckpt" / "latest", first_s=120, rest_s=180)
     outputs = job.outputs()
     assert_two_by_two(outputs, {"torchrun": "torchrun", "srun": "slurm"}[launch])
     for out in outputs.values():
