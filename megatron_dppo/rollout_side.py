@@ -8,7 +8,8 @@ version of the weights that generated it, the sampler position after it, and the
 A worker's loop: for RL step t, wait for weight version >= t - k (``staleness.StalenessGate``), load the newest
 version that arrived (with the prompt history the trainer had at that version: the prompt decisions are made from
 history up to k + 1 steps old, unbiased because pi is recorded with the batch, tests/unit/test_lagged_pruning.py),
-draw the batch, send it; then the next. A version the trainer marked due for evaluation is evaluated first, and
+draw the batch, send it; then the next (``train.staleness_mode=fixed``: exactly version t - k, the receiver keeping
+every version until the loop is past it). A version the trainer marked due for evaluation is evaluated first, and
 the metrics sent the same way (``DueEvaluations``). The first version also carries the trainer's RL step, sampler
 position and history, so a resumed trainer repositions the workers (batches that were in flight are generated
 again)."""
@@ -100,7 +101,7 @@ def serve(cfg) -> dict[str, Any]:
         idle = time.monotonic() - idle_start
         if newest is None:  # the trainer stopped (a signal): no more batches wanted
             break
-        eval_s = take(newest)  # (a due version is the newest: the trainer sends no other before it has the eval)
+        eval_s = take(newest)  # (a due version is loaded at the latest for batch version + k: see DueEvaluations)
         timer = PhaseTimer()
         drawn = draw_batch(run, step, timer)
         drawn.version, drawn.sampler_state = loaded, run.sampler.state_dict()
@@ -128,8 +129,10 @@ class DueEvaluations:
     """The worker's side of evaluation during training: a weight version marked due (``extra["eval"]``, set by
     ``run.push_weights``) is evaluated once, with exactly its weights and the synchronous loop's seeds (RL step
     version - 1), and the result goes to the trainer on the batch channel (``placement.WorkerEval``; worker main
-    rank). The trainer waits for it before it sends a newer version, so the receiver's newest is the due version
-    and no weight copy is kept for evaluation. ``done`` records each (version, step, seconds)."""
+    rank). The trainer waits for it before it sends a newer version, so in newest mode the receiver's newest is the
+    due version and no weight copy is kept for evaluation; in fixed mode (train.staleness_mode) the receiver keeps
+    every version anyway and the due one is evaluated when it is loaded for batch version + k. ``done`` records
+    each (version, step, seconds)."""
 
     def __init__(self, run, sender):
         self.run, self.sender = run, sender
