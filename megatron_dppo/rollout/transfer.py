@@ -179,16 +179,19 @@ class WeightSender:
             first, bucket = False, following
 
     def _send_all(self, version: int, messages, raise_now: bool = False) -> int:
+        """Broadcast each message; inline (``raise_now``) the export runs as ``messages`` is iterated, outside the
+        try, so that its own errors are not reported as the workers'."""
         count = 0
-        try:
-            for header, flat, n in messages:
+        for header, flat, n in messages:
+            try:
                 broadcast_object(self.pg, pickled=header)
                 _bcast(self.pg, flat)
-                count += n
-        except RuntimeError as err:  # gloo: the connection to a receiver closed, or the group's timeout passed
-            if raise_now:
-                raise PeerFailed(f"sending weight version {version} to {self.peers} failed: {err}") from err
-            self._error = err
+            except RuntimeError as err:  # gloo: the connection to a receiver closed, or the group's timeout passed
+                if raise_now:
+                    raise PeerFailed(f"sending weight version {version} to {self.peers} failed: {err}") from err
+                self._error = err
+                break
+            count += n
         return count
 
     def stop(self) -> None:

@@ -225,3 +225,19 @@ def test_buckets_respect_the_bound():
         s = WeightSender.__new__(WeightSender)
         s.last_version, s.bucket_bytes = 3, 80
         s.send(3, [])
+
+
+def test_an_export_error_is_not_reported_as_the_workers():
+    """Inline, the export runs while the buckets are sent: its own error (a collective of the trainers' group,
+    here raised by hand) propagates as it is, not as PeerFailed blaming the rollout workers."""
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=__import__("datetime").timedelta(seconds=30))
+    sender = WeightSender(process_group(store, "weights", 0, 1, TIMEOUT_S), bucket_bytes=16)
+
+    def export():
+        yield "a.weight", torch.zeros(4)
+        yield "b.weight", torch.zeros(4)
+        raise RuntimeError("the export's gather failed")
+
+    with pytest.raises(RuntimeError, match="the export's gather failed") as info:
+        sender.send(0, export())
+    assert not isinstance(info.value, PeerFailed)
