@@ -134,17 +134,16 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
                     if len(mini_batch):
                         updates.append(run.engine.train_step(micro_batches, mini_batch.denominator))
         metrics.update({f"train/{k}": v for k, v in merge_update_metrics(updates).items()})
-        # 13. Weight push: Megatron -> HF names -> rollout engine (separate placement: to the workers, version
-        #     step + 1, without waiting for them).
-        with timer("weight_sync"):
-            push_weights(run, version=step + 1)
         metrics.update(packing)
         metrics.update(logprob_mismatch(rollout, mini_batches, packed, run.engine.last_logprobs))
     else:  # nothing survived (e.g. every group had equal rewards and was dropped): no update this step
         metrics["train/skipped"] = 1.0
-        if run.link is not None:  # the workers still wait for version step + 1 (the same weights)
-            with timer("weight_sync"):
-                push_weights(run, version=step + 1)
+
+    # 13. Weight push: Megatron -> HF names -> rollout engine (separate placement: to the workers, version
+    #     step + 1, without waiting for them; also after a step without an update, since they wait for it).
+    if len(batch) or run.link is not None:
+        with timer("weight_sync"):
+            push_weights(run, version=step + 1)
 
     # 14. Metrics (docs/algorithms.md, "Metrics").
     metrics.update(step_metrics(run, prompt_cut, completion_cut, total_cut, rollout, batch))

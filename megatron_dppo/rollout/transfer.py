@@ -241,13 +241,6 @@ class WeightReceiver:
         with self._cond:
             return list(self._slot.arrived)
 
-    @property
-    def held(self) -> list[int]:
-        """The versions held now (keep_all: those not yet released; else the newest)."""
-        with self._cond:
-            slot = self._slot
-            return sorted(slot.kept) if self.keep_all else [] if slot.newest is None else [slot.newest.version]
-
     def _run(self) -> None:
         try:
             while True:
