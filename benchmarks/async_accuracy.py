@@ -10,11 +10,12 @@ with ``megatron-dppo eval`` (colocated, the quickstart's eval settings: fresh sa
 (``rollout/kl_k1``, logged when the correction is on). Staleness 0 with and without the correction differ only in
 the correction of the engine/trainer numerics (the extra old-log-prob pass).
 
-``--set key=value`` (repeatable) adds config overrides to every arm, e.g. ``--set optim.lr=3e-3`` for a policy
-that moves more per version (the quickstart's 5e-4 moves it little: KL(behav || prox) ~2-4e-3 per token).
+Extra ``key=value`` arguments are config overrides for every arm (as in ``async_overlap.py``), e.g.
+``optim.lr=3e-3`` for a policy that moves more per version (the quickstart's 5e-4 moves it little: KL(behav ||
+prox) ~2-4e-3 per token).
 
 Run: ``.venv/bin/python benchmarks/async_accuracy.py [--seeds 1,2] [--steps 60] [--arms k0-none,k1-none,...]
-[--set optim.lr=3e-3] [--out results.json]``
+[--out results.json] [optim.lr=3e-3 ...]``
 """
 from __future__ import annotations
 
@@ -73,8 +74,7 @@ def main() -> None:
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for every arm (repeatable)")
+    p.add_argument("overrides", nargs="*", help="extra key=value overrides for every arm")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     results = []
