@@ -178,7 +178,7 @@ def engine_world(arch, loss_cfg, lr: float = 1e-3, seed: int = 1234):
     from _dist import single_process_world
 
     from megatron_dppo.megatron.parallel import ParallelConfig
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     with single_process_world(ParallelConfig(), seed=seed, arch=arch):
         engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=lr, clip_grad=1.0), loss_cfg)

@@ -11,7 +11,7 @@
    run would take next: B prompts from the restored sampler, G completions from the rollout engine at the
    configured temperature with the step's seeds (the very rollout the training run generated at that step),
    rewards, full-group advantages with the run's estimator, and the prompts' scores in the restored
-   ``run.history`` (their last visit, under an older policy; NaN = never seen).
+   ``run.rollout_side.history`` (their last visit, under an older policy; NaN = never seen).
 3. The gradient of each sequence's loss term alone (weight 1, the full batch's denominator D, on-policy: old
    log-probs = current, ratio 1; kl_coef 0 as the quickstart) through the Megatron engine (a batch holding that
    one sequence, ``audit.step_gradient``), and one gradient of the whole batch for the linearity check. Only the
@@ -99,7 +99,7 @@ def open_run(work: Path, config: Path = QUICKSTART):
     """The trainer's ``Run`` (``run.setup``) for analysis: the training run's config and tokenizer, its own
     output folder, nothing logged, no checkpoint resumed (each is restored by ``collect``)."""
     from megatron_dppo.config import load_config
-    from megatron_dppo.run import setup
+    from megatron_dppo.run.setup import setup
 
     overrides = train_overrides(work / "analysis", 0, 0) + [
         f"model.tokenizer={work / 'train' / 'tokenizer'}", "logging.jsonl=false"]
@@ -129,19 +129,20 @@ def rollout_step(run, B: int, G: int) -> tuple[StepData, object]:
     """The next step's batch: prompts, rollout, rewards, advantages, history; and the full TrainBatch."""
     from megatron_dppo.algo.advantages import compute_advantages
     from megatron_dppo.algo.pruning import PruneResult
-    from megatron_dppo.stages import build_train_batch, generate, score
+    from megatron_dppo.train.rollouts import generate, score
+    from megatron_dppo.train.stages import build_train_batch
 
-    step = run.rl_step
-    prompts = [run.train_prompts[i] for i in run.sampler.take(B)]
-    history = run.history.scores([p.id for p in prompts])
-    rollout = generate(run, prompts, G, step, temperature=run.cfg.rollout.temperature)
-    rollout.rewards = score(run, run.scorer, rollout)
-    adv = compute_advantages(rollout.rewards, run.estimator, run.loss_cfg.advantage_eps)
+    step, side, trainer = run.rl_step, run.rollout_side, run.train_side
+    prompts = [side.train_prompts[i] for i in side.sampler.take(B)]
+    history = side.history.scores([p.id for p in prompts])
+    rollout = generate(side, prompts, G, step, temperature=run.cfg.rollout.temperature)
+    rollout.rewards = score(side.scorer, rollout, G)
+    adv = compute_advantages(rollout.rewards, trainer.estimator, trainer.loss_cfg.advantage_eps)
     ones = torch.ones(B, dtype=torch.float64)
     prompt_cut = PruneResult(keep=torch.ones(B, dtype=torch.bool), weight=ones.float(), keep_prob=ones)
     ones2 = torch.ones(B, G, dtype=torch.float64)
     total_cut = PruneResult(keep=torch.ones(B, G, dtype=torch.bool), weight=ones2.float(), keep_prob=ones2)
-    batch = build_train_batch(run, prompts, prompt_cut, rollout, adv, total_cut)
+    batch = build_train_batch(trainer, prompts, prompt_cut, rollout, adv, total_cut)
     lengths = torch.tensor([[len(c) for c in comps] for comps in rollout.completions], dtype=torch.float64)
     logprob = torch.tensor([[math.nan if lp is None else float(sum(lp)) for lp in row]
                             for row in rollout.policy_logprobs], dtype=torch.float64)
@@ -152,7 +153,7 @@ def rollout_step(run, B: int, G: int) -> tuple[StepData, object]:
 
 def _one(batch, k: int):
     """The TrainBatch holding sequence k of ``batch`` alone, with the full batch's denominator."""
-    from megatron_dppo.stages import TrainBatch
+    from megatron_dppo.train.stages import TrainBatch
 
     t = torch.tensor([k])
     return TrainBatch(token_ids=[batch.token_ids[k]], prompt_lengths=[batch.prompt_lengths[k]],
@@ -164,12 +165,13 @@ def _one(batch, k: int):
 def per_sequence(run, batch, keep_units: bool) -> dict:
     """Per-sequence gradients of ``batch`` (row-major (q, i) order) at the current weights: norms, the
     linearity check and (``keep_units``) the Gram matrix."""
-    from megatron_dppo.audit import step_gradient
-    from megatron_dppo.stages import pack
+    from megatron_dppo.train.audit import step_gradient
+    from megatron_dppo.train.stages import pack
 
     D = float(batch.denominator)
     t0 = time.perf_counter()
-    g_full = step_gradient(run.engine, pack(run, batch)[0], D).double()
+    trainer = run.train_side
+    g_full = step_gradient(trainer.engine, pack(trainer, batch)[0], D).double()
     t_full = time.perf_counter() - t0
     N, P = len(batch), g_full.numel()
     nonzero = [k for k in range(N) if float(batch.advantages[k]) != 0.0]
@@ -180,7 +182,7 @@ def per_sequence(run, batch, keep_units: bool) -> dict:
     zero_max = 0.0
     t0 = time.perf_counter()
     for k in range(N):
-        g = step_gradient(run.engine, pack(run, _one(batch, k))[0], D)
+        g = step_gradient(trainer.engine, pack(trainer, _one(batch, k))[0], D)
         norms[k] = float(g.double().norm())
         total += g.double()
         if k in slot:
@@ -213,9 +215,9 @@ def per_sequence(run, batch, keep_units: bool) -> dict:
 def collect(run, path: Path, B: int, G: int, dapo: bool = False) -> StepData:
     """Restore ``path``, roll out its next step, and the per-sequence gradients (grpo preset; dapo's norms too)."""
     from megatron_dppo.algo.losses import LOSS_PRESETS, sequence_token_weights
-    from megatron_dppo.lifecycle import restore
-    from megatron_dppo.run import push_weights
-    from megatron_dppo.stages import build_train_batch
+    from megatron_dppo.run.lifecycle import restore
+    from megatron_dppo.run.setup import push_weights
+    from megatron_dppo.train.stages import build_train_batch
 
     t0 = time.perf_counter()
     restore(run, path)
@@ -227,17 +229,18 @@ def collect(run, path: Path, B: int, G: int, dapo: bool = False) -> StepData:
     data.full_norm, data.zero_adv_max_norm, data.params = res["full_norm"], res["zero_adv_max_norm"], res["params"]
     data.seconds = {"restore_and_rollout": rollout_s, **res["seconds"]}
     if dapo:
-        saved = run.loss_cfg, run.engine.loss_cfg
-        preset = dataclasses.replace(LOSS_PRESETS["dapo"][0], kl_coef=run.loss_cfg.kl_coef)
-        run.loss_cfg = run.engine.loss_cfg = preset
+        trainer = run.train_side
+        saved = trainer.loss_cfg, trainer.engine.loss_cfg
+        preset = dataclasses.replace(LOSS_PRESETS["dapo"][0], kl_coef=trainer.loss_cfg.kl_coef)
+        trainer.loss_cfg = trainer.engine.loss_cfg = preset
         try:
-            b = build_train_batch(run, prompts, prompt_cut, rollout, adv, total_cut)
+            b = build_train_batch(trainer, prompts, prompt_cut, rollout, adv, total_cut)
             assert torch.equal(b.token_weights, sequence_token_weights(
                 "token_mean", b.seq_weights, torch.tensor([len(t) - p for t, p in zip(b.token_ids, b.prompt_lengths)],
                                                           dtype=torch.float32)))
             r = per_sequence(run, b, keep_units=False)
         finally:
-            run.loss_cfg, run.engine.loss_cfg = saved
+            trainer.loss_cfg, trainer.engine.loss_cfg = saved
         data.dapo = {k: r[k] for k in ("norms", "linearity", "full_norm", "zero_adv_max_norm", "seconds")}
     return data
 

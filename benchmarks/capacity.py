@@ -1,5 +1,5 @@
 """Train-step time per token against the micro-batch capacity ``packing.capacity`` (the curve that chose its
-default, documented in ``megatron_dppo/config_sections.py``).
+default, documented in ``megatron_dppo/config/sections.py``).
 
 Workload: the quickstart's step shape, 64 prompts x G=8 = 512 sequences, prompt 4-6 tokens, completion 1-6 tokens
 (uniform; the warm-started quickstart policy answers in 2-3), the quickstart's model shape (``bench_arch

@@ -107,7 +107,7 @@ def draw(kind: str, mode: str, args, r: C.Rollouts, k: int):
 
 
 def gradient(engine, r, keep, weight, agg, D, capacity, kl):
-    from megatron_dppo.audit import step_gradient
+    from megatron_dppo.train.audit import step_gradient
 
     mbs, _ = C.micro_batches(r, keep, weight, agg, capacity)
     return step_gradient(engine, prepare(engine, mbs, kl), D)
@@ -301,7 +301,7 @@ def run_real(args) -> dict:
             s["seconds"] = {**s["seconds"], "methods": time.perf_counter() - t0}
             summaries.append(s)
     finally:
-        from megatron_dppo.run import teardown
+        from megatron_dppo.run.setup import teardown
         teardown(run)
     def git(*a):
         return subprocess.run(["git", *a], cwd=C.REPO, capture_output=True, text=True).stdout.strip()

@@ -287,7 +287,7 @@ def eval_coverage(cfg, seed: int) -> dict:
     """How many distinct facts the evaluation prompts of ``seed`` cover, of the training split's facts."""
     from dataclasses import replace
 
-    from megatron_dppo.build import arithmetic_task
+    from megatron_dppo.run.build import arithmetic_task
 
     if cfg.data.task != "arithmetic":
         return {}

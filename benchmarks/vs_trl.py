@@ -84,7 +84,7 @@ def prepare(out: Path, python: str) -> Path:
 
 def write_prompts(out: Path, seed: int) -> Path:
     """The 512 quickstart training prompts of ``seed`` (our trainer draws them from the same generator)."""
-    from megatron_dppo.build import arithmetic_task
+    from megatron_dppo.run.build import arithmetic_task
     from megatron_dppo.config import load_config
 
     path = out / f"prompts-{seed}.jsonl"
@@ -114,8 +114,8 @@ def ours_worker(argv: list[str]) -> None:
     import torch
 
     from megatron_dppo.config import load_config
-    from megatron_dppo.run import setup, teardown
-    from megatron_dppo.trainer import rl_step
+    from megatron_dppo.run.setup import setup, teardown
+    from megatron_dppo.train.loop import rl_step
 
     cfg = load_config(str(REPO / "examples" / "quickstart.yaml"), a.overrides)
     run = setup(cfg, resume=False)

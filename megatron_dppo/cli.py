@@ -9,7 +9,7 @@
     megatron-dppo train --help-config                             # every option, its type, default and meaning
 
 Multi-process runs use any launcher (``torchrun --nproc-per-node 2 -m megatron_dppo.cli train ...``, ``srun``,
-``mpirun``); ranks and rendezvous are discovered by ``megatron_dppo.launch``.
+``mpirun``); ranks and rendezvous are discovered by ``megatron_dppo.dist.launch``.
 
 Configuration and input errors (``ValueError``) print one clear line, ``error: ...``, and exit with status 2;
 set ``MEGATRON_DPPO_DEBUG=1`` for the traceback.
@@ -125,15 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "data":
             return _data(args)
         cfg = _load(args)
-        from megatron_dppo import trainer  # noqa: PLC0415 - imports torch/Megatron
+        from megatron_dppo.train import loop  # noqa: PLC0415 - imports torch/Megatron
+        from megatron_dppo.train.evaluation import evaluate_checkpoint  # noqa: PLC0415
         if args.command == "train":
-            summary = trainer.train(cfg)
+            summary = loop.train(cfg)
             if summary["stopped_by"]:  # stopped by a signal, checkpoint written: 128 + signal number
                 return 128 + int(summary["stopped_by"])  # (a job-script stop request, code 0, exits 0)
         elif args.command == "eval":
-            trainer.evaluate_checkpoint(cfg)
+            evaluate_checkpoint(cfg)
         elif args.command == "bench":
-            trainer.bench(cfg, steps=args.steps)
+            loop.bench(cfg, steps=args.steps)
         return 0
     except ValueError as err:
         if os.environ.get("MEGATRON_DPPO_DEBUG"):

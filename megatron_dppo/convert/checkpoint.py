@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_dppo import distributed as D
+from megatron_dppo.dist import collectives as D
 from megatron_dppo.convert.hf_io import (
     HFCheckpoint, copy_tokenizer_files, make_tokenizer_config_portable, portable_config, torch_dtype_name,
     write_safetensors_shards)

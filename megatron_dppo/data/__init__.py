@@ -14,6 +14,7 @@ from megatron_dppo.data.datasets import (
     DatasetError,
     DatasetFileNotFoundError,
     FieldSpec,
+    Prompt,
     PromptDataset,
     PromptRecord,
     load_prompt_dataset,
@@ -32,7 +33,7 @@ from megatron_dppo.data.tokenizer import DEFAULT_CHAT_TEMPLATE, load_tokenizer, 
 
 __all__ = [
     "ArithmeticTask", "DATASET_PRESETS", "DEFAULT_CHAT_TEMPLATE", "DatasetError", "DatasetFileNotFoundError",
-    "FieldSpec", "MATH_INSTRUCTION", "PLAIN_TEMPLATE", "PromptDataset", "PromptFormatter", "PromptRecord",
+    "FieldSpec", "MATH_INSTRUCTION", "PLAIN_TEMPLATE", "Prompt", "PromptDataset", "PromptFormatter", "PromptRecord",
     "PromptSampler", "check_prompt_fits", "encode_prompts", "evaluate", "load_prompt_dataset", "load_tokenizer",
     "read_prompt_records", "resolve_fields", "train_sentencepiece_tokenizer",
 ]

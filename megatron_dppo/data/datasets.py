@@ -59,6 +59,17 @@ class PromptRecord:
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
 
+@dataclass
+class Prompt:
+    """A training/eval prompt, rendered with its template and tokenized once at start-up (``gold``: the reference
+    answer the reward compares with)."""
+
+    id: str
+    token_ids: list[int]
+    gold: Any
+    text: str
+
+
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "list", "strip_units")
 
 

@@ -66,7 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_dppo import distributed as D
+from megatron_dppo.dist import collectives as D
 from megatron_dppo.megatron.checkpoint_files import (
     ASIDE_PREFIX,
     LATEST_FILE,

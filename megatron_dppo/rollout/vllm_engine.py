@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from megatron_dppo.launch import free_port
+from megatron_dppo.dist.launch import free_port
 from megatron_dppo.rollout.base import (
     Completion,
     CompletionGroup,

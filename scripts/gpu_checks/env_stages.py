@@ -69,7 +69,7 @@ def stage_dist(c: Check) -> dict:
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
-        from megatron_dppo.launch import free_port
+        from megatron_dppo.dist.launch import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
     initialize_parallel(ParallelConfig(), seed=1234)

@@ -249,7 +249,7 @@ def test_moe_training_checkpoint_exports_to_hf(tmp_path):
     """A PolicyEngine training checkpoint of an MoE policy converts back to HF bit-exact, also with the config
     rebuilt from the architecture the checkpoint records (its MoE part included)."""
     from megatron_dppo.megatron.checkpoint import save_checkpoint
-    from megatron_dppo.megatron.train_step import PolicyEngine
+    from megatron_dppo.megatron.engine import PolicyEngine
 
     src = save_hf_model("qwen3_moe", tmp_path / "hf")
     arch = _arch("qwen3_moe")

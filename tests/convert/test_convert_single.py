@@ -230,7 +230,7 @@ def test_training_checkpoint_exports_to_hf(tmp_path):
     bit-exact with the original config, and loadable with a config rebuilt from the recorded architecture."""
     from megatron_dppo.convert.checkpoint import load_hf_folder
     from megatron_dppo.megatron.checkpoint import save_checkpoint
-    from megatron_dppo.megatron.train_step import PolicyEngine
+    from megatron_dppo.megatron.engine import PolicyEngine
 
     src = save_hf_model("qwen2_tied", tmp_path / "hf")
     arch = ModelArch.from_hf_config(TINY["qwen2_tied"])

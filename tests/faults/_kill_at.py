@@ -41,7 +41,7 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGKILL)
 
     C.save_checkpoint = counting_save
-    import megatron_dppo.lifecycle  # noqa: F401 - imports save_checkpoint lazily from the module: patched above
+    import megatron_dppo.run.lifecycle  # noqa: F401 - imports save_checkpoint lazily from the module: patched above
 
     if point == "manifest":
         real = C.write_manifest

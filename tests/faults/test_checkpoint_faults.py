@@ -32,7 +32,7 @@ def world():
 def _engine():
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     seed_everything(F.SEED)
     return PolicyEngine(F.tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-3), LossConfig())

@@ -227,7 +227,7 @@ import _engine_fixtures as F
 from megatron_dppo.algo.losses import LossConfig
 from megatron_dppo.megatron.checkpoint import save_checkpoint
 from megatron_dppo.megatron.parallel import ParallelConfig
-from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
 root = Path(sys.argv[1])
 with single_process_world(seed=F.SEED):

@@ -44,7 +44,7 @@ time.sleep(600)
 """
 CHILD = """
 import sys, time
-from megatron_dppo.launch import die_with_parent
+from megatron_dppo.dist.launch import die_with_parent
 assert die_with_parent()
 open(sys.argv[1] if len(sys.argv) > 1 else "/dev/null", "w").close()
 time.sleep(600)
@@ -71,7 +71,7 @@ def test_child_dies_with_its_sigkilled_parent(bound):
 
 
 def test_bind_to_launcher_only_binds_torchrun_workers():
-    from megatron_dppo.launch import LaunchInfo, bind_to_launcher
+    from megatron_dppo.dist.launch import LaunchInfo, bind_to_launcher
 
     single = LaunchInfo(0, 1, 0, 1, "127.0.0.1", 29500, "single")
     slurm = LaunchInfo(0, 2, 0, 2, "127.0.0.1", 29500, "slurm")
@@ -79,7 +79,7 @@ def test_bind_to_launcher_only_binds_torchrun_workers():
 
 
 def test_sighup_stops_like_sigterm():
-    from megatron_dppo.lifecycle import StopSignals
+    from megatron_dppo.run.lifecycle import StopSignals
 
     # a terminal's SIGHUP (default action), whatever pytest inherited: under `nohup` SIGHUP is ignored and stays
     # ignored by design (the next test)
@@ -95,7 +95,7 @@ def test_sighup_stops_like_sigterm():
 
 
 def test_nohup_keeps_ignoring_sighup():
-    from megatron_dppo.lifecycle import StopSignals
+    from megatron_dppo.run.lifecycle import StopSignals
 
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
@@ -106,9 +106,9 @@ def test_nohup_keeps_ignoring_sighup():
 
 
 def test_a_second_run_cannot_take_a_locked_output_folder(tmp_path):
-    from megatron_dppo.lifecycle import lock_output_dir
+    from megatron_dppo.run.lifecycle import lock_output_dir
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom megatron_dppo.lifecycle import "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom megatron_dppo.run.lifecycle import "
                                "lock_output_dir\nlock_output_dir(sys.argv[1])\nprint('locked', flush=True)\n"
                                "time.sleep(600)", str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -133,7 +133,7 @@ def _records(n: int, phase: str = "rl") -> list[str]:
 
 
 def test_torn_non_utf8_line_is_skipped_and_kept(tmp_path):
-    from megatron_dppo.metrics import MetricsSink, read_jsonl
+    from megatron_dppo.run.metrics import MetricsSink, read_jsonl
 
     path = tmp_path / "metrics.jsonl"
     lines = _records(4)
@@ -155,7 +155,7 @@ def test_torn_non_utf8_line_is_skipped_and_kept(tmp_path):
 def test_dropping_later_steps_keeps_a_copy(tmp_path, resume_key):
     """Resuming earlier than the file goes (e.g. `latest` lost, then found an older checkpoint) or starting fresh
     over an old file: the file is cut to the resume point, and the original is kept beside it."""
-    from megatron_dppo.metrics import MetricsSink
+    from megatron_dppo.run.metrics import MetricsSink
 
     path = tmp_path / "metrics.jsonl"
     original = "\n".join(_records(2, "sft") + _records(11)) + "\n"
@@ -170,7 +170,7 @@ def test_dropping_later_steps_keeps_a_copy(tmp_path, resume_key):
 
 
 def test_nothing_dropped_no_copy(tmp_path):
-    from megatron_dppo.metrics import MetricsSink
+    from megatron_dppo.run.metrics import MetricsSink
 
     (tmp_path / "metrics.jsonl").write_text("\n".join(_records(3)) + "\n")
     sink = MetricsSink(tmp_path, enabled=True, tensorboard=False)

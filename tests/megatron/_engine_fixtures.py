@@ -102,7 +102,7 @@ def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vp
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
     from megatron_dppo.packing import thd_pad_multiple
 
     arch = dataclasses.replace(tiny_arch(), **(arch_changes or {}))
@@ -176,7 +176,7 @@ def noisy_step(engine, step: int, loss_cfg, data_seed: int = 10):
 
 def resume_engine(parallel, distributed_optimizer: bool, kl: bool = True, optim_format: str = "dp_reshardable"):
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     loss_cfg = LossConfig(kl_coef=0.05 if kl else 0.0, kl_estimator="k3")
     optim = OptimConfig(lr=3e-3, warmup_steps=2, lr_schedule="cosine", total_steps=8, weight_decay=0.1,
@@ -219,7 +219,7 @@ def reshard_worker(root: str, tp: int = 1, pp: int = 1, save: bool = False, dist
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     arch = tiny_arch()
     parallel = ParallelConfig(tp=tp, pp=pp)

@@ -1,4 +1,4 @@
-"""megatron_dppo.audit: full-batch vs pruned gradient of one step, on the Megatron engine (1 process)."""
+"""megatron_dppo.train.audit: full-batch vs pruned gradient of one step, on the Megatron engine (1 process)."""
 from __future__ import annotations
 
 import sys
@@ -15,7 +15,7 @@ from _engine_fixtures import make_sequences, rank_micro_batches, tiny_arch  # no
 def _engine_and_data():
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.parallel import ParallelConfig
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     loss_cfg = LossConfig()
     engine = PolicyEngine(tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-2), loss_cfg)
@@ -26,7 +26,7 @@ def _engine_and_data():
 def test_audit_identity_pruned_and_no_side_effects():
     from _dist import single_process_world
 
-    from megatron_dppo.audit import pruning_audit, step_gradient
+    from megatron_dppo.train.audit import pruning_audit, step_gradient
 
     with single_process_world():
         engine, loss_cfg, data = _engine_and_data()
@@ -70,7 +70,7 @@ def test_audit_identity_pruned_and_no_side_effects():
 def test_audit_rejects_bad_denominator():
     from _dist import single_process_world
 
-    from megatron_dppo.audit import step_gradient
+    from megatron_dppo.train.audit import step_gradient
 
     with single_process_world():
         engine, loss_cfg, data = _engine_and_data()
@@ -83,9 +83,9 @@ def dp_audit_worker(distributed_optimizer: bool):
     from megatron.core import parallel_state
 
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.audit import pruning_audit, step_gradient
+    from megatron_dppo.train.audit import pruning_audit, step_gradient
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     from _engine_fixtures import SEED
 
@@ -110,7 +110,7 @@ def test_audit_data_parallel_equals_single_process(distributed_optimizer):
     cosine / relative error equal the single-process ones on the whole batch, on every rank."""
     from _dist import run_distributed, single_process_world
 
-    from megatron_dppo.audit import pruning_audit, step_gradient
+    from megatron_dppo.train.audit import pruning_audit, step_gradient
 
     out = run_distributed(dp_audit_worker, world_size=2, args=(distributed_optimizer,), timeout=240)
     with single_process_world():
@@ -129,7 +129,7 @@ def test_audit_data_parallel_equals_single_process(distributed_optimizer):
 
 def test_full_completion_cut_keeps_every_generated_completion_with_prompt_weight():
     from megatron_dppo.algo.pruning import DPPOPruner, make_generator
-    from megatron_dppo.audit import full_completion_cut
+    from megatron_dppo.train.audit import full_completion_cut
 
     history = torch.tensor([0.0, 0.1, 0.9, 0.8, float("nan"), 0.0])
     prompt = DPPOPruner(0.5, 0.5).select_prompts(history, make_generator(0, 3, "prompts"))

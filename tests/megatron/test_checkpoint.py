@@ -23,7 +23,7 @@ def world():
 def _small_engine(**optim):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     seed_everything(F.SEED)
     return PolicyEngine(F.tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-3, **optim), LossConfig())
@@ -125,7 +125,7 @@ def test_load_refuses_a_different_architecture(world, tmp_path):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron_dppo.megatron.parallel import ParallelConfig
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     save_checkpoint(_small_engine(), tmp_path)
     other = PolicyEngine(F.tiny_arch(num_layers=4), ParallelConfig(), OptimConfig(), LossConfig())

@@ -88,7 +88,7 @@ def resume_worker(src_root: str, ckpt_root: str, cp: int, resume: bool):
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
     from megatron_dppo.packing import thd_pad_multiple
 
     arch, parallel = F.tiny_arch(), ParallelConfig(cp=cp)

@@ -193,7 +193,7 @@ def test_train_state_offload_round_trip_is_bit_exact(world, family):
     from megatron_dppo.megatron.model import ModelArch
     from megatron_dppo.megatron.offload import _inner_optimizers, engine_offloader, train_state_tensors
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     arch = ModelArch.from_hf_config({**TINY_CONFIGS, **TINY_MOE_CONFIGS}[family])
     seed_everything(5)

@@ -24,11 +24,13 @@ NUM_PROMPTS, GROUP = 4, 4
 
 
 def _run_and_batch(engine, dp_rank: int, dp_size: int, parallel: dict):
-    """A Run-shaped namespace for the stages, and the step's (prompts, prompt_cut, rollout, total_cut, batch)."""
+    """A TrainSide-shaped namespace for the stages (its DP rank and size given), and the step's (prompts, prompt_cut,
+    rollout, total_cut, batch)."""
     from megatron_dppo.algo.losses import sequence_token_weights
     from megatron_dppo.algo.pruning import DPPOPruner, PruneResult
     from megatron_dppo.config import load_config
-    from megatron_dppo.stages import Rollout, TrainBatch
+    from megatron_dppo.train.rollouts import Rollout
+    from megatron_dppo.train.stages import TrainBatch
 
     cfg = load_config(None, [f"parallel.tp={parallel.get('tp', 1)}", f"parallel.sp={parallel.get('sp', False)}",
                              f"train.prompts_per_step={NUM_PROMPTS}", f"train.group_size={GROUP}",
@@ -68,8 +70,8 @@ def mini_batch_worker(ckpt_root: str, tp: int = 1, sp: bool = False, save: bool 
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
-    from megatron_dppo.stages import fill_old_and_reference_logprobs, pack_mini_batches, split_mini_batches
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.train.stages import fill_old_and_reference_logprobs, pack_mini_batches, split_mini_batches
 
     arch = F.tiny_arch()
     parallel = ParallelConfig(tp=tp, sp=sp)
@@ -94,7 +96,7 @@ def mini_batch_worker(ckpt_root: str, tp: int = 1, sp: bool = False, save: bool 
         old.update({mb.origin[k]: v for k, v in F.per_sample_completion_logp(
             micro_batches, [b.old_logprobs for b in micro_batches]).items()})
     metrics = []
-    for _epoch in range(run.cfg.train.epochs):  # the update loop of trainer.rl_step, recording each update
+    for _epoch in range(run.cfg.train.epochs):  # the update loop of stages.update_policy, recording each update
         for mb, micro_batches in zip(mini_batches, packed):
             metrics.append(engine.train_step(micro_batches, mb.denominator))
     after = {}

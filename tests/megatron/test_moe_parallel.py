@@ -78,7 +78,7 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
     from megatron_dppo.algo.losses import loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
     from megatron_dppo.packing import thd_pad_multiple
 
     arch = moe_arch(family, **(hf_changes or {}))
@@ -230,7 +230,7 @@ def test_checkpoint_moves_between_ep1_and_ep2_bit_exact(ep1_reference, dp2_ep2_r
     from megatron_dppo.algo.losses import loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, read_checkpoint_meta
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     root, ref = ep1_reference
     loaded_at_ep2, trained_at_ep2, second_at_ep2 = dp2_ep2_run[0]["params"]
@@ -273,7 +273,7 @@ def moe_resume_worker(root: str, ep: int = 2, distributed_optimizer: bool = Fals
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     arch = moe_arch("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[])
     parallel = ParallelConfig(ep=ep)
@@ -380,7 +380,7 @@ def _sequences_of(batch) -> list[list[int]]:
 def _aux_engine(coeff: float | None):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     arch = moe_arch()
     initialize_parallel(ParallelConfig(), F.SEED, arch)
@@ -462,7 +462,7 @@ def distributed_optimizer_ep_change_worker(root: str):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     arch = moe_arch("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[])
     loss_cfg = LossConfig()

@@ -32,7 +32,7 @@ def _arch(family: str = "qwen3_moe", **hf_changes):
 def _engine(replay: bool, family: str = "qwen3_moe", parallel=None, lr: float = 1e-2, hf_changes=None):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     seed_everything(SEED)
     return PolicyEngine(_arch(family, **(hf_changes or {})), parallel or ParallelConfig(),
@@ -192,7 +192,7 @@ def test_replay_changes_nothing_when_the_choices_agree(world, hf_changes):
 def test_replay_needs_recorded_routes_and_refuses_recompute(world):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.parallel import ParallelConfig
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     engine = _engine(True)
     with pytest.raises(ValueError, match="no recorded routes"):
@@ -205,9 +205,9 @@ def test_replay_needs_recorded_routes_and_refuses_recompute(world):
 
 
 def test_replay_makes_the_old_logprob_pass_run():
-    from megatron_dppo.build import build_loss
+    from megatron_dppo.run.build import build_loss
     from megatron_dppo.config import load_config
-    from megatron_dppo.stages import old_logprobs_needed
+    from megatron_dppo.train.stages import old_logprobs_needed
 
     def needed(*overrides: str) -> bool:
         cfg = load_config(None, overrides, validate=False)
@@ -222,7 +222,7 @@ def test_replay_makes_the_old_logprob_pass_run():
 # ----------------------------------------------------------------------------------------------------------
 def test_unpack_and_repack_are_inverse_across_packings():
     from megatron_dppo.megatron.routing_replay import pack_routes, routes_by_sample, unpack_routes
-    from megatron_dppo.megatron.train_step import pad_micro_batch
+    from megatron_dppo.megatron.engine import pad_micro_batch
     from megatron_dppo.packing import build_thd_batch
 
     L, k, E = 3, 2, 8

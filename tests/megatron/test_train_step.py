@@ -24,7 +24,7 @@ def world():
 
 def _engine(loss_cfg, **optim):
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     seed_everything(F.SEED)
     return PolicyEngine(F.tiny_arch("llama", num_layers=2, tie=False), ParallelConfig(), OptimConfig(**optim),
@@ -205,9 +205,9 @@ def test_skipping_the_old_logprob_pass_gives_the_identical_update(world, policy_
 
 
 def test_old_logprobs_needed_only_when_the_ratio_can_differ_from_one():
-    from megatron_dppo.build import build_loss
+    from megatron_dppo.run.build import build_loss
     from megatron_dppo.config import Config, load_config
-    from megatron_dppo.stages import old_logprobs_needed
+    from megatron_dppo.train.stages import old_logprobs_needed
 
     def needed(*overrides: str) -> bool:
         cfg = load_config(None, overrides, validate=False)
@@ -237,7 +237,7 @@ def test_schedule_is_applied_to_the_optimizer(world):
 
 
 def test_lr_schedule_warmup_constant_cosine():
-    from megatron_dppo.megatron.train_step import OptimConfig, lr_at_step
+    from megatron_dppo.megatron.engine import OptimConfig, lr_at_step
 
     warm = OptimConfig(lr=1.0, warmup_steps=4)
     assert [lr_at_step(warm, s, 1.0, 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
@@ -256,7 +256,7 @@ def test_lr_schedule_warmup_constant_cosine():
 
 
 def test_pad_micro_batch_keeps_the_loss_positions():
-    from megatron_dppo.megatron.train_step import pad_micro_batch
+    from megatron_dppo.megatron.engine import pad_micro_batch
     from megatron_dppo.packing import build_thd_batch
 
     b = build_thd_batch([[1, 2, 3, 4], [5, 6, 7]], [2, 1], [0, 1], [1.0, -1.0], [0.5, 0.25])

@@ -162,7 +162,7 @@ SENDER_SCRIPT = textwrap.dedent("""
     import sys
     from transformers import AutoModelForCausalLM
     import torch.distributed as dist
-    from megatron_dppo.rollout.transfer import WeightSender, process_group
+    from megatron_dppo.dist.transfer import WeightSender, process_group
 
     port, model_dir = int(sys.argv[1]), sys.argv[2]
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
@@ -187,7 +187,7 @@ def test_weight_sync_extension_receives_versions_inside_vllm(model_dirs, tmp_pat
     import torch.distributed as dist
 
     from megatron_dppo.rollout import SamplingParams
-    from megatron_dppo.rollout.transfer import PeerFailed
+    from megatron_dppo.dist.transfer import PeerFailed
     from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
 
     first, second = model_dirs

@@ -143,24 +143,21 @@ def test_config_accepts_refill_without_a_pruner_and_the_overlong_options():
 # --------------------------------------------------------------------------------------------------------------
 # The stages: overlong filtering removes exactly the truncated completions, from numerator and denominator
 # --------------------------------------------------------------------------------------------------------------
-def _run(overrides):
-    from megatron_dppo.algo.prompt_history import PromptHistory
+def _train_side(overrides):
     from megatron_dppo.algo.pruning import DPPOPruner
-    from megatron_dppo.build import build_loss
-    from megatron_dppo.run_state import Run
+    from megatron_dppo.run.build import build_loss
+    from megatron_dppo.run.state import TrainSide
 
     cfg = load_config(QUICKSTART, ["train.group_size=3", "rollout.max_new_tokens=5", *overrides])
     loss_cfg, estimator = build_loss(cfg)
     pruner = DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode) if cfg.algo.pruner == "dppo" else None
-    # a Run holding what the selection and batch stages read (no engine, rollout engine or data is touched)
-    return Run(cfg=cfg, info=None, tokenizer=None, hf_config={}, arch=None, engine=None, rollout=None, scorer=None,
-               eval_scorers={}, train_prompts=[], eval_sets={}, sampler=None, pruner=pruner,
-               history=PromptHistory(None), loss_cfg=loss_cfg, estimator=estimator, sink=None)
+    # what the selection and batch stages read (no engine is touched by them)
+    return TrainSide(cfg=cfg, engine=None, loss_cfg=loss_cfg, estimator=estimator, pruner=pruner)
 
 
 def _rollout():
-    from megatron_dppo.build import Prompt
-    from megatron_dppo.stages import Rollout
+    from megatron_dppo.data import Prompt
+    from megatron_dppo.train.rollouts import Rollout
 
     lengths = [[2, 5, 3], [5, 5, 1], [4, 2, 5]]  # 5 = max_new_tokens: the truncated ones (no stop token)
     truncated = [[n == 5 for n in row] for row in lengths]
@@ -170,22 +167,23 @@ def _rollout():
                    truncated=truncated, rewards=torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]))
 
 
-def _step(run, rollout):
+def _step(side, rollout):
     from megatron_dppo.algo.advantages import compute_advantages
-    from megatron_dppo.dapo_stages import keep_all
-    from megatron_dppo.stages import build_train_batch, select_completions, training_rewards
+    from megatron_dppo.train.dapo import keep_all
+    from megatron_dppo.train.rollouts import training_rewards
+    from megatron_dppo.train.stages import build_train_batch, select_completions
 
     prompt_cut = keep_all(3)
-    advantages = compute_advantages(training_rewards(run, rollout), run.estimator, run.loss_cfg.advantage_eps)
-    _, total_cut = select_completions(run, prompt_cut, rollout, advantages, step=0)
-    return build_train_batch(run, rollout.prompts, prompt_cut, rollout, advantages, total_cut)
+    advantages = compute_advantages(training_rewards(side.cfg, rollout), side.estimator, side.loss_cfg.advantage_eps)
+    _, total_cut = select_completions(side, prompt_cut, rollout, advantages, step=0)
+    return build_train_batch(side, rollout.prompts, prompt_cut, rollout, advantages, total_cut)
 
 
 @pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"])
 def test_overlong_filter_trains_exactly_the_finished_completions_over_their_own_denominator(aggregation):
     base = ["algo.pruner=none", f"loss.aggregation={aggregation}"]
     rollout = _rollout()
-    plain, filtered = _step(_run(base), rollout), _step(_run([*base, "overlong.filter=true"]), rollout)
+    plain, filtered = _step(_train_side(base), rollout), _step(_train_side([*base, "overlong.filter=true"]), rollout)
     finished = {(q, i) for q in range(3) for i in range(3) if not rollout.truncated[q][i]}
     assert set(plain.origin) == {(q, i) for q in range(3) for i in range(3)}
     assert set(filtered.origin) == finished  # numerator: exactly the truncated completions are gone ...
@@ -201,19 +199,20 @@ def test_overlong_filter_trains_exactly_the_finished_completions_over_their_own_
 
 
 def test_overlong_filter_composes_with_dppo_completion_pruning():
-    run = _run(["algo.pruner=dppo", "algo.r_q=0", "algo.r_o=0.5", "overlong.filter=true"])
+    side = _train_side(["algo.pruner=dppo", "algo.r_q=0", "algo.r_o=0.5", "overlong.filter=true"])
     rollout = _rollout()
-    batch = _step(run, rollout)
+    batch = _step(side, rollout)
     assert all(not rollout.truncated[q][i] for q, i in batch.origin)  # never a truncated one, whatever the draw
     assert batch.denominator == 5  # every drawn prompt generated: the exact count of finished completions
 
 
 def test_soft_penalty_shapes_the_training_reward_not_the_task_reward():
-    from megatron_dppo.stages import training_rewards
+    from megatron_dppo.train.rollouts import training_rewards
 
     rollout = _rollout()
-    shaped = training_rewards(_run(["algo.pruner=none", "overlong.buffer=2", "overlong.penalty=1.0"]), rollout)
+    shaped = training_rewards(_train_side(["algo.pruner=none", "overlong.buffer=2", "overlong.penalty=1.0"]).cfg,
+                              rollout)
     lengths = torch.tensor([[len(c) for c in row] for row in rollout.completions])
     assert torch.equal(shaped, rollout.rewards + overlong_penalty(lengths, 5, 2, 1.0))
     assert shaped[0].tolist() == [1.0, -1.0, 0.0] and shaped[2].tolist() == [0.5, 1.0, -1.0]
-    assert training_rewards(_run(["algo.pruner=none"]), rollout) is rollout.rewards  # off: untouched
+    assert training_rewards(_train_side(["algo.pruner=none"]).cfg, rollout) is rollout.rewards  # off: untouched

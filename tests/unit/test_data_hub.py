@@ -16,7 +16,7 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from megatron_dppo.build import build_scorer, load_train_records  # noqa: E402
+from megatron_dppo.run.build import build_scorer, load_train_records  # noqa: E402
 from megatron_dppo.config import Config, load_config  # noqa: E402
 from megatron_dppo.data import DatasetError, load_prompt_dataset  # noqa: E402
 from megatron_dppo.data.hub import HUB_DATASETS, hub_error, load_records, resolve_source  # noqa: E402

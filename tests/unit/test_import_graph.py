@@ -1,6 +1,7 @@
-"""Imports flow one way (docs/architecture.md): no import circle among the modules of ``megatron_dppo`` (the
-whole package: engine, trainer, algo, packing, ...), counting every import statement, at module level, under
-``TYPE_CHECKING`` and inside functions. Read from the source (``ast``), nothing is imported."""
+"""Imports flow one way (docs/architecture.md, "Layers"): the packages of ``megatron_dppo`` form layers, stated
+below as data (``ALLOWED``: which packages each may import), and no import circle exists among the modules,
+counting every import statement, at module level, under ``TYPE_CHECKING`` and inside functions. The package root
+holds only ``cli.py``, ``__init__.py`` and packages. Read from the source (``ast``), nothing is imported."""
 from __future__ import annotations
 
 import ast
@@ -77,13 +78,91 @@ def test_the_checker_sees_a_circle():
 def test_the_reader_counts_every_kind_of_import():
     graph = import_graph(REPO / "megatron_dppo")
     assert "megatron_dppo.megatron.arch" in graph["megatron_dppo.megatron.parallel"]  # module level
-    assert "megatron_dppo.run_state" in graph["megatron_dppo.console"]  # under TYPE_CHECKING
-    assert "megatron_dppo.megatron.parallel" in graph["megatron_dppo.run"]  # inside a function (setup)
-    assert "megatron_dppo.distributed" in graph["megatron_dppo.run"]  # `from megatron_dppo import distributed`
-    # the circle this test was generalized for: console.py naming Run from run.py (under TYPE_CHECKING only)
-    assert cycles({**graph, "megatron_dppo.console": graph["megatron_dppo.console"] | {"megatron_dppo.run"}}) == [
-        ["megatron_dppo.console", "megatron_dppo.run"]]
+    assert "megatron_dppo.run.state" in graph["megatron_dppo.run.console"]  # under TYPE_CHECKING
+    assert "megatron_dppo.megatron.parallel" in graph["megatron_dppo.run.setup"]  # inside a function (setup)
+    assert "megatron_dppo.dist.collectives" in graph["megatron_dppo.run.setup"]  # `from megatron_dppo.dist import x`
+    # the circle this test was generalized for: console.py naming Run from setup.py (under TYPE_CHECKING only)
+    console, setup = "megatron_dppo.run.console", "megatron_dppo.run.setup"
+    assert cycles({**graph, console: graph[console] | {setup}}) == [[console, setup]]
 
 
 def test_no_import_circle_in_the_package():
     assert cycles(import_graph(REPO / "megatron_dppo")) == []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The layers, as data: each package and the packages of ours it may import (besides its own modules)
+# --------------------------------------------------------------------------------------------------------------
+PURE = {"algo", "packing", "config", "dist"}  # import nothing of ours
+ENGINES = {"rewards", "data", "rollout", "megatron", "convert"}
+ALLOWED: dict[str, set[str]] = {
+    "algo": set(),  # plain torch: advantages, pruning, losses
+    "packing": set(),  # plain torch: Dense Prompt Packing, THD batches
+    "config": set(),  # typed dataclasses, YAML, overrides
+    "dist": set(),  # the process layer: launch, collectives, placement, weight/batch transfer, staleness
+    "rewards": {"dist"},
+    "data": {"rewards"},  # (gold-answer extraction is the reward's)
+    "rollout": {"dist"},  # generation engines (HF, vLLM)
+    "megatron": {"algo", "packing", "dist"},  # the training engine
+    "convert": {"megatron", "dist"},  # HF <-> Megatron checkpoints
+    "run": PURE | ENGINES,  # what a run is built from, its state, lifecycle, console, metrics sinks
+    "train": PURE | ENGINES | {"run"},  # the RL loop, its stages, evaluation, the rollout worker
+    "cli": PURE | ENGINES | {"run", "train"},  # the command line, on top
+    "": set(),  # megatron_dppo/__init__.py
+}
+
+
+def package_of(module: str) -> str:
+    """``megatron_dppo.train.loop`` -> ``train``; ``megatron_dppo.cli`` -> ``cli``; the root itself -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_violations(graph: dict[str, set[str]], allowed: dict[str, set[str]] = ALLOWED) -> list[str]:
+    """Every import from one package into another that ``allowed`` does not list, and every package it does not
+    know (a new package must be placed in the layers)."""
+    out = []
+    for module, deps in sorted(graph.items()):
+        source = package_of(module)
+        if source not in allowed:
+            out.append(f"{module}: package {source!r} is not placed in the layers")
+            continue
+        for dep in sorted(deps):
+            target = package_of(dep)
+            if target != source and target not in allowed[source]:
+                out.append(f"{module} imports {dep}: {source!r} may import only {sorted(allowed[source])}")
+    return out
+
+
+def test_the_layer_check_sees_an_import_against_the_layers():
+    graph = import_graph(REPO / "megatron_dppo")
+    assert layer_violations(graph) == []
+    planted = {**graph, "megatron_dppo.algo.losses": graph["megatron_dppo.algo.losses"] | {"megatron_dppo.megatron.model"}}
+    assert layer_violations(planted) == ["megatron_dppo.algo.losses imports megatron_dppo.megatron.model: 'algo' may "
+                                         "import only []"]
+    upward = {**graph, "megatron_dppo.run.build": graph["megatron_dppo.run.build"] | {"megatron_dppo.train.loop"}}
+    assert any("run.build imports megatron_dppo.train.loop" in v for v in layer_violations(upward))
+    assert layer_violations({"megatron_dppo.newpkg.x": set()}) == [
+        "megatron_dppo.newpkg.x: package 'newpkg' is not placed in the layers"]
+
+
+def test_packages_import_only_the_layers_below():
+    assert layer_violations(import_graph(REPO / "megatron_dppo")) == []
+
+
+def test_the_package_root_holds_only_cli_init_and_packages():
+    root = REPO / "megatron_dppo"
+    modules = sorted(p.name for p in root.glob("*.py"))
+    assert modules == ["__init__.py", "cli.py"]
+    packages = {p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert packages == set(ALLOWED) - {"", "cli"}  # every package is placed in the layers, and only packages are
+
+
+def test_no_module_name_stands_for_a_folder():
+    """A module is named for what it is inside its package: no ``config_sections``, ``run_state``, ``dapo_stages``
+    (a prefix or suffix naming a package it should live in)."""
+    root = REPO / "megatron_dppo"
+    packages = {p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if any(p.stem.startswith(f"{pkg}_") or p.stem.endswith(f"_{pkg}") for pkg in packages | {"stages"})]
+    assert offenders == []

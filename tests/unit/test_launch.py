@@ -1,4 +1,4 @@
-"""megatron_dppo.launch on environment dicts (no processes, no Slurm needed).
+"""megatron_dppo.dist.launch on environment dicts (no processes, no Slurm needed).
 
 The Slurm / Open MPI environments below are trimmed copies of what the local Slurm 22.05 cluster
 (.ci/slurm_cluster.sh) actually exported: a 2-node x 2-task job, its batch script, an srun step, an
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dppo.launch import (
+from megatron_dppo.dist.launch import (
     LaunchError,
     LaunchInfo,
     check_single_world,
@@ -55,7 +55,7 @@ def discover(env: dict[str, str], **kw) -> LaunchInfo:
 
 @pytest.fixture(autouse=True)
 def _no_scontrol(monkeypatch):
-    monkeypatch.setattr("megatron_dppo.launch.shutil.which", lambda name: None)
+    monkeypatch.setattr("megatron_dppo.dist.launch.shutil.which", lambda name: None)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -285,7 +285,7 @@ def test_free_port():
 
 
 def test_stop_requested_follows_the_stop_file(tmp_path):
-    from megatron_dppo.launch import stop_requested
+    from megatron_dppo.dist.launch import stop_requested
 
     flag = tmp_path / "stop-requested"
     env = {"DPPO_STOP_FILE": str(flag)}

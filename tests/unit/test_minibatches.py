@@ -476,7 +476,7 @@ def test_config_errors_name_the_value(override, match):
 
 
 def test_presets_by_name_with_overrides():
-    from megatron_dppo.build import build_loss
+    from megatron_dppo.run.build import build_loss
     from megatron_dppo.config import load_config
 
     cfg = load_config(None, ["data.task=arithmetic", "loss.preset=verl_grpo", "loss.rollout_correction=tis",
@@ -502,7 +502,8 @@ def test_rollout_correction_stage_places_engine_logprobs_at_the_completion_token
     from types import SimpleNamespace
 
     from megatron_dppo.packing import build_rank_micro_batches
-    from megatron_dppo.stages import Rollout, TrainBatch, correct_rollout_mismatch
+    from megatron_dppo.train.rollouts import Rollout
+    from megatron_dppo.train.stages import TrainBatch, correct_rollout_mismatch
 
     prompts = [[5, 6], [7, 8, 9]]
     completions = [[[11, 12, 13]], [[21, 22]]]
@@ -517,8 +518,8 @@ def test_rollout_correction_stage_places_engine_logprobs_at_the_completion_token
                                              pad_multiple=4)
     for mb in micro_batches:
         mb.old_logprobs = torch.full(mb.tokens.shape, -1.0)
-    run = SimpleNamespace(loss_cfg=LossConfig(rollout_correction="tis", rollout_correction_cap=2.0))
-    metrics = correct_rollout_mismatch(run, rollout, [batch], [micro_batches])
+    loss_cfg = LossConfig(rollout_correction="tis", rollout_correction_cap=2.0)
+    metrics = correct_rollout_mismatch(loss_cfg, rollout, [batch], [micro_batches])
     (mb,) = micro_batches
     per_seq = dict(zip(mb.sample_ids.tolist(), mb.completion_values(mb.rollout_weight)))
     u = torch.exp(-1.0 - torch.tensor(engine_logp))
@@ -535,27 +536,27 @@ def test_one_mini_batch_one_epoch_is_todays_step():
     pass is added (the engine is not even touched when neither recompute_old_logprobs nor KL asks for one), and
     the 'several updates' condition the old-log-prob decision reads is off. The whole-run check (metrics and
     checkpoint tensors bit-identical to the commit before this feature) is in the branch's report."""
-    from types import SimpleNamespace
-
     from megatron_dppo.config import load_config
-    from megatron_dppo.stages import fill_old_and_reference_logprobs, several_updates_per_rollout, split_mini_batches
+    from megatron_dppo.run.state import TrainSide
+    from megatron_dppo.train.stages import fill_old_and_reference_logprobs, several_updates_per_rollout, split_mini_batches
 
     cfg = load_config(None, ["train.recompute_old_logprobs=false"], validate=False)
-    run = SimpleNamespace(cfg=cfg, loss_cfg=LossConfig(), engine=None)
+    side = TrainSide(cfg=cfg, engine=None, loss_cfg=LossConfig(), estimator="grpo", pruner=None)
     batch = object()
-    assert split_mini_batches(run, [], None, None, None, batch, step=0) == [batch]
-    assert split_mini_batches(run, [], None, None, None, batch, step=0)[0] is batch
+    assert split_mini_batches(side, [], None, None, None, batch, step=0) == [batch]
+    assert split_mini_batches(side, [], None, None, None, batch, step=0)[0] is batch
     assert not several_updates_per_rollout(cfg)
-    fill_old_and_reference_logprobs(run, [[]])  # engine None: would raise if a pass were added
+    fill_old_and_reference_logprobs(side, [[]])  # engine None: would raise if a pass were added
     for key, value in (("train.mini_batches", 2), ("train.epochs", 2)):
         several = load_config(None, [f"{key}={value}"], validate=False)
         assert several_updates_per_rollout(several)
         with pytest.raises(AttributeError):  # several updates: the old-log-prob pass runs (here: no engine)
-            fill_old_and_reference_logprobs(SimpleNamespace(cfg=several, loss_cfg=LossConfig(), engine=None), [[]])
+            fill_old_and_reference_logprobs(TrainSide(cfg=several, engine=None, loss_cfg=LossConfig(),
+                                                      estimator="grpo", pruner=None), [[]])
 
 
 def test_update_metrics_of_several_updates():
-    from megatron_dppo.stages import merge_update_metrics
+    from megatron_dppo.train.stages import merge_update_metrics
 
     one = {"loss": 0.5, "grad_norm": 2.0, "tokens": 10.0, "sequences": 3.0, "micro_batches": 2.0, "update_ok": 1.0}
     assert merge_update_metrics([one]) is one  # one update per rollout: its metrics as they are

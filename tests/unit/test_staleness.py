@@ -1,12 +1,12 @@
-"""The staleness bound (megatron_dppo/staleness.py) and the placement options' validation (config.py)."""
+"""The staleness bound (megatron_dppo/dist/staleness.py) and the placement options' validation (config.py)."""
 
 import pytest
 
 from pathlib import Path
 
 from megatron_dppo.config import Config, load_config
-from megatron_dppo.placement import Roles, roles
-from megatron_dppo.staleness import StalenessExceeded, StalenessGate
+from megatron_dppo.dist.placement import Roles, roles
+from megatron_dppo.dist.staleness import StalenessExceeded, StalenessGate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,7 +77,7 @@ def test_separate_vllm_workers_form_workers_over_tp_engines_and_refuse_a_tp_that
     """The rollout workers form rollout.workers / rollout.tp vLLM engines (docs/async.md, "vLLM rollout workers"):
     3 workers at rollout.tp=1 are 3 engines of TP 1 whatever the heads; at rollout.tp=3 one engine cannot split
     4 attention heads over its 3 ranks, refused by name before vLLM is imported."""
-    from megatron_dppo.build import build_rollout, rollout_tensor_parallel
+    from megatron_dppo.run.build import build_rollout, rollout_tensor_parallel
 
     hf_config = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
                  "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 64}

@@ -10,9 +10,9 @@ import signal
 
 import pytest
 
-from megatron_dppo import distributed as D
+from megatron_dppo.dist import collectives as D
 from megatron_dppo.config import load_config
-from megatron_dppo.metrics import MetricsSink, pass_at_k, read_jsonl
+from megatron_dppo.run.metrics import MetricsSink, pass_at_k, read_jsonl
 
 
 @pytest.mark.parametrize("n,c,k", [(4, 0, 1), (4, 1, 1), (4, 2, 2), (5, 3, 2), (6, 1, 4), (6, 6, 3), (3, 1, 3)])
@@ -93,7 +93,7 @@ def test_decision_seeds_are_stable_and_distinct():
 
 
 def test_loss_preset_with_overrides():
-    from megatron_dppo.build import build_loss
+    from megatron_dppo.run.build import build_loss
 
     cfg = load_config(None, ["data.task=arithmetic", "model.hf_config.model_type=qwen2", "loss.preset=dapo",
                              "loss.eps_high=0.3", "loss.advantage_estimator=rloo"])
@@ -106,7 +106,7 @@ def test_loss_preset_with_overrides():
 
 
 def test_stop_signals_set_a_flag_and_restore_the_handlers():
-    from megatron_dppo.lifecycle import StopSignals
+    from megatron_dppo.run.lifecycle import StopSignals
 
     previous = signal.getsignal(signal.SIGUSR1)
     with StopSignals() as stop:
@@ -118,7 +118,7 @@ def test_stop_signals_set_a_flag_and_restore_the_handlers():
 
 def test_a_job_script_stop_file_stops_with_code_zero(tmp_path, monkeypatch):
     """slurm/train.sbatch asks for a checkpoint-and-stop by creating $DPPO_STOP_FILE (no signal to the ranks)."""
-    from megatron_dppo.lifecycle import STOP_REQUESTED, StopSignals
+    from megatron_dppo.run.lifecycle import STOP_REQUESTED, StopSignals
 
     stop_file = tmp_path / "stop"
     monkeypatch.setenv("DPPO_STOP_FILE", str(stop_file))
@@ -132,7 +132,7 @@ def test_phase_timer_counts_cpu_seconds_of_work_not_of_waiting():
     """time/step_cpu's source: a busy phase costs about its wall time in CPU seconds, a sleeping one about none."""
     import time
 
-    from megatron_dppo.metrics import PhaseTimer
+    from megatron_dppo.run.metrics import PhaseTimer
 
     timer = PhaseTimer()
     with timer("sleep"):

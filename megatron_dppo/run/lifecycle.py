@@ -13,22 +13,24 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_dppo import distributed as D
+from megatron_dppo.dist import collectives as D
 from megatron_dppo.config import Config
-from megatron_dppo.launch import stop_requested
+from megatron_dppo.dist.launch import stop_requested
 
 if TYPE_CHECKING:
-    from megatron_dppo.run_state import Run
+    from megatron_dppo.run.state import Run
 
 
 def save(run: Run) -> Path:
     from megatron_dppo.megatron.checkpoint import save_checkpoint
 
-    extra = {"rl_step": run.rl_step, "sft_step": run.sft_step, "sampler": run.sampler.state_dict(),
-             "history": run.history.state_dict(), "config": run.cfg.to_dict()}
+    side = run.rollout_side
+    extra = {"rl_step": run.rl_step, "sft_step": run.sft_step, "sampler": side.sampler.state_dict(),
+             "history": side.history.state_dict(), "config": run.cfg.to_dict()}
     if run.link is not None:  # train.staleness_mode=fixed: the batches in flight, so that a resume is exact
         extra["in_flight"] = run.link.in_flight(run.rl_step, run.cfg.train.steps)
-    return save_checkpoint(run.engine, run.cfg.checkpoint_dir, extra, keep_last=run.cfg.checkpoint.keep_last)
+    return save_checkpoint(run.train_side.engine, run.cfg.checkpoint_dir, extra,
+                           keep_last=run.cfg.checkpoint.keep_last)
 
 
 def find_resume_checkpoint(cfg: Config) -> Path | None:
@@ -49,10 +51,10 @@ def find_resume_checkpoint(cfg: Config) -> Path | None:
 def restore(run: Run, path: Path) -> None:
     from megatron_dppo.megatron.checkpoint import load_checkpoint
 
-    extra = load_checkpoint(run.engine, path, verify=None)  # find_resume_checkpoint has just verified it
+    extra = load_checkpoint(run.train_side.engine, path, verify=None)  # find_resume_checkpoint has just verified it
     run.rl_step, run.sft_step = int(extra["rl_step"]), int(extra["sft_step"])
-    run.sampler.load_state_dict(extra["sampler"])
-    run.history.load_state_dict(extra["history"])
+    run.rollout_side.sampler.load_state_dict(extra["sampler"])
+    run.rollout_side.history.load_state_dict(extra["history"])
     if run.link is not None:
         run.link.resume_at(run.rl_step, extra.get("in_flight"))
     if D.is_main():

@@ -67,6 +67,7 @@ everywhere on CPU (``model.default_dtype``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -163,7 +164,6 @@ def lr_at_step(cfg: OptimConfig, step: int, max_lr: float, min_lr: float) -> flo
     return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-lr_factor_schedule = lr_at_step  # earlier name, kept for callers (trainer.py)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -357,6 +357,14 @@ class PolicyEngine:
             ref_params = dict(ref.named_parameters())
             for name, p in pol.named_parameters():
                 ref_params[name].copy_(p)
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Make the next update use ``lr`` (the caller owns the schedule: the engine's own is configured constant
+        by the trainer, which sets the warm-start and RL learning rates before each update)."""
+        self.optim_cfg = dataclasses.replace(self.optim_cfg, lr=lr, min_lr=min(self.optim_cfg.min_lr, lr))
+        for group in self.optimizer.param_groups:
+            group["max_lr"] = lr
+            group["min_lr"] = min(group.get("min_lr", 0.0), lr)
 
     def current_lr(self) -> float:
         """Learning rate the next update uses (default parameter group)."""

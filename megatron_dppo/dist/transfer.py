@@ -12,7 +12,7 @@ receive is always posted, so the trainer's send never waits for a generation to 
 
 Batches (``BatchSender`` on the rollout main rank, ``BatchReceiver`` on the trainer main rank): a two-rank process
 group; each batch is one pickled object (length, then bytes). The receiver thread puts batches in a bounded queue;
-the staleness gate (``megatron_dppo.staleness``) already bounds how far the rollout side runs ahead.
+the staleness gate (``megatron_dppo.dist.staleness``) already bounds how far the rollout side runs ahead.
 
 Failures: a receive that fails (the peer process died: gloo reports the closed connection at once; or the process
 group's timeout passed) is kept by the receiver thread and raised in the main thread as :class:`PeerFailed`, naming
@@ -223,7 +223,7 @@ class WeightReceiver:
     """Rollout rank: a thread receives every version as it is broadcast and keeps the newest complete one.
     ``wait(min_version)`` blocks until a version >= ``min_version`` (or the stop message) arrived and returns the
     newest (None after stop); ``peer`` names the sender in errors. One version is kept, evaluation included: the
-    trainer sends nothing newer before it has a due version's evaluation (``rollout_side.DueEvaluations``).
+    trainer sends nothing newer before it has a due version's evaluation (``train.worker.DueEvaluations``).
 
     ``keep_all=True`` (``train.staleness_mode=fixed``): every version is kept until released, and
     ``wait(v, exact=True)`` returns exactly version v and releases the older ones. The sender runs at most k + 1

@@ -4,11 +4,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_dppo import distributed as D
+from megatron_dppo.dist import collectives as D
 from megatron_dppo.config import Config
 
 if TYPE_CHECKING:
-    from megatron_dppo.run_state import Run
+    from megatron_dppo.run.state import Run
 
 
 def progress_bar(tqdm, cfg: Config, start: int, total: int, desc: str):
@@ -28,8 +28,8 @@ def close_bar(bar) -> None:
         bar.close()
 
 
-def print_step(run: Run, step: int, m: dict) -> None:
-    every = run.cfg.logging.print_every
+def print_step(cfg: Config, step: int, m: dict) -> None:
+    every = cfg.logging.print_every
     if not (D.is_main() and every and (step + 1) % every == 0):
         return
     phases = " ".join(f"{k[5:]}={m[k]:.2f}s" for k in ("time/generate", "time/reward", "time/logprob",
@@ -46,7 +46,7 @@ def print_step(run: Run, step: int, m: dict) -> None:
             f"{m['prune/completion_kept_fraction']:.2f} | ESS {m['prune/total_ess']:.1f} | density "
             f"{m.get('packing/density', 0):.2f}{cost} | {phases} | {m['throughput/tokens_per_s']:.0f} tok/s"
             + (f" | {ev}" if ev else ""))
-    if run.cfg.logging.progress_bar:
+    if cfg.logging.progress_bar:
         from tqdm import tqdm
         tqdm.write(line)  # above the progress bar
     else:
@@ -73,10 +73,10 @@ def print_banner(run: Run, found: Path | None) -> None:
         layout = f", ep {cfg.parallel.ep}, etp {cfg.parallel.etp}"
     print(f"megatron-dppo: {arch.family} {model} | world {D.world_size()} "
           f"(tp {cfg.parallel.tp}, pp {cfg.parallel.pp}{f', cp {cfg.parallel.cp}' if cfg.parallel.cp > 1 else ''}, "
-          f"dp {run.dp_size}{layout}) | {len(run.train_prompts)} "
+          f"dp {run.train_side.dp_size}{layout}) | {len(run.rollout_side.train_prompts)} "
           "train prompts"
-          f" | pruner {cfg.algo.pruner} | loss {cfg.loss.preset} ({run.loss_cfg.aggregation}, "
-          f"estimator {run.estimator}) | attention {attention_backend_name(cfg, arch)} | output "
+          f" | pruner {cfg.algo.pruner} | loss {cfg.loss.preset} ({run.train_side.loss_cfg.aggregation}, "
+          f"estimator {run.train_side.estimator}) | attention {attention_backend_name(cfg, arch)} | output "
           f"{cfg.train.output_dir}"
           + (f" | resuming {found.name}" if found else ""), flush=True)
 

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dppo import distributed as D
 from megatron_dppo.algo.dynamic_sampling import RefillResult, refill
 from megatron_dppo.algo.overlong import overlong_penalty
 from megatron_dppo.algo.pruning import PruneResult
-from megatron_dppo.build import Prompt
-from megatron_dppo.metrics import PhaseTimer
-from megatron_dppo.run_state import Run
-from megatron_dppo.stages import Rollout, generate, rollout_metrics, score, training_rewards
+from megatron_dppo.data import Prompt
+from megatron_dppo.dist import collectives as D
+from megatron_dppo.run.metrics import PhaseTimer
+from megatron_dppo.run.state import RolloutSide
+from megatron_dppo.train.rollouts import Rollout, generate, score, training_rewards
+from megatron_dppo.train.step_metrics import rollout_metrics
 
 logger = logging.getLogger("megatron_dppo.dynamic_sampling")
 
@@ -52,24 +53,24 @@ def keep_all(n: int) -> PruneResult:
                        candidate=torch.zeros(n, dtype=torch.bool))
 
 
-def refill_groups(run: Run, step: int, timer: PhaseTimer, first: Rollout) -> Refilled:
+def refill_groups(side: RolloutSide, step: int, timer: PhaseTimer, first: Rollout) -> Refilled:
     """Dynamic sampling with refill from round 1's scored ``first`` rollout (the step's B drawn prompts): more rounds
     of prompts from the sampler, generated and scored, until B groups have non-zero variance in the training reward
-    (``stages.training_rewards``) or dynamic_sampling.max_rounds are spent (a warning, and a smaller batch)."""
-    cfg = run.cfg
+    (``rollouts.training_rewards``) or dynamic_sampling.max_rounds are spent (a warning, and a smaller batch)."""
+    cfg = side.cfg
     rounds = [first]
 
     def draw_round(index: int, n: int) -> torch.Tensor:
-        prompts = [run.train_prompts[i] for i in run.sampler.take(n)]
+        prompts = [side.train_prompts[i] for i in side.sampler.take(n)]
         with timer("generate"):
-            rollout = generate(run, prompts, cfg.train.group_size, step, temperature=cfg.rollout.temperature,
+            rollout = generate(side, prompts, cfg.train.group_size, step, temperature=cfg.rollout.temperature,
                                tag=f"generate/refill{index}")
         with timer("reward"):
-            rollout.rewards = score(run, run.scorer, rollout)
+            rollout.rewards = score(side.scorer, rollout, cfg.train.group_size)
         rounds.append(rollout)
-        return D.broadcast_object(training_rewards(run, rollout))
+        return D.broadcast_object(training_rewards(cfg, rollout))
 
-    result = refill(D.broadcast_object(training_rewards(run, first)), draw_round, cfg.train.prompts_per_step,
+    result = refill(D.broadcast_object(training_rewards(cfg, first)), draw_round, cfg.train.prompts_per_step,
                     cfg.dynamic_sampling.max_rounds, cfg.dynamic_sampling.refill_prompts)
     generated = concat_rollouts(rounds)
     if result.exhausted and D.is_main():
@@ -104,10 +105,10 @@ def select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
                    rewards=rollout.rewards[index] if rollout.rewards is not None else None)
 
 
-def overlong_metrics(run: Run, rollout: Rollout) -> dict[str, float]:
+def overlong_metrics(cfg, rollout: Rollout) -> dict[str, float]:
     """overlong/* over the generated completions (raw means): the soft penalty's mean and the fraction it touched
     (overlong.buffer > 0), the completions overlong filtering removed from the loss (overlong.filter)."""
-    cfg, m = run.cfg, {}
+    m = {}
     lengths = torch.tensor([len(c) for comps in rollout.completions for c in comps])
     if cfg.overlong.buffer and lengths.numel():
         penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.overlong.buffer, cfg.overlong.penalty)

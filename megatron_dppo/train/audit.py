@@ -45,10 +45,10 @@ training phase); meant for every N-th step (``logging.audit_every``).
 Trainer use (between the old-log-prob phase and ``train_step`` of ``rl_step``; not inside the PhaseTimer, so
 ``time/step`` and tokens/s stay comparable; the result carries its own ``audit/seconds``)::
 
-    full = build_train_batch(run, prompts, prompt_cut, rollout, advantages,
+    full = build_train_batch(train_side, prompts, prompt_cut, rollout, advantages,
                              full_completion_cut(prompt_cut, cfg.train.group_size))
-    full_mbs, _ = pack(run, full)
-    metrics.update(pruning_audit(run.engine, full_mbs, micro_batches, full.denominator, batch.denominator,
+    full_mbs, _ = pack(train_side, full)
+    metrics.update(pruning_audit(train_side.engine, full_mbs, micro_batches, full.denominator, batch.denominator,
                                  weights=batch.seq_weights).as_metrics())
 """
 from __future__ import annotations

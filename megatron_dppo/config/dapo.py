@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_dppo.config_fields import _check, opt
+from megatron_dppo.config.fields import _check, opt
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Typed run configuration: dataclasses <- YAML file <- ``key.sub=value`` command-line overrides.
 
-Every option is documented exactly once, in its field's ``help`` where its section is defined
-(``config_sections.py``, ``config_data.py``, ``config_dapo.py``; ``megatron-dppo train --help-config`` prints them
-all). This module holds the root ``Config``, the rules that span sections, and loading. Loading goes:
+Every option is documented exactly once, in its field's ``help`` where its section is defined (``sections.py``,
+``data.py``, ``dapo.py``; ``megatron-dppo train --help-config`` prints them all). The root ``Config`` and the rules
+that span sections are ``root.py``; this module loads it. Loading goes:
 
 1. ``Config()`` defaults;
 2. the YAML file's sections overwrite them (``load_config(path)``);
@@ -20,93 +20,14 @@ import dataclasses
 import difflib
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from megatron_dppo.config_dapo import DynamicSamplingConfig, OverlongConfig
-from megatron_dppo.config_fields import _check
-from megatron_dppo.config_data import DataConfig  # noqa: F401 - the data section, in its own module
-from megatron_dppo.config_sections import (  # noqa: F401 - the sections (config_sections.py), re-exported
-    LOSS_PRESET_NAMES, AlgoConfig, CheckpointConfig, EvalConfig, LoggingConfig, LossConfig, ModelConfig,
-    OptimConfig, PackingConfig, ParallelConfig, RewardConfig, RolloutConfig, TrainConfig)
+from megatron_dppo.config.root import Config
 
 
-@dataclass
-class Config:
-    """The whole run. Sections mirror the data flow of one step (docs/architecture.md)."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    overlong: OverlongConfig = field(default_factory=OverlongConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    packing: PackingConfig = field(default_factory=PackingConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def validate(self) -> "Config":
-        """Check every section, then the rules that span sections. Returns self."""
-        for f in dataclasses.fields(self):
-            getattr(self, f.name).validate()
-        _check(self.packing.capacity > self.rollout.max_new_tokens, "packing.capacity", self.packing.capacity,
-               f"> rollout.max_new_tokens={self.rollout.max_new_tokens} (a whole prompt + completion must fit; "
-               "checked against the real prompt lengths at start-up)")
-        ctx = self.model.hf_config.get("max_position_embeddings")
-        _check(ctx is None or self.rollout.max_new_tokens < ctx, "rollout.max_new_tokens",
-               self.rollout.max_new_tokens, f"< the model context max_position_embeddings={ctx}")
-        if self.algo.pruner == "cppo" and self.algo.cppo_allocation and self.algo.drop_zero_variance_groups:
-            raise ValueError("algo.cppo_allocation=true and algo.drop_zero_variance_groups=true cannot be combined "
-                             "(allocation prunes back to exactly B*G completions); set one of them to false")
-        _check(self.overlong.buffer <= self.rollout.max_new_tokens, "overlong.buffer", self.overlong.buffer,
-               f"<= rollout.max_new_tokens={self.rollout.max_new_tokens} (the penalty zone ends at the limit)")
-        if self.dynamic_sampling.enable and self.algo.pruner != "none":
-            raise ValueError(f"dynamic_sampling.enable=true needs algo.pruner=none, got algo.pruner="
-                             f"{self.algo.pruner!r}: refill trains on a batch conditioned on non-zero reward "
-                             "variance (a filter), which the pruners' keep probabilities do not describe "
-                             "(docs/algorithms.md, \"Dynamic sampling with refill\"); set algo.pruner=none, or "
-                             "dynamic_sampling.enable=false (algo.drop_zero_variance_groups=true drops the same "
-                             "groups without refill and composes with algo.pruner=dppo)")
-        if self.parallel.cp > 1 and (self.model.moe_routing_replay or self.model.moe_aux_loss_coeff):
-            model = self.model
-            raise ValueError(f"parallel.cp={self.parallel.cp} with model.moe_routing_replay={model.moe_routing_replay}"
-                             f" / model.moe_aux_loss_coeff={model.moe_aux_loss_coeff}: a context-parallel rank routes "
-                             "only its part of each sequence; use parallel.cp=1 or turn both off")
-        self._validate_placement()
-        if self.eval.every and self.data.task == "files" and not self.eval.files:
-            raise ValueError("eval.every > 0 needs eval.files (held-out JSONL/parquet files)")
-        return self
-
-    def _validate_placement(self) -> None:
-        """rollout.placement / train.max_staleness across sections (their help says why)."""
-        r, k = self.rollout, self.train.max_staleness
-        if r.placement == "colocated":
-            _check(k == 0, "train.max_staleness", k, "0 with rollout.placement=colocated (one process generates "
-                   "and trains in turn: nothing to overlap); use rollout.placement=separate for k >= 1")
-
-    @property
-    def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or str(Path(self.train.output_dir) / "checkpoints")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Loading, overriding, coercion
-# --------------------------------------------------------------------------------------------------------------
 def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from megatron_dppo.config_fields import _check, opt
+from megatron_dppo.config.fields import _check, opt
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -5,36 +5,36 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dppo import distributed as D
 from megatron_dppo.algo.losses import LossConfig, sequence_token_weights
-from megatron_dppo.metrics import PhaseTimer
-from megatron_dppo.run import Run, push_weights, set_learning_rate
-from megatron_dppo.stages import TrainBatch, pack
+from megatron_dppo.dist import collectives as D
+from megatron_dppo.run.metrics import PhaseTimer
+from megatron_dppo.run.state import TrainSide
+from megatron_dppo.train.stages import TrainBatch, pack
 
 
-def sft_step(run: Run, step: int) -> dict[str, float]:
-    """One warm-start update on ``train.sft_batch_size`` gold (prompt, completion) pairs."""
+def sft_step(side: TrainSide, gold_pairs: list[tuple[list[int], list[int]]], step: int) -> dict[str, float]:
+    """One warm-start update on ``train.sft_batch_size`` of the gold (prompt ids, completion ids) pairs, drawn
+    from (seed, step)."""
     import random
 
-    cfg, timer = run.cfg, PhaseTimer()
+    cfg, timer = side.cfg, PhaseTimer()
     rng = random.Random(D.derive_seed(cfg.train.seed, step, "sft"))
-    pairs = [run.sft_pairs[i] for i in rng.sample(range(len(run.sft_pairs)),
-                                                  min(cfg.train.sft_batch_size, len(run.sft_pairs)))]
+    pairs = [gold_pairs[i] for i in rng.sample(range(len(gold_pairs)), min(cfg.train.sft_batch_size, len(gold_pairs)))]
     lengths = torch.tensor([len(c) for _, c in pairs], dtype=torch.float32)
     ones = torch.ones(len(pairs), dtype=torch.float32)
     batch = TrainBatch(token_ids=[p + c for p, c in pairs], prompt_lengths=[len(p) for p, _ in pairs],
                        advantages=ones, token_weights=sequence_token_weights("seq_mean_token_mean", ones, lengths),
                        seq_weights=ones, rewards=ones, origin=[], denominator=float(len(pairs)))
     with timer("pack"):
-        micro_batches, packing = pack(run, batch)
+        micro_batches, packing = pack(side, batch)
     with timer("logprob"):  # old log-probs: ratio 1 exactly, and the NLL to report
-        run.engine.fill_logprobs(micro_batches, old=True, reference=False)
+        side.engine.fill_logprobs(micro_batches, old=True, reference=False)
     nll_sum = sum(float(-(mb.old_logprobs * mb.loss_mask).sum()) for mb in micro_batches if not mb.is_dummy)
     tokens = sum(float(mb.loss_mask.sum()) for mb in micro_batches if not mb.is_dummy)
     totals = D.all_gather_objects((nll_sum, tokens))  # TP/PP copies duplicate every DP rank equally: ratio exact
-    with timer("train"), sft_loss(run.engine):
-        set_learning_rate(run.engine, cfg.train.sft_lr)
-        out = run.engine.train_step(micro_batches, batch.denominator)
+    with timer("train"), sft_loss(side.engine):
+        side.engine.set_learning_rate(cfg.train.sft_lr)
+        out = side.engine.train_step(micro_batches, batch.denominator)
     metrics = {"sft/nll": sum(t[0] for t in totals) / max(1.0, sum(t[1] for t in totals)),
                "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"]}
     metrics.update(packing)
@@ -56,9 +56,9 @@ class sft_loss:  # noqa: N801 - used as a context manager
         self.engine.loss_cfg = self.saved
 
 
-def finish_warm_start(run: Run) -> None:
-    """After the warm start: the reference policy (KL) is the warmed-up policy; print where rewards start."""
-    if run.engine.reference_chunks is not None:
-        run.engine.sync_reference_from_policy()
-    push_weights(run)
+def finish_warm_start(side: TrainSide) -> None:
+    """After the warm start: the reference policy (KL) is the warmed-up policy (the caller then pushes the weights
+    to the rollout engine)."""
+    if side.engine.reference_chunks is not None:
+        side.engine.sync_reference_from_policy()
 

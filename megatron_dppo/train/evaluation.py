@@ -5,29 +5,31 @@ import json
 import time
 from pathlib import Path
 
-from megatron_dppo import distributed as D
 from megatron_dppo.config import Config
-from megatron_dppo.metrics import pass_at_k
-from megatron_dppo.run import Run, setup, teardown
-from megatron_dppo.stages import generate, score
+from megatron_dppo.dist import collectives as D
+from megatron_dppo.run.metrics import pass_at_k
+from megatron_dppo.run.setup import setup, teardown
+from megatron_dppo.run.state import RolloutSide
+from megatron_dppo.train.rollouts import generate, score
 
 
-def evaluate(run: Run, step: int) -> dict[str, float]:
-    """For every eval set: pass@1 (mean correctness over eval.samples samples) and unbiased pass@k."""
-    cfg, out = run.cfg, {}
-    for name, prompts in run.eval_sets.items():
+def evaluate(side: RolloutSide, step: int) -> dict[str, float]:
+    """For every eval set: pass@1 (mean correctness over eval.samples samples) and unbiased pass@k (the rollout
+    side's engine, here or on a rollout worker; sampling seeds from (seed, step, "eval/<set>", shard))."""
+    cfg, out = side.cfg, {}
+    for name, prompts in side.eval_sets.items():
         start = time.perf_counter()
-        rollout = generate(run, prompts, cfg.eval.samples, step, temperature=cfg.eval.temperature,
+        rollout = generate(side, prompts, cfg.eval.samples, step, temperature=cfg.eval.temperature,
                            tag=f"eval/{name}")
-        rewards = score(run, run.eval_scorers[name], rollout)
+        rewards = score(side.eval_scorers[name], rollout, cfg.eval.samples)
         correct = (rewards > 0).sum(dim=1).tolist()
         n, k = cfg.eval.samples, cfg.eval.pass_k
         out[f"eval/{name}/pass@1"] = sum(c / n for c in correct) / len(correct)
         out[f"eval/{name}/pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct) / len(correct)
         out[f"eval/{name}/reward_mean"] = float(rewards.mean())
         out[f"eval/{name}/seconds"] = time.perf_counter() - start
-    if len(run.eval_sets) > 1:  # the papers' headline: the unweighted mean over benchmarks
-        names = list(run.eval_sets)
+    if len(side.eval_sets) > 1:  # the papers' headline: the unweighted mean over benchmarks
+        names = list(side.eval_sets)
         for key in ("pass@1", f"pass@{cfg.eval.pass_k}"):
             out[f"eval/average/{key}"] = sum(out[f"eval/{n}/{key}"] for n in names) / len(names)
     return out
@@ -55,11 +57,11 @@ def evaluate_checkpoint(cfg: Config) -> dict[str, float]:
                          "prepare gsm8k|math6 --out data`)")
     run = setup(cfg, resume=True, need_eval=True)
     try:
-        metrics = evaluate(run, run.rl_step)
+        metrics = evaluate(run.rollout_side, run.rl_step)
         if D.is_main():
             for k, v in metrics.items():
                 print(f"{k}: {v:.4f}")
-            table = results_table(metrics, run.eval_sets, cfg.eval.samples, cfg.eval.pass_k)
+            table = results_table(metrics, run.rollout_side.eval_sets, cfg.eval.samples, cfg.eval.pass_k)
             print(f"evaluation at RL step {run.rl_step}, temperature {cfg.eval.temperature} (percent):\n{table}")
             with open(Path(cfg.train.output_dir) / "eval.json", "w") as f:
                 json.dump({"rl_step": run.rl_step, **metrics, "table": table}, f, indent=1)

@@ -19,7 +19,7 @@ What this file decides (and the simplifications it makes, stated once):
   rollout: the old log-probs are then computed once, before the first update, and the ratio is live afterwards
   (docs/algorithms.md, "Several updates per rollout"); the learning rate is the RL step's for each of them.
 * Every process holds a rollout engine. Generation, reward scoring and evaluation are sharded over ranks
-  (``distributed.map_sharded``) and gathered, so every rank sees the same full batch; advantages, the packing
+  (``dist.collectives.map_sharded``) and gathered, so every rank sees the same full batch; advantages, the packing
   plan and the denominator are then computed identically everywhere, and every random pruning draw is made on
   rank 0 with a generator seeded from (seed, step, decision) and broadcast (docs/architecture.md, "Distributed rules").
 * Sampling seeds are derived from (seed, step, shard), so a resumed run regenerates exactly what a straight
@@ -30,9 +30,11 @@ What this file decides (and the simplifications it makes, stated once):
 * CPPO reproduces its authors' "mean over kept completions" (the denominator counts kept units); DPPO and
   ``none`` use the full-batch denominator (docs/algorithms.md, "Denominators").
 
-Where the rest lives: ``stages.py`` (each stage of a step and its metrics), ``run.py`` (set-up, tear-down, weight
-push, LR schedule), ``lifecycle.py`` (checkpoints, resume, stop signals), ``evaluation.py``, ``warm_start.py``,
-``console.py`` (progress bars and printed lines).
+Where the rest lives: in this package, ``draw.py`` (steps 1-4, the rollout side; ``rollouts.py``: generate and
+score; ``dapo.py``: the refill rounds), ``stages.py`` (steps 5-12, the training side), ``step_metrics.py``,
+``evaluation.py``, ``warm_start.py``, ``worker.py`` (a rollout worker's loop); in ``megatron_dppo.run``: set-up and
+tear-down of the run, the weight push (``setup.py``), checkpoints, resume and stop signals (``lifecycle.py``), the
+console and the metrics sinks. A stage takes the half of the run it uses (``RolloutSide`` or ``TrainSide``).
 """
 from __future__ import annotations
 
@@ -43,33 +45,35 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_dppo import console
-from megatron_dppo import distributed as D
 from megatron_dppo.algo.advantages import compute_advantages
 from megatron_dppo.config import Config
-from megatron_dppo.dapo_stages import overlong_metrics
-from megatron_dppo.evaluation import evaluate, evaluate_checkpoint  # noqa: F401 - the CLI's `eval` entry point
-from megatron_dppo.lifecycle import STOP_REQUESTED, StopSignals, save
-from megatron_dppo.metrics import PhaseTimer, plot_reward_curve
-from megatron_dppo.placement import roles
-from megatron_dppo.rollout_side import DrawnBatch, draw_batch, serve
-from megatron_dppo.run import Run, eval_due, push_weights, rl_learning_rate, set_learning_rate, setup, teardown
-from megatron_dppo.stages import (
+from megatron_dppo.dist import collectives as D
+from megatron_dppo.dist.placement import roles
+from megatron_dppo.megatron.engine import OptimConfig, lr_at_step
+from megatron_dppo.run import console
+from megatron_dppo.run.lifecycle import STOP_REQUESTED, StopSignals, save
+from megatron_dppo.run.metrics import PhaseTimer, plot_reward_curve, read_jsonl
+from megatron_dppo.run.setup import eval_due, push_weights, setup, teardown
+from megatron_dppo.run.state import Run
+from megatron_dppo.train.dapo import overlong_metrics
+from megatron_dppo.train.draw import DrawnBatch, draw_batch
+from megatron_dppo.train.evaluation import evaluate
+from megatron_dppo.train.rollouts import training_rewards
+from megatron_dppo.train.stages import (
     build_train_batch,
     correct_rollout_mismatch,
     fill_old_and_reference_logprobs,
     gradient_audit,
-    logprob_mismatch,
-    merge_update_metrics,
     pack_mini_batches,
     select_completions,
     split_mini_batches,
-    step_metrics,
-    training_rewards,
+    update_policy,
     whole_batch_micro_batches,
     write_audit,
 )
-from megatron_dppo.warm_start import finish_warm_start, sft_step
+from megatron_dppo.train.step_metrics import logprob_mismatch, step_metrics
+from megatron_dppo.train.warm_start import finish_warm_start, sft_step
+from megatron_dppo.train.worker import serve
 
 
 # ==============================================================================================================
@@ -78,9 +82,9 @@ from megatron_dppo.warm_start import finish_warm_start, sft_step
 def rl_step(run: Run, step: int) -> dict[str, float]:
     """Run RL step ``step`` and return its metrics (identical on every rank)."""
     cfg, timer = run.cfg, PhaseTimer()
-    G = cfg.train.group_size
+    side, trainer = run.rollout_side, run.train_side  # the two halves of the step (run/state.py)
 
-    # 1-4. The rollout side (rollout_side.draw_batch), here or on the rollout workers (rollout.placement):
+    # 1-4. The rollout side (draw.draw_batch), here or on the rollout workers (rollout.placement):
     #   1. prompts from the seeded, resumable sampler (CPPO allocation draws B/(1-P) to prune back to B*G);
     #   2. prompt-level pruning (DPPO): low-signal prompts seen before skipped with prob r_q, survivors 1/pi_q
     #      (pi recorded with the batch);
@@ -90,52 +94,46 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     #   4b. DAPO dynamic sampling (dynamic_sampling.enable, algo.pruner=none): groups with one reward for all
     #      dropped and more prompts drawn, generated and scored until B groups remain (at most max_rounds rounds);
     #      from there on the kept groups ARE the step's drawn batch.
-    drawn = draw_batch(run, step, timer) if run.link is None else receive_batch(run, step, timer)
-    prompts, prompt_cut, kept, rollout, refilled = (drawn.prompts, drawn.prompt_cut, drawn.kept, drawn.rollout,
-                                                    drawn.refilled)
+    drawn = draw_batch(side, step, timer) if run.link is None else receive_batch(run, step, timer)
+    prompts, prompt_cut, kept, rollout = drawn.prompts, drawn.prompt_cut, drawn.kept, drawn.rollout
 
     # 5. Advantages on the FULL groups (never recomputed from survivors) of the training reward (the task reward
     #    plus DAPO's soft overlong penalty when overlong.buffer > 0); remember mean |A| per prompt.
-    advantages = compute_advantages(training_rewards(run, rollout), run.estimator, run.loss_cfg.advantage_eps) \
-        if kept else torch.zeros(0, G)
+    advantages = compute_advantages(training_rewards(cfg, rollout), trainer.estimator,
+                                    trainer.loss_cfg.advantage_eps) if kept else torch.zeros(0, cfg.train.group_size)
     if kept:
-        run.history.update([p.id for p in kept], advantages)
+        side.history.update([p.id for p in kept], advantages)
 
     # 6. Completion-level pruning -> per-completion keep mask and weight 1/(pi_q * pi_{i|q}).
     with timer("prune"):
-        completion_cut, total_cut = select_completions(run, prompt_cut, rollout, advantages, step)
+        completion_cut, total_cut = select_completions(trainer, prompt_cut, rollout, advantages, step)
 
     # 7. The surviving sequences, their per-token weights and the fixed full-batch denominator D.
-    batch = build_train_batch(run, prompts, prompt_cut, rollout, advantages, total_cut)
+    batch = build_train_batch(trainer, prompts, prompt_cut, rollout, advantages, total_cut)
 
     metrics: dict[str, float] = {}
     if len(batch):
         # 8. PPO mini-batches: the drawn prompts split by prompt (from the seed, before pruning acts on the split)
         #    into train.mini_batches parts, each with its own fixed denominator D_m (default: one, the batch).
-        mini_batches = split_mini_batches(run, prompts, prompt_cut, rollout, total_cut, batch, step)
+        mini_batches = split_mini_batches(trainer, prompts, prompt_cut, rollout, total_cut, batch, step)
         # 9. Dense Prompt Packing of each mini-batch: THD micro-batches, the same count on every DP rank.
         with timer("pack"):
-            packed, packing = pack_mini_batches(run, mini_batches)
+            packed, packing = pack_mini_batches(trainer, mini_batches)
         # 10. Old-policy (and reference) log-probs, forward only, once per rollout before the first update.
         with timer("logprob"):
-            fill_old_and_reference_logprobs(run, packed)
+            fill_old_and_reference_logprobs(trainer, packed)
         # (every logging.audit_every steps: the pruned gradient against the full-batch one, at these weights)
         if cfg.logging.audit_every and step % cfg.logging.audit_every == 0:
-            metrics.update(gradient_audit(run, prompts, prompt_cut, rollout, advantages, batch,
-                                          whole_batch_micro_batches(run, batch, packed)))
+            metrics.update(gradient_audit(trainer, prompts, prompt_cut, rollout, advantages, batch,
+                                          whole_batch_micro_batches(trainer, batch, packed)))
         # 11. Rollout correction (loss.rollout_correction): trainer vs rollout-engine IS weights on the pg term.
-        metrics.update(correct_rollout_mismatch(run, rollout, mini_batches, packed))
+        metrics.update(correct_rollout_mismatch(trainer.loss_cfg, rollout, mini_batches, packed))
         # 12. Policy updates: for epoch: for mini-batch: one update with its fixed D_m (an empty one is skipped).
         with timer("train"):
-            set_learning_rate(run.engine, rl_learning_rate(cfg, step))
-            updates = []
-            for _epoch in range(cfg.train.epochs):
-                for mini_batch, micro_batches in zip(mini_batches, packed):
-                    if len(mini_batch):
-                        updates.append(run.engine.train_step(micro_batches, mini_batch.denominator))
-        metrics.update({f"train/{k}": v for k, v in merge_update_metrics(updates).items()})
+            trainer.engine.set_learning_rate(rl_learning_rate(cfg, step))
+            metrics.update(update_policy(trainer, mini_batches, packed))
         metrics.update(packing)
-        metrics.update(logprob_mismatch(rollout, mini_batches, packed, run.engine.last_logprobs))
+        metrics.update(logprob_mismatch(rollout, mini_batches, packed, trainer.engine.last_logprobs))
     else:  # nothing survived (e.g. every group had equal rewards and was dropped): no update this step
         metrics["train/skipped"] = 1.0
 
@@ -146,18 +144,28 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
             push_weights(run, version=step + 1)
 
     # 14. Metrics (docs/algorithms.md, "Metrics").
-    metrics.update(step_metrics(run, prompt_cut, completion_cut, total_cut, rollout, batch))
-    if refilled is not None:  # reward/* over every generated group, dynamic_sampling/*
-        metrics.update(refilled.metrics())
-    metrics.update(overlong_metrics(run, rollout))
+    metrics.update(step_metrics(prompt_cut, completion_cut, total_cut, rollout, batch, cfg.train.group_size))
+    metrics["history/prompts_seen"] = float(len(side.history))
+    if drawn.refilled is not None:  # reward/* over every generated group, dynamic_sampling/*
+        metrics.update(drawn.refilled.metrics())
+    metrics.update(overlong_metrics(cfg, rollout))
     metrics.update(async_metrics(run, drawn))
     metrics.update(timer.as_metrics())
     metrics["time/step_cpu"] = D.sum_over_ranks(timer.cpu_seconds)  # process CPU seconds of the step, all ranks
-    metrics.update(run.handover.take_metrics())  # GPU memory per handover phase (none on CPU)
+    metrics.update(side.handover.take_metrics())  # GPU memory per handover phase (none on CPU)
     metrics["throughput/tokens_per_s"] = metrics["tokens/trained_sequences"] / max(metrics["time/step"], 1e-9)
-    write_audit(run, step, prompts, prompt_cut, rollout, advantages, total_cut)
+    write_audit(run.audit, step, prompts, prompt_cut, rollout, advantages, total_cut)
     return metrics
 
+
+def rl_learning_rate(cfg: Config, rl_step_index: int) -> float:
+    """The learning rate of RL step ``rl_step_index``: optim.* counted from the first RL step (warmup, then
+    constant or cosine to optim.min_lr). The trainer owns the schedule across phases: train.sft_lr for the warm
+    start, then this; the engine's own schedule is configured constant."""
+    o = cfg.optim
+    sched = OptimConfig(lr=o.lr, min_lr=o.min_lr, lr_schedule=o.scheduler, warmup_steps=o.warmup_steps,
+                        total_steps=max(cfg.train.steps, o.warmup_steps + 1))
+    return lr_at_step(sched, rl_step_index, o.lr, o.min_lr)
 
 
 def receive_batch(run: Run, step: int, timer: PhaseTimer) -> DrawnBatch:
@@ -166,7 +174,7 @@ def receive_batch(run: Run, step: int, timer: PhaseTimer) -> DrawnBatch:
     prompt handed out for the batches trained."""
     with timer("wait_rollout"):
         drawn = run.link.receive(step)
-    run.sampler.load_state_dict(drawn.sampler_state)
+    run.rollout_side.sampler.load_state_dict(drawn.sampler_state)
     return drawn
 
 
@@ -174,7 +182,7 @@ def evaluation(run: Run, step: int) -> dict[str, float]:
     """The evaluation after RL step ``step`` (-1: before the first), of the policy after step + 1 updates: here,
     or (separate placement) the rollout workers' of that weight version, which ``push_weights`` marked due; the
     trainer waits for it as the synchronous loop waits for its own (docs/async.md, "Evaluation")."""
-    return evaluate(run, step) if run.link is None else run.link.receive_eval(step + 1)
+    return evaluate(run.rollout_side, step) if run.link is None else run.link.receive_eval(step + 1)
 
 
 def async_metrics(run: Run, drawn: DrawnBatch) -> dict[str, float]:
@@ -217,12 +225,13 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
             # -- supervised warm start
             bar = console.progress_bar(tqdm, cfg, run.sft_step, cfg.train.sft_steps, "warm start")
             while run.sft_step < cfg.train.sft_steps and stopped_by is None:
-                m = sft_step(run, run.sft_step)
+                m = sft_step(run.train_side, run.sft_pairs, run.sft_step)
                 run.sft_step += 1
                 run.sink.log(run.sft_step - 1, m, phase="sft", global_step=run.sft_step - 1)
                 console.progress(bar, {"nll": m["sft/nll"]})
                 if run.sft_step == cfg.train.sft_steps:
-                    finish_warm_start(run)
+                    finish_warm_start(run.train_side)
+                    push_weights(run)  # the rollout engine (or workers) start RL from the warmed-up policy
                 elif checkpoints and cfg.checkpoint.every and run.sft_step % cfg.checkpoint.every == 0:
                     checkpoint()  # warm-start progress is checkpointed like RL steps
                 stopped_by = stop.poll()
@@ -244,7 +253,7 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
                 last = m
                 console.progress(bar, {"reward": m.get("reward/mean", float("nan")),
                                        "kept": m["prune/total_kept_fraction"], "tok/s": m["throughput/tokens_per_s"]})
-                console.print_step(run, step, m)
+                console.print_step(cfg, step, m)
                 if checkpoints and cfg.checkpoint.every and run.rl_step % cfg.checkpoint.every == 0 \
                         and run.rl_step < cfg.train.steps:
                     checkpoint()
@@ -279,8 +288,6 @@ def bench(cfg: Config, steps: int = 5) -> dict[str, float]:
     summary = train(cfg, checkpoints=False)
     if "worker" in summary:  # a rollout worker of rollout.placement=separate: the trainer reports
         return {}
-    from megatron_dppo.metrics import read_jsonl
-
     records = [r for r in read_jsonl(Path(cfg.train.output_dir) / "metrics.jsonl") if r.get("phase") == "rl"][1:]
     keys = sorted({k for r in records for k in r if k.startswith(("time/", "throughput/", "packing/density"))})
     out = {k: _median([r[k] for r in records if k in r]) for k in keys}

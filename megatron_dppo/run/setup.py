@@ -1,20 +1,20 @@
 """Run set-up and tear-down: process groups, tokenizer, data, the Megatron and rollout engines, rewards, the
-pruner, and the restored state, gathered in one :class:`Run` (``run_state.py``); plus the plumbing every phase
-shares (weight push to the rollout engine, generation shards, the learning-rate schedule the trainer owns across
-phases)."""
+pruner, and the restored state, gathered in one :class:`~megatron_dppo.run.state.Run`; a rollout worker's half
+(:func:`setup_worker`); and the weight push every phase shares (trainer -> rollout engine or rollout workers)."""
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 from pathlib import Path
 
-from megatron_dppo import distributed as D
 from megatron_dppo.algo.prompt_history import PromptHistory
-from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner
-from megatron_dppo.build import (
+from megatron_dppo.config import Config
+from megatron_dppo.dist import collectives as D
+from megatron_dppo.dist.placement import connect_trainer
+from megatron_dppo.run.build import (
+    build_handover,
     build_hf_config,
     build_loss,
+    build_pruner,
     build_rollout,
     build_scorer,
     build_tokenizer,
@@ -25,29 +25,16 @@ from megatron_dppo.build import (
     is_converted_checkpoint,
     load_eval_sets,
     load_train_prompts,
+    moe_options,
     quiet_logs,
     resolve_model_dir,
-    rollout_tensor_parallel,
     torch_dtype,
     train_sources,
 )
-from megatron_dppo.config import Config
-from megatron_dppo.console import print_banner
-from megatron_dppo.lifecycle import find_resume_checkpoint, lock_output_dir, restore
-from megatron_dppo.metrics import MetricsSink
-from megatron_dppo.placement import connect_trainer
-from megatron_dppo.run_state import Run
-
-
-def moe_options(cfg: Config, arch) -> dict:
-    """The MoE switches of ``model`` for the engine (none for a dense model; setting them there is an error)."""
-    if arch.moe is None:
-        if cfg.model.moe_aux_loss_coeff or cfg.model.moe_routing_replay:
-            raise ValueError(f"model.moe_aux_loss_coeff={cfg.model.moe_aux_loss_coeff} / model.moe_routing_replay="
-                             f"{cfg.model.moe_routing_replay}: the {arch.family!r} model has no experts; "
-                             "use 0 / false")
-        return {}
-    return dict(moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff, moe_routing_replay=cfg.model.moe_routing_replay)
+from megatron_dppo.run.console import print_banner
+from megatron_dppo.run.lifecycle import find_resume_checkpoint, lock_output_dir, restore
+from megatron_dppo.run.metrics import MetricsSink
+from megatron_dppo.run.state import RolloutSide, Run, TrainSide
 
 
 def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
@@ -55,7 +42,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     from megatron_dppo.data import PromptSampler
     from megatron_dppo.megatron.model import ModelArch
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel, validate_parallel
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     quiet_logs()
     parallel = ParallelConfig(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, sp=cfg.parallel.sp,
@@ -90,7 +77,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     lock = lock_output_dir(out_dir)  # before the first write: a second run into this folder stops here
     found = find_resume_checkpoint(cfg) if resume else None
 
-    # 2. the engines
+    # 2. the engines, and the two halves of a step that use them
     engine = PolicyEngine(arch, parallel, OptimConfig(
         lr=cfg.optim.lr, min_lr=0.0, lr_schedule="constant", warmup_steps=0, weight_decay=cfg.optim.weight_decay,
         adam_beta1=cfg.optim.adam_beta1, adam_beta2=cfg.optim.adam_beta2, adam_eps=cfg.optim.adam_eps,
@@ -99,17 +86,18 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         **moe_options(cfg, arch))
     rollout = build_rollout(cfg, hf_config, model_dir, tokenizer) if link is None else None  # (separate: workers)
     pruner = build_pruner(cfg, loss_cfg)
+    rollout_side = RolloutSide(
+        cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, engine, rollout, arch),
+        eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=train_prompts,
+        sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle), pruner=pruner,
+        history=PromptHistory(cfg.algo.history_ema), eval_sets=eval_sets, eval_scorers=eval_scorers)
+    train_side = TrainSide(cfg=cfg, engine=engine, loss_cfg=loss_cfg, estimator=estimator, pruner=pruner,
+                           pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0))
 
     sink = MetricsSink(out_dir, enabled=D.is_main(), jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                        wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, run_config=cfg.to_dict())
-    run = Run(cfg=cfg, info=info, tokenizer=tokenizer, hf_config=hf_config, arch=arch, engine=engine,
-              rollout=rollout, scorer=scorer, eval_scorers=eval_scorers,
-              train_prompts=train_prompts, eval_sets=eval_sets,
-              sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
-              pruner=pruner, history=PromptHistory(cfg.algo.history_ema), loss_cfg=loss_cfg, estimator=estimator,
-              sink=sink, sft_pairs=sft_pairs, eos_ids=eos_ids(tokenizer, hf_config),
-              pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
-              handover=build_handover(cfg, engine, rollout, arch), lock=lock, link=link)
+    run = Run(cfg=cfg, info=info, hf_config=hf_config, arch=arch, rollout_side=rollout_side, train_side=train_side,
+              sink=sink, sft_pairs=sft_pairs, lock=lock, link=link)
 
     # 3. state: a checkpoint, or pretrained weights, or the fresh initialization
     if found is not None:
@@ -137,10 +125,37 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     return run
 
 
+def setup_worker(cfg: Config, roles) -> RolloutSide:
+    """A rollout worker's half of a run (``rollout.placement=separate``): tokenizer, prompts, sampler, pruner,
+    history, reward scorers, eval sets (the workers evaluate) and the rollout engine; no Megatron engine.
+    ``roles``: this job's ``dist.placement.Roles``."""
+    from megatron_dppo.data import PromptSampler
+    from megatron_dppo.megatron.arch import ModelArch
+
+    quiet_logs()
+    D.set_cpu_threads(roles.trainers + roles.workers, cfg.train.cpu_threads)
+    scorer = build_scorer(cfg, train_sources(cfg))
+    tokenizer = build_tokenizer(cfg)
+    model_dir = resolve_model_dir(cfg)
+    hf_config = build_hf_config(cfg, tokenizer, model_dir)
+    arch = ModelArch.from_hf_config(hf_config)
+    loss_cfg, _ = build_loss(cfg)
+    prompts, _ = load_train_prompts(cfg, tokenizer, arch)
+    eval_sets = load_eval_sets(cfg, tokenizer, arch) if cfg.eval.every else {}
+    eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward, step_budget=False) for name in eval_sets}
+    rollout = build_rollout(cfg, hf_config, model_dir, tokenizer)
+    return RolloutSide(
+        cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, None, rollout, arch),
+        eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=prompts,
+        sampler=PromptSampler(len(prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
+        pruner=build_pruner(cfg, loss_cfg), history=PromptHistory(cfg.algo.history_ema), eval_sets=eval_sets,
+        eval_scorers=eval_scorers)
+
+
 def open_audit(path: Path, resume_step: int | None):
     """The audit trail, keeping on resume only the lines of the steps before ``resume_step`` (a copy of the file
     is kept when lines are dropped: ``metrics.rewrite_jsonl``)."""
-    from megatron_dppo.metrics import rewrite_jsonl
+    from megatron_dppo.run.metrics import rewrite_jsonl
 
     rewrite_jsonl(path, lambda rec: resume_step is not None and rec.get("step", resume_step) < resume_step)
     return open(path, "a", encoding="utf-8")
@@ -161,7 +176,7 @@ def teardown(run: Run, clean: bool = True) -> None:
     run.sink.close()
     if run.audit is not None:
         run.audit.close()
-    for scorer in [run.scorer, *run.eval_scorers.values()]:
+    for scorer in [run.rollout_side.scorer, *run.rollout_side.eval_scorers.values()]:
         scorer.close()
     from megatron_dppo.megatron.parallel import destroy_parallel
     D.barrier()
@@ -178,48 +193,16 @@ def load_pretrained(run: Run, model_dir: Path) -> None:
     from megatron_dppo.convert.hf_io import HFCheckpoint
     from megatron_dppo.convert.weights import load_hf_weights
 
+    engine = run.train_side.engine
     if model_dir.name == "hf" and is_converted_checkpoint(model_dir.parent):
-        load_model_dist_checkpoint(run.engine.model_chunks, model_dir.parent / "model")
+        load_model_dist_checkpoint(engine.model_chunks, model_dir.parent / "model")
     elif run.cfg.model.hf_config:  # config overrides (e.g. a longer context): the architecture differs on purpose
-        load_hf_weights(run.engine.modules, run.arch, HFCheckpoint(model_dir).get)
+        load_hf_weights(engine.modules, run.arch, HFCheckpoint(model_dir).get)
     else:
-        load_hf_folder(run.engine.model_chunks, model_dir, run.arch)
-    run.engine.optimizer.reload_model_params()
-    if run.engine.reference_chunks is not None:
-        run.engine.sync_reference_from_policy()
-
-
-def generation_shards(run: Run) -> tuple[int, int]:
-    """Who generates what: the HF engine shards over every rank; vLLM over its engines, the TP groups of
-    ``rollout_tensor_parallel`` consecutive ranks (same prompts per group): colocated, the trainer's TP groups;
-    on separate rollout workers, ``rollout.workers / rollout.tp`` engines."""
-    if run.cfg.rollout.engine == "vllm":
-        tp = rollout_tensor_parallel(run.cfg)
-        return D.rank() // tp, D.world_size() // tp
-    return D.rank(), D.world_size()
-
-
-def _strip_stop(ids: list[int], stops: list[int]) -> list[int]:
-    return ids[:-1] if ids and ids[-1] in stops else ids
-
-
-def build_handover(cfg: Config, engine, rollout, arch):
-    """The GPU memory handover of this run (``rollout.handover``): weights pushed as a streaming export; with
-    ``rollout.offload_train_state`` (vLLM on CUDA) the training state leaves the GPU while vLLM generates."""
-    import torch
-
-    from megatron_dppo.convert import export_hf_weights
-    from megatron_dppo.rollout.handover import MemoryHandover
-
-    def weights():
-        return export_hf_weights(engine.model_chunks, arch, cfg.rollout.weight_bucket_mb << 20)
-
-    if cfg.rollout.offload_train_state and cfg.rollout.engine == "vllm" and torch.cuda.is_available():
-        from megatron_dppo.megatron.offload import engine_offloader
-
-        offloader = engine_offloader(engine)
-        return MemoryHandover(rollout, weights, offload=offloader.offload, onload=offloader.onload)
-    return MemoryHandover(rollout, weights)
+        load_hf_folder(engine.model_chunks, model_dir, run.arch)
+    engine.optimizer.reload_model_params()
+    if engine.reference_chunks is not None:
+        engine.sync_reference_from_policy()
 
 
 def push_weights(run: Run, version: int | None = None) -> int:
@@ -228,19 +211,20 @@ def push_weights(run: Run, version: int | None = None) -> int:
     wakes right before the next generation). Separate placement: send them to the rollout workers instead,
     stamped ``version`` (default: ``run.rl_step``, the weights the next RL step trains), with the prompt history
     the workers decide from, with the first version, where to start, and ``extra["eval"]``: the workers evaluate
-    this version and send the result back (the trainer waits for it: ``trainer.evaluation``). Due are the version
+    this version and send the result back (the trainer waits for it: ``train.loop.evaluation``). Due are the version
     before the first RL step (0) and every new version of ``eval_due``; not the restored version of a resumed run,
     evaluated before its checkpoint was written."""
     if run.link is None:
-        return run.handover.push()
+        return run.rollout_side.handover.push()
     from megatron_dppo.convert import export_hf_weights
 
     version = run.rl_step if version is None else version
     new = version > run.rl_step  # an update's version; else the restored or warmed-up policy the RL phase starts from
     due = eval_due(run.cfg, version) if new else bool(run.cfg.eval.every) and version == 0
-    start, sampler = run.link.worker_start(run.rl_step, run.sampler.state_dict())
-    extra = {"history": run.history.state_dict(), "rl_step": start, "sampler": sampler, "eval": due}
-    stream = export_hf_weights(run.engine.model_chunks, run.arch, run.cfg.rollout.weight_bucket_mb << 20)
+    side = run.rollout_side
+    start, sampler = run.link.worker_start(run.rl_step, side.sampler.state_dict())
+    extra = {"history": side.history.state_dict(), "rl_step": start, "sampler": sampler, "eval": due}
+    stream = export_hf_weights(run.train_side.engine.model_chunks, run.arch, run.cfg.rollout.weight_bucket_mb << 20)
     return run.link.send_weights(stream, version, extra)
 
 
@@ -248,48 +232,3 @@ def eval_due(cfg: Config, version: int) -> bool:
     """Whether the policy after ``version`` RL updates is evaluated (``eval.every``: every eval.every updates and
     after the last; the one before the first update is the trainer's own rule: an RL phase that starts at 0)."""
     return bool(cfg.eval.every) and version > 0 and (version % cfg.eval.every == 0 or version == cfg.train.steps)
-
-
-def build_pruner(cfg: Config, loss_cfg) -> DPPOPruner | CPPOPruner | None:
-    """The pruner of ``algo.pruner`` (none: None)."""
-    if cfg.algo.pruner == "dppo":
-        return DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode, keep=cfg.algo.dppo_keep,
-                          length_exponent=cfg.algo.keep_length_exponent, keep_floor=cfg.algo.keep_floor,
-                          zero_advantage_gradient=loss_cfg.kl_coef > 0)
-    if cfg.algo.pruner == "cppo":
-        return CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
-    return None
-
-
-@contextlib.contextmanager
-def generation_window(run: Run):
-    """Around every generation: (offload the training state,) wake the KV cache; afterwards the rollout engine
-    sleeps (``rollout.sleep_between_steps``) and the training state returns."""
-    run.handover.before_generation()
-    try:
-        yield
-    finally:
-        run.handover.after_generation(sleep=run.cfg.rollout.sleep_between_steps)
-
-
-
-# ==============================================================================================================
-# Learning rate (the trainer owns the schedule across the warm-start and RL phases)
-# ==============================================================================================================
-def rl_learning_rate(cfg: Config, rl_step_index: int) -> float:
-    """optim.* schedule counted from the first RL step (warmup, then constant or cosine to optim.min_lr)."""
-    from megatron_dppo.megatron.train_step import OptimConfig, lr_factor_schedule
-
-    o = cfg.optim
-    sched = OptimConfig(lr=o.lr, min_lr=o.min_lr, lr_schedule=o.scheduler, warmup_steps=o.warmup_steps,
-                        total_steps=max(cfg.train.steps, o.warmup_steps + 1))
-    return lr_factor_schedule(sched, rl_step_index, o.lr, o.min_lr)
-
-
-def set_learning_rate(engine, lr: float) -> None:
-    """Make the engine's next update use ``lr`` (its own schedule is configured constant; see setup)."""
-    engine.optim_cfg = dataclasses.replace(engine.optim_cfg, lr=lr, min_lr=min(engine.optim_cfg.min_lr, lr))
-    for group in engine.optimizer.param_groups:
-        group["max_lr"] = lr
-        group["min_lr"] = min(group.get("min_lr", 0.0), lr)
-

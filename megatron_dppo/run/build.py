@@ -9,25 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from megatron_dppo import distributed as D
+from megatron_dppo.dist import collectives as D
 from megatron_dppo.algo.losses import LossConfig, resolve_loss_preset
 from megatron_dppo.config import Config
-
-
-@dataclass
-class Prompt:
-    """A training/eval prompt, rendered and tokenized once at start-up."""
-
-    id: str
-    token_ids: list[int]
-    gold: Any
-    text: str
+from megatron_dppo.data import Prompt
 
 
 def check_output_dirs(cfg: Config) -> None:
@@ -375,3 +365,48 @@ def quiet_logs() -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def moe_options(cfg: Config, arch) -> dict:
+    """The MoE switches of ``model`` for the engine (none for a dense model; setting them there is an error)."""
+    if arch.moe is None:
+        if cfg.model.moe_aux_loss_coeff or cfg.model.moe_routing_replay:
+            raise ValueError(f"model.moe_aux_loss_coeff={cfg.model.moe_aux_loss_coeff} / model.moe_routing_replay="
+                             f"{cfg.model.moe_routing_replay}: the {arch.family!r} model has no experts; "
+                             "use 0 / false")
+        return {}
+    return dict(moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff, moe_routing_replay=cfg.model.moe_routing_replay)
+
+
+def build_pruner(cfg: Config, loss_cfg: LossConfig):
+    """The pruner of ``algo.pruner``: a DPPOPruner or CPPOPruner (none: None)."""
+    from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner
+
+    if cfg.algo.pruner == "dppo":
+        return DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode, keep=cfg.algo.dppo_keep,
+                          length_exponent=cfg.algo.keep_length_exponent, keep_floor=cfg.algo.keep_floor,
+                          zero_advantage_gradient=loss_cfg.kl_coef > 0)
+    if cfg.algo.pruner == "cppo":
+        return CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
+    return None
+
+
+def build_handover(cfg: Config, engine, rollout, arch):
+    """The GPU memory handover of this run (``rollout.handover``): weights pushed as a streaming export; with
+    ``rollout.offload_train_state`` (vLLM on CUDA) the training state leaves the GPU while vLLM generates.
+    ``engine`` None (a rollout worker): nothing to push from."""
+    from megatron_dppo.convert import export_hf_weights
+    from megatron_dppo.rollout.handover import MemoryHandover
+
+    if engine is None:
+        return MemoryHandover(rollout, lambda: iter(()))
+
+    def weights():
+        return export_hf_weights(engine.model_chunks, arch, cfg.rollout.weight_bucket_mb << 20)
+
+    if cfg.rollout.offload_train_state and cfg.rollout.engine == "vllm" and torch.cuda.is_available():
+        from megatron_dppo.megatron.offload import engine_offloader
+
+        offloader = engine_offloader(engine)
+        return MemoryHandover(rollout, weights, offload=offloader.offload, onload=offloader.onload)
+    return MemoryHandover(rollout, weights)

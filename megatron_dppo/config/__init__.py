@@ -1,0 +1,35 @@
+"""The run's configuration: typed dataclasses <- YAML <- ``key.sub=value`` overrides.
+
+    cfg = load_config("examples/quickstart.yaml", ["algo.r_q=0.5"])   # validated Config
+    print(describe())                                               # every option, its type, default and help
+
+``root.py``: the root ``Config`` and the rules that span sections; ``sections.py``: model ... logging;
+``data.py``: data; ``dapo.py``: dynamic_sampling, overlong; ``fields.py``: the field helpers (``opt``, ``_check``);
+``loading.py``: YAML, overrides, coercion, the option catalogue.
+"""
+from megatron_dppo.config.dapo import DynamicSamplingConfig, OverlongConfig
+from megatron_dppo.config.data import DataConfig
+from megatron_dppo.config.loading import all_keys, coerce, describe, load_config, parse_override, set_option
+from megatron_dppo.config.root import Config
+from megatron_dppo.config.sections import (
+    LOSS_PRESET_NAMES,
+    AlgoConfig,
+    CheckpointConfig,
+    EvalConfig,
+    LoggingConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    PackingConfig,
+    ParallelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "LOSS_PRESET_NAMES", "AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "DynamicSamplingConfig",
+    "EvalConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig", "OverlongConfig", "PackingConfig",
+    "ParallelConfig", "RewardConfig", "RolloutConfig", "TrainConfig", "all_keys", "coerce", "describe",
+    "load_config", "parse_override", "set_option",
+]

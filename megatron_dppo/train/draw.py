@@ -1,0 +1,85 @@
+"""Steps 1-4 of an RL step, the rollout side: draw prompts, decide the prompt level, generate, score.
+
+``draw_batch`` is what ``train.loop.rl_step`` calls first: prompts from the sampler, DPPO's prompt-level decision
+(pi recorded with the batch), G completions for every kept prompt and their rewards (``rollouts.py``), and DAPO's
+refill rounds (``dapo.py``). In the synchronous loop the trainer calls it itself; with
+``rollout.placement=separate`` the rollout workers call it (``worker.py``) and send the result, stamped with the
+version of the weights that generated it. It takes the :class:`~megatron_dppo.run.state.RolloutSide`, never the
+whole run, so a rollout worker runs exactly this code without a Megatron engine.
+
+The prompt-level draw is made on rank 0 with a generator seeded from (seed, step, "prompts") and broadcast, so
+every rank takes the same decision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, PruneResult, make_generator
+from megatron_dppo.data import Prompt
+from megatron_dppo.dist import collectives as D
+from megatron_dppo.run.metrics import PhaseTimer
+from megatron_dppo.run.state import RolloutSide
+from megatron_dppo.train.dapo import keep_all, refill_groups
+from megatron_dppo.train.rollouts import Rollout, generate, score
+
+
+@dataclass
+class DrawnBatch:
+    """What the rollout side hands the trainer for one RL step."""
+
+    step: int
+    prompts: list[Prompt]  # the drawn prompts (after a refill: the kept groups' prompts)
+    prompt_cut: PruneResult  # keep and pi of every drawn prompt, decided when drawn
+    kept: list[Prompt]
+    rollout: Rollout  # with rewards and the behaviour log-probs of the engine
+    refilled: Any = None  # dapo.Refilled (dynamic_sampling.enable), else None
+    version: int = 0  # weight version that generated it
+    sampler_state: dict | None = None  # the sampler's position after drawing it
+    metrics: dict[str, float] = field(default_factory=dict)  # the rollout side's timings (separate placement)
+
+
+# ==============================================================================================================
+# Steps 1-4
+# ==============================================================================================================
+def draw_batch(side: RolloutSide, step: int, timer: PhaseTimer) -> DrawnBatch:
+    """Steps 1-4 of an RL step (``train.loop.rl_step`` explains each)."""
+    cfg = side.cfg
+    prompts = [side.train_prompts[i] for i in side.sampler.take(prompts_to_draw(side))]
+    with timer("prune"):
+        prompt_cut = select_prompts(side, prompts, step)
+    kept = [p for p, k in zip(prompts, prompt_cut.keep.tolist()) if k]
+    with timer("generate"):
+        rollout = generate(side, kept, cfg.train.group_size, step, temperature=cfg.rollout.temperature)
+    with timer("reward"):
+        rollout.rewards = score(side.scorer, rollout, cfg.train.group_size)
+    refilled = refill_groups(side, step, timer, rollout) if cfg.dynamic_sampling.enable else None
+    if refilled is not None:
+        prompts = kept = refilled.prompts
+        rollout = refilled.rollout
+        prompt_cut = keep_all(len(prompts))
+    return DrawnBatch(step, prompts, prompt_cut, kept, rollout, refilled)
+
+
+def prompts_to_draw(side: RolloutSide) -> int:
+    """B prompts; with CPPO dynamic completion allocation, enough to prune back to exactly B*G completions."""
+    B = side.cfg.train.prompts_per_step
+    if isinstance(side.pruner, CPPOPruner) and side.pruner.allocation:
+        return side.pruner.prompts_to_draw(B, side.cfg.train.group_size)
+    return B
+
+
+def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int) -> PruneResult:
+    """DPPO prompt level on rank 0, broadcast; every other pruner keeps all prompts with probability 1."""
+    n = len(prompts)
+    if not isinstance(side.pruner, DPPOPruner):
+        ones = torch.ones(n, dtype=torch.float64)
+        return PruneResult(keep=torch.ones(n, dtype=torch.bool), weight=ones.float(), keep_prob=ones,
+                           candidate=torch.zeros(n, dtype=torch.bool))
+    result = None
+    if D.is_main():
+        history = side.history.scores([p.id for p in prompts])
+        result = side.pruner.select_prompts(history, make_generator(side.cfg.train.seed, step, "prompts"))
+    return D.broadcast_object(result)

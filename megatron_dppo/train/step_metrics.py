@@ -1,0 +1,95 @@
+"""The metrics of an RL step (docs/algorithms.md, "Metrics"): rewards as Horvitz-Thompson estimates over every
+drawn prompt (a pruned prompt was never generated, so raw means over the generated ones flatter), kept fractions
+and ESS per pruning level, tokens, and the rollout engine's log-prob mismatch against the trainer's."""
+from __future__ import annotations
+
+import torch
+
+from megatron_dppo.algo.pruning import PruneResult, pruning_stats
+from megatron_dppo.dist import collectives as D
+from megatron_dppo.train.rollouts import Rollout
+from megatron_dppo.train.stages import TrainBatch
+
+
+def step_metrics(prompt_cut: PruneResult, completion_cut: PruneResult | None, total_cut: PruneResult,
+                 rollout: Rollout, batch: TrainBatch, group_size: int) -> dict[str, float]:
+    """Rewards (unbiased estimates over all drawn prompts; raw means over generated and over kept sequences), kept
+    fractions per level, ESS, tokens (docs/algorithms.md, "Metrics")."""
+    m = rollout_metrics(prompt_cut, rollout, group_size)
+    if len(batch):
+        m["reward/mean_kept"] = float(batch.rewards.mean())
+        m["reward/pass_rate_kept"] = float((batch.rewards > 0).float().mean())
+        m["reward/mean_kept_weighted"] = float((batch.rewards * batch.seq_weights).sum() / batch.seq_weights.sum())
+    # kept fraction and ESS per level: prompt (of drawn prompts), completion (of generated completions), total
+    # (trained sequences of the B*G drawn units)
+    m.update(pruning_stats(prompt_cut, completion_cut, total_cut))
+    m.setdefault("prune/completion_kept_fraction", 0.0)
+    m["tokens/trained_sequences"] = float(sum(len(t) for t in batch.token_ids))
+    m["tokens/trained_completion"] = float(sum(len(t) - p for t, p in zip(batch.token_ids, batch.prompt_lengths)))
+    m["loss/denominator"] = float(batch.denominator)
+    return m
+
+
+def rollout_metrics(prompt_cut: PruneResult, rollout: Rollout, group_size: int) -> dict[str, float]:
+    """The reward/* estimates over the drawn prompts and the generated-token counts of ``rollout`` (the part of
+    ``step_metrics`` that describes what was generated, not what was trained)."""
+    m: dict[str, float] = {}
+    r = rollout.rewards if rollout.rewards is not None else torch.zeros(0, group_size)
+    flat = r.flatten()
+    if prompt_cut.keep.numel():
+        # Headline rates are Horvitz-Thompson estimates over ALL B drawn prompts (docs/algorithms.md, "Metrics"):
+        # a generated prompt counts 1/pi_q, a pruned one (never generated) 0, divided by B. Without prompt
+        # pruning every pi_q = 1 and this is the plain mean. reward/mean_generated and reward/std are raw over the
+        # generated completions, reward/mean_kept over the trained sequences.
+        m["reward/mean"] = ht_prompt_mean(prompt_cut, r.mean(dim=1))
+        m["reward/pass_rate"] = ht_prompt_mean(prompt_cut, (r > 0).float().mean(dim=1))
+        m["reward/prompt_solve_rate"] = ht_prompt_mean(prompt_cut, (r > 0).any(dim=1).float())
+        m["reward/zero_variance_groups"] = ht_prompt_mean(prompt_cut, (r == r[:, :1]).all(dim=1).float())
+    if flat.numel():
+        m["reward/mean_generated"] = float(flat.mean())
+        m["reward/std"] = float(flat.std()) if flat.numel() > 1 else 0.0
+        m["reward/failed"] = float(rollout.reward_failures)  # scored 0: the reward function raised, hung, ...
+        m["reward/timeouts"] = float(rollout.reward_timeouts)  # ... of which ran out of time
+    comp_lengths = [len(c) for comps in rollout.completions for c in comps]
+    m["tokens/generated"] = float(sum(comp_lengths))
+    m["tokens/completion_mean"] = sum(comp_lengths) / len(comp_lengths) if comp_lengths else 0.0
+    m["tokens/truncated_fraction"] = (sum(t for ts in rollout.truncated for t in ts) / len(comp_lengths)
+                                      if comp_lengths else 0.0)
+    return m
+
+
+def ht_prompt_mean(prompt_cut: PruneResult, per_prompt: torch.Tensor) -> float:
+    """Horvitz-Thompson estimate of the mean of a per-prompt quantity over every drawn prompt, from the generated
+    ones: sum over generated prompts of value / pi_q, divided by the number drawn. ``per_prompt`` has one value per
+    generated (kept) prompt, in drawn order. Unbiased over the prompt-pruning draw; equal to the plain mean when
+    nothing is pruned (pi_q = 1)."""
+    weight = prompt_cut.weight[prompt_cut.keep].double()  # 1/pi_q of each generated prompt
+    return float((weight * per_prompt.double()).sum() / max(1, prompt_cut.keep.numel()))
+
+
+def logprob_mismatch(rollout: Rollout, mini_batches: list[TrainBatch], packed: list[list],
+                     train_logprobs: list | None = None) -> dict[str, float]:
+    """Mean |rollout-engine log-prob - Megatron log-prob| over completion tokens (weight-sync health check);
+    ``mini_batches`` and ``packed`` are the PPO mini-batches and their micro-batches (one of each by default).
+    The Megatron side is the old-policy pass (``mb.old_logprobs``) when it ran, else (one update per rollout, the
+    pass skipped) the train forward's own log-probs at the same weights (``train_logprobs``, one per micro-batch
+    of that single update: ``PolicyEngine.last_logprobs``, None on ranks that hold no output layer); the two are
+    the same numbers."""
+    diff, count = 0.0, 0
+    for batch, micro_batches in zip(mini_batches, packed):
+        for m, mb in enumerate(micro_batches):
+            values_all = mb.old_logprobs
+            if values_all is None and train_logprobs is not None and m < len(train_logprobs):
+                values_all = train_logprobs[m]
+            if values_all is None or mb.is_dummy:
+                continue
+            for sid, values in zip(mb.sample_ids.tolist(), mb.completion_values(values_all)):
+                row, i = batch.origin[sid]
+                ref = rollout.policy_logprobs[row][i]
+                if ref is None or len(ref) != values.numel():
+                    continue
+                diff += float((values.double().cpu() - torch.tensor(ref, dtype=torch.float64)).abs().sum())
+                count += values.numel()
+    totals = D.all_gather_objects((diff, count))
+    diff, count = sum(t[0] for t in totals), sum(t[1] for t in totals)
+    return {"rollout/logprob_abs_diff": diff / count} if count else {}
