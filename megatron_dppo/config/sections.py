@@ -166,9 +166,9 @@ class RolloutConfig:
                      "parallel), each generating its own shard of the batch. rollout.tp must divide rollout.workers "
                      "and the attention heads. Colocated vLLM uses parallel.tp (the trainer's); the HF engine has "
                      "no tensor parallelism (each worker is an engine): both need rollout.tp=1.")
-    worker_timeout_s: float = opt(600.0, "rollout.placement=separate: the trainer fails, naming the worker, when "
-                                         "no batch (or awaited evaluation) arrives for this long (a dead worker is "
-                                         "reported at once).")
+    worker_timeout_s: float = opt(600.0, "rollout.placement=separate: every trainer rank fails, naming the worker, "
+                                         "when no batch (or awaited evaluation) arrives for this long, or a worker "
+                                         "takes no weight bucket within it (hung); a dead worker is reported at once.")
 
     def validate(self) -> None:
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, ">= 1")

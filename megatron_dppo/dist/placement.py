@@ -25,6 +25,7 @@ from megatron_dppo.dist import collectives as D
 from megatron_dppo.dist.transfer import (
     BatchReceiver,
     BatchSender,
+    PeerFailed,
     WeightReceiver,
     WeightSender,
     process_group,
@@ -33,6 +34,16 @@ from megatron_dppo.dist.staleness import StalenessGate
 
 TIMEOUT_S = 1800.0
 WEIGHTS_READY = "dppo/weights-ready"  # set in the job's store by the trainer main rank before its first weight send
+TRAINER = "the trainer (job rank 0)"  # how a worker names its peer in errors
+
+
+@dataclass
+class _Failed:
+    """What the trainer main rank hit while waiting for the workers, handed to every trainer rank (the others wait
+    for it in a broadcast, and would otherwise block until the process group's own timeout)."""
+
+    kind: type
+    message: str
 
 
 @dataclass
@@ -143,12 +154,13 @@ class TrainerLink:
                                          capacity=in_flight)
 
     def send_weights(self, stream, version: int, extra: dict[str, Any]) -> int:
-        """Every trainer rank iterates the (collective) export; the main rank sends it, stamped ``version``."""
+        """Every trainer rank iterates the (collective) export; the main rank sends it, stamped ``version``. A
+        worker that takes no bucket within ``rollout.worker_timeout_s`` (hung) or has died fails every trainer
+        rank, naming the workers (background sends: at the next send)."""
         if self.roles.job_rank != 0:
             for _ in stream:
                 pass
-            return 0
-        return self._weights_sender().send(version, stream, extra)
+        return self._on_main_rank(lambda: self._weights_sender().send(version, stream, extra)) or 0
 
     def _weights_sender(self) -> WeightSender:
         """The weights group, made at the first send (main rank): the workers build their rollout engines only once
@@ -157,15 +169,32 @@ class TrainerLink:
         for them all."""
         if self.sender is None:
             self._store.set(WEIGHTS_READY, "1")
-            self.sender = WeightSender(process_group(self._store, "weights", 0, self.roles.workers + 1, TIMEOUT_S),
-                                       self._bucket_bytes, self.roles.describe_workers(), background=self._background)
+            # (this rank's end of the group times out after rollout.worker_timeout_s: a broadcast a worker does not
+            # take by then means a hung worker; the workers' ends keep TIMEOUT_S, as a step may take long)
+            group = process_group(self._store, "weights", 0, self.roles.workers + 1, self.timeout_s)
+            self.sender = WeightSender(group, self._bucket_bytes, self.roles.describe_workers(),
+                                       background=self._background)
         return self.sender
+
+    def _on_main_rank(self, wait) -> Any:
+        """``wait()`` on the main rank (the one that talks to the workers), its result on every trainer rank; what it
+        raised (a worker died or hung past ``rollout.worker_timeout_s``, an out-of-order message) is raised on every
+        trainer rank, within that time, naming the worker."""
+        result = None
+        if self.batches is not None:
+            try:
+                result = wait()
+            except (PeerFailed, RuntimeError) as err:
+                result = _Failed(PeerFailed if isinstance(err, PeerFailed) else RuntimeError, str(err))
+        result = D.broadcast_object(result)
+        if isinstance(result, _Failed):
+            raise result.kind(result.message)
+        return result
 
     def receive(self, step: int) -> Any:
         """The batch of RL step ``step`` on every trainer rank, its staleness checked against the bound."""
         start = time.monotonic()
-        batch = self._next() if self.batches is not None else None
-        batch = D.broadcast_object(batch)
+        batch = self._on_main_rank(self._next)
         self.last_wait_s = time.monotonic() - start
         if isinstance(batch, WorkerEval):
             raise RuntimeError(f"an evaluation of weight version {batch.version} arrived while the trainer waits for "
@@ -179,17 +208,18 @@ class TrainerLink:
         """The workers' evaluation of weight ``version`` (marked due in its ``extra``) on every trainer rank. The
         batches that come before it on the channel (max_staleness >= 1: generated while the version was on its way)
         are kept for ``receive``, in order."""
-        found = None
-        while self.batches is not None and found is None:
-            message = self.batches.get(self.timeout_s)
-            if isinstance(message, WorkerEval):
-                if message.version != version:
+        def wait() -> dict[str, float]:
+            while True:
+                message = self.batches.get(self.timeout_s)
+                if not isinstance(message, WorkerEval):
+                    self.early.append(message)
+                elif message.version != version:
                     raise RuntimeError(f"the evaluation of weight version {message.version} arrived while the "
                                        f"trainer waits for that of version {version}")
-                found = message
-            else:
-                self.early.append(message)
-        return D.broadcast_object(found.metrics if found is not None else None)
+                else:
+                    return message.metrics
+
+        return self._on_main_rank(wait)
 
     def _next(self) -> Any:
         return self.early.popleft() if self.early else self.batches.get(self.timeout_s)
@@ -199,30 +229,49 @@ class TrainerLink:
         """The batches of RL steps ``step`` .. ``step`` + k - 1 (not past ``steps``) on every trainer rank, pickled
         for a checkpoint at ``step`` (whose common state is loaded with ``weights_only``). They come from versions
         already sent (t - k < ``step``), so the main rank waits for them and keeps them for ``receive``. None in
-        newest mode, or before the first version went out (no batch is in flight then)."""
+        newest mode, or before the first version went out (no batch is in flight then).
+
+        One evaluation may come first: that of version ``step`` when the run stops right after the version went out
+        marked due, before the loop waited for it (a stop request in the last warm-start step: the loop skips its
+        first evaluation). It is dropped: the resumed run marks that version due again and evaluates it then."""
         if not self.gate.fixed:
             return None
-        count, batches = max(0, min(self.gate.k, steps - step)), None
-        if self.batches is not None and self.sender is not None and self.sender.last_version is not None:
+        count = max(0, min(self.gate.k, steps - step))
+
+        def wait() -> list | None:
+            if self.sender is None or self.sender.last_version is None:  # no version went out: nothing in flight
+                return None
             while len(self.early) < count:
                 message = self.batches.get(self.timeout_s)
                 if isinstance(message, WorkerEval):
-                    raise RuntimeError(f"an evaluation of weight version {message.version} arrived while the trainer "
-                                       f"collects the batches in flight at step {step}")
+                    if message.version != step:
+                        raise RuntimeError(f"an evaluation of weight version {message.version} arrived while the "
+                                           f"trainer collects the batches in flight at step {step}")
+                    continue  # the evaluation the stopping loop did not wait for (docstring)
                 self.early.append(message)
             batches = list(self.early)[:count]
             if [b.step for b in batches] != list(range(step, step + count)):
                 raise RuntimeError(f"the batches in flight at step {step} are those of steps "
                                    f"{[b.step for b in batches]}")
-        batches = D.broadcast_object(batches)
+            return batches
+
+        batches = self._on_main_rank(wait)
         return None if batches is None else pickle.dumps(batches)
 
     def resume_at(self, rl_step: int, in_flight: bytes | None) -> None:
         """A run resumed at ``rl_step``: its first version is ``rl_step`` (the staleness gate's floor), and the
-        checkpoint's in-flight batches (fixed mode, ``in_flight``) are trained first, without being generated
-        again."""
+        checkpoint's in-flight batches (fixed mode, ``in_flight``) that this run's bound admits are trained first,
+        without being generated again (all of them when the bound and mode are the checkpoint's). Those it does not
+        admit (the checkpoint was written with another ``train.max_staleness`` or ``staleness_mode``) are dropped,
+        and the workers generate those steps again from version ``rl_step`` on (``StalenessGate.resumable``)."""
         self.gate.floor = rl_step
-        self.restored = pickle.loads(in_flight) if in_flight else []
+        saved = pickle.loads(in_flight) if in_flight else []
+        self.restored = self.gate.resumable(saved, rl_step)
+        if len(self.restored) < len(saved) and D.is_main():
+            print(f"the checkpoint holds {len(saved)} batch(es) in flight (steps {saved[0].step}.."
+                  f"{saved[-1].step}, weight versions {saved[0].version}..{saved[-1].version}); train.max_staleness="
+                  f"{self.gate.k} ({'fixed' if self.gate.fixed else 'newest'} mode) admits {len(self.restored)} of "
+                  "them: the others are generated again", flush=True)
         if self.batches is not None:
             self.early.extend(self.restored)
 
@@ -329,7 +378,7 @@ class WorkerLink:
         """Join the weights group (every worker at once with the trainer main rank, whose set-up waits for all):
         the vLLM engine's workers join it themselves, given the store's address; the HF engine's versions are
         received here."""
-        rank, size, peer = weight_group_rank(self.roles), self.roles.workers + 1, "the trainer (job rank 0)"
+        rank, size, peer = weight_group_rank(self.roles), self.roles.workers + 1, TRAINER
         keep_all = cfg.train.staleness_mode == "fixed"  # (every version kept until the worker is past it)
         if cfg.rollout.engine == "vllm":
             engine.join_weight_group(self.store.host, self.store.port, rank, size, TIMEOUT_S, peer, keep_all=keep_all)
@@ -352,6 +401,6 @@ def connect_worker(cfg) -> WorkerLink:
     r = roles(cfg)
     store = job_store(r)
     init_side(r, store)
-    sender = BatchSender(process_group(store, "batches", 1, 2, TIMEOUT_S)) if r.side_rank == 0 else None
+    sender = BatchSender(process_group(store, "batches", 1, 2, TIMEOUT_S), TRAINER) if r.side_rank == 0 else None
     store.wait([WEIGHTS_READY], datetime.timedelta(seconds=TIMEOUT_S))
     return WorkerLink(r, sender, store)

@@ -103,17 +103,38 @@ def buckets(stream: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> It
         yield bucket
 
 
+ALIGN = 16  # every tensor starts at a multiple of this many bytes in a bucket (>= the widest element size)
+
+
+def _layout(specs: list[tuple[str, tuple, torch.dtype]]) -> tuple[list[tuple[int, int]], int]:
+    """(byte offset, byte count) of each tensor in a bucket, each offset a multiple of ``ALIGN`` (a bf16 tensor of
+    odd length followed by an fp32 one would otherwise start the fp32 at an offset it cannot be viewed from), and
+    the bucket's total size. The sender and the receiver compute it from the same specs."""
+    out, offset = [], 0
+    for _, shape, dtype in specs:
+        offset = -(-offset // ALIGN) * ALIGN
+        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        out.append((offset, n))
+        offset += n
+    return out, offset
+
+
 def _flat_bytes(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    return torch.cat([t.detach().contiguous().cpu().reshape(-1).view(torch.uint8) for _, t in bucket])
+    """The bucket's tensors as one byte buffer, laid out by ``_layout`` (zero padding between them)."""
+    places, total = _layout([(name, tuple(t.shape), t.dtype) for name, t in bucket])
+    flat = torch.zeros(total, dtype=torch.uint8)
+    for (_, t), (offset, n) in zip(bucket, places):
+        flat[offset:offset + n] = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return flat
 
 
 def _unflatten(flat: torch.Tensor, specs: list[tuple[str, tuple, torch.dtype]]) -> list[tuple[str, torch.Tensor]]:
-    out, offset = [], 0
-    for name, shape, dtype in specs:
-        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-        out.append((name, flat[offset:offset + n].view(dtype).reshape(shape)))
-        offset += n
-    return out
+    places, total = _layout(specs)
+    if flat.numel() != total:
+        raise ValueError(f"a weight bucket of {flat.numel()} bytes does not hold its {len(specs)} tensors "
+                         f"({total} bytes laid out)")
+    return [(name, flat[offset:offset + n].view(dtype).reshape(shape))
+            for (name, shape, dtype), (offset, n) in zip(specs, places)]
 
 
 class WeightSender:
@@ -306,15 +327,21 @@ class WeightReceiver:
 # Batches: rollout main rank -> trainer main rank
 # ------------------------------------------------------------------------------------------------------------
 class BatchSender:
-    def __init__(self, pg: dist.ProcessGroup, dst: int = 0):
-        self.pg, self.dst = pg, dst
+    """Rollout main rank: ``send(batch)`` to the trainer main rank; a send that fails (the trainer died: gloo
+    reports the closed connection) raises :class:`PeerFailed` naming ``peer``."""
+
+    def __init__(self, pg: dist.ProcessGroup, peer: str = "the trainer", dst: int = 0):
+        self.pg, self.peer, self.dst = pg, peer, dst
 
     def send(self, batch: Any) -> None:
-        send_object(self.pg, batch, self.dst)
+        try:
+            send_object(self.pg, batch, self.dst)
+        except RuntimeError as err:  # gloo: the connection to the trainer closed, or the group's timeout passed
+            raise PeerFailed(f"sending a batch to {self.peer} failed: {err}") from err
 
     def close(self) -> None:
         """The end marker: the receiver's thread ends, so no receive is left pending when the processes exit."""
-        send_object(self.pg, _END, self.dst)
+        self.send(_END)
 
 
 class BatchReceiver:

@@ -68,9 +68,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cli(config: Path, *overrides: str, nproc: int = 1, timeout: float = 600,
-            check: bool = True) -> subprocess.CompletedProcess:
-    """``megatron-dppo train --config config overrides`` in fresh processes (torchrun when nproc > 1)."""
+def run_cli(config: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True,
+            extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """``megatron-dppo train --config config overrides`` in fresh processes (torchrun when nproc > 1), with
+    ``extra_env`` added to the environment."""
     if nproc == 1:
         cmd = [PY, "-m", "megatron_dppo.cli", "train", "--config", str(config), *overrides]
         extra = {"MASTER_PORT": str(free_port())}
@@ -79,7 +80,8 @@ def run_cli(config: Path, *overrides: str, nproc: int = 1, timeout: float = 600,
                f"--master-port={free_port()}", "-m", "megatron_dppo.cli", "train", "--config", str(config),
                *overrides]
         extra = {}
-    proc = subprocess.run(cmd, cwd=REPO, env=env(**extra), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=env(**extra, **(extra_env or {})), capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                              f"--- stderr\n{proc.stderr[-6000:]}")

@@ -11,9 +11,12 @@
 * DAPO's dynamic sampling on the worker: max_staleness 0 equals the colocated run bit for bit, max_staleness 1
   stays within the bound, and steps that train nothing still hand the worker its next version;
 * train.staleness_mode=fixed (k = 2): two runs equal in every record, and a resume from a mid-run checkpoint (its
-  in-flight batches saved with it) equals the straight run;
-* a rollout worker killed mid-run ends the trainer within a bounded time, with an error naming the worker (the
-  processes started by hand, without torchrun, which would otherwise end the job itself).
+  in-flight batches saved with it) equals the straight run; resumed with k = 1 instead, those batches are generated
+  again; a stop requested in the last warm-start step (version 0 out, due for evaluation) checkpoints and resumes;
+* a rollout worker killed mid-run ends the trainer within a bounded time, with an error naming the worker; a hung
+  one (SIGSTOP) ends both trainer ranks of a 2 + 1 job within rollout.worker_timeout_s, naming it; a killed
+  trainer ends the worker with PeerFailed naming the trainer (the processes started by hand, without torchrun,
+  which would otherwise end the job itself).
 
 Each test runs the CLI in fresh processes (10-60 s each on a shared 2-core machine)."""
 
@@ -163,32 +166,121 @@ def test_fixed_staleness_is_reproducible_and_resumes_exactly(tmp_path):
     worker = json.loads((resumed / "rollout_worker.json").read_text())
     assert [b["step"] for b in worker["batches"]] == [4]  # 2 and 3 came from the checkpoint
 
+    # the same checkpoint resumed with another bound: its in-flight batches (versions t - 2) do not fit fixed mode at
+    # k = 1, so steps 2 and 3 are generated again (from version 2 on) instead of failing the first step
+    other = tmp_path / "d"
+    shutil.copytree(runs["a"] / "checkpoints" / name, other / "checkpoints" / name)
+    (other / "checkpoints" / "latest").write_text(name)
+    proc = run_cli(write_config(tmp_path / "d.yaml", tiny_config(other, eval=EVAL, train={"steps": 5})),
+                   *SEPARATE, "train.max_staleness=1", "train.staleness_mode=fixed", nproc=2)
+    assert "admits 0 of them: the others are generated again" in proc.stdout + proc.stderr
+    d = read_metrics(other)
+    assert [r["step"] for r in _rl(d)] == [2, 3, 4]
+    assert [r["async/staleness"] for r in _rl(d)] == [0.0, 1.0, 1.0]  # versions 2, 2, 3: floor 2, then t - 1
+    worker = json.loads((other / "rollout_worker.json").read_text())
+    assert [b["step"] for b in worker["batches"]] == [2, 3, 4]
+
+
+def test_a_stop_in_the_last_warm_start_step_of_a_fixed_run_with_evaluation_checkpoints_and_resumes(tmp_path):
+    """Fixed mode, a warm start and eval.every: a stop requested in the last warm-start step comes right after
+    version 0 went out marked due for evaluation; the final checkpoint's in-flight batches then meet that
+    evaluation first (it failed the run with a RuntimeError). The checkpoint is written, the run exits 0, and the
+    resumed run evaluates version 0 once and trains to the end."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "s.yaml", tiny_config(out, eval=EVAL, train={"steps": 3, "sft_steps": 1}))
+    fixed = (*SEPARATE, "train.max_staleness=1", "train.staleness_mode=fixed")
+    stop = tmp_path / "stop"
+    stop.write_text("")  # seen at the first step boundary: the end of warm-start step 0, the last one
+    first = run_cli(cfg, *fixed, nproc=2, extra_env={"DPPO_STOP_FILE": str(stop)})
+    assert "stopped by the job script's stop request" in first.stdout + first.stderr
+    assert [r["step"] for r in read_metrics(out) if r.get("phase") != "sft"] == []
+    stop.unlink()
+    run_cli(cfg, *fixed, nproc=2)
+    records = read_metrics(out)
+    assert [r["step"] for r in _eval(records)] == [-1, 1, 2]
+    assert [r["step"] for r in _rl(records)] == [0, 1, 2]
+
+
+def _by_hand(cmd: list[str], world: int) -> list[subprocess.Popen]:
+    """``world`` processes of ``cmd`` started by hand (RANK / WORLD_SIZE in the environment, no torchrun, which
+    would end the job itself when one dies), output captured."""
+    port = free_port()
+    return [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                     LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+            for rank in range(world)]
+
+
+def _wait_for_an_rl_step(out, procs, deadline_s: float = 300) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not ((out / "metrics.jsonl").exists() and _rl(read_metrics(out))):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "the run did not reach an RL step"
+        time.sleep(0.5)
+
+
+def _long_run(tmp_path, name: str):
+    out = tmp_path / name
+    cfg = write_config(tmp_path / f"{name}.yaml", tiny_config(out, eval={"every": 0}, train={"steps": 200},
+                                                               checkpoint={"every": 0}))
+    return out, [PY, "-m", "megatron_dppo.cli", "train", "--config", str(cfg), *SEPARATE, "train.max_staleness=1"]
+
+
+def _end(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
 
 def test_a_killed_rollout_worker_ends_the_trainer_naming_it(tmp_path):
-    out = tmp_path / "run"
-    cfg = write_config(tmp_path / "k1.yaml", tiny_config(out, eval={"every": 0}, train={"steps": 200},
-                                                          checkpoint={"every": 0}))
-    port = free_port()
-    cmd = [PY, "-m", "megatron_dppo.cli", "train", "--config", str(cfg), *SEPARATE, "train.max_staleness=1",
-           "rollout.worker_timeout_s=120"]
-    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-             for rank in (0, 1)]
+    out, cmd = _long_run(tmp_path, "k1")
+    procs = _by_hand([*cmd, "rollout.worker_timeout_s=120"], world=2)
     trainer, worker = procs
     try:
-        deadline = time.monotonic() + 300
-        while not ((out / "metrics.jsonl").exists() and _rl(read_metrics(out))):
-            assert trainer.poll() is None and time.monotonic() < deadline, "the run did not reach an RL step"
-            time.sleep(0.5)
+        _wait_for_an_rl_step(out, procs)
         os.kill(worker.pid, signal.SIGKILL)
         killed = time.monotonic()
         output, _ = trainer.communicate(timeout=120)
         took = time.monotonic() - killed
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        _end(procs)
     assert trainer.returncode != 0
     assert "rollout worker 0 (job rank 1)" in output, output[-3000:]
     assert took < 60, f"the trainer took {took:.0f} s to stop"
+
+
+def test_a_hung_rollout_worker_ends_every_trainer_rank_naming_it_within_the_worker_timeout(tmp_path):
+    """Two trainer ranks and one worker that stops responding (SIGSTOP: alive, connections open). The main trainer
+    rank's wait ends after rollout.worker_timeout_s; the other rank, waiting in the trainers' broadcast, used to
+    block for the process group's own timeout (1800 s) with nothing reported. Both now fail naming the worker."""
+    out, cmd = _long_run(tmp_path, "hung")
+    procs = _by_hand([*cmd, "rollout.workers=1", "rollout.worker_timeout_s=15"], world=3)
+    *trainers, worker = procs
+    try:
+        _wait_for_an_rl_step(out, procs)
+        os.kill(worker.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        outputs = [t.communicate(timeout=240)[0] for t in trainers]
+        took = time.monotonic() - stopped
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        _end(procs)
+    for rank, (t, output) in enumerate(zip(trainers, outputs)):
+        assert t.returncode != 0, f"trainer rank {rank} exited 0"
+        assert "rollout worker 0 (job rank 2)" in output, f"trainer rank {rank}:\n{output[-3000:]}"
+    assert took < 15 + 90, f"the trainers took {took:.0f} s to stop"
+
+
+def test_a_killed_trainer_ends_the_worker_naming_it(tmp_path):
+    """The worker ends with PeerFailed naming the trainer (docs/async.md), not a raw gloo error."""
+    out, cmd = _long_run(tmp_path, "kt")
+    procs = _by_hand(cmd, world=2)
+    trainer, worker = procs
+    try:
+        _wait_for_an_rl_step(out, procs)
+        os.kill(trainer.pid, signal.SIGKILL)
+        output, _ = worker.communicate(timeout=120)
+    finally:
+        _end(procs)
+    assert worker.returncode != 0
+    assert "PeerFailed" in output and "the trainer (job rank 0)" in output, output[-3000:]

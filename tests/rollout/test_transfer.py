@@ -18,6 +18,8 @@ from megatron_dppo.dist.transfer import (
     PeerFailed,
     WeightReceiver,
     WeightSender,
+    _flat_bytes,
+    _unflatten,
     buckets,
     process_group,
 )
@@ -217,6 +219,43 @@ def test_a_dead_rollout_worker_ends_the_wait_with_its_name():
     assert result[2] < 20.0, f"took {result[2]:.1f} s to notice"
 
 
+def _trainer_takes_one_then_dies(port: int, out: mp.Queue) -> None:
+    store = _store(port)
+    batches = BatchReceiver(process_group(store, "batches", 0, 2, TIMEOUT_S), "rollout worker", capacity=1)
+    out.put(("first", batches.get(TIMEOUT_S)))
+    time.sleep(0.5)  # (the queue's feeder thread hands the message over)
+    os._exit(9)  # as if killed
+
+
+def _rollout_sends_after_the_trainer_died(port: int, out: mp.Queue) -> None:
+    store = _store(port)
+    sender = BatchSender(process_group(store, "batches", 1, 2, TIMEOUT_S))  # (placement names the job rank too)
+    sender.send({"step": 0})
+    time.sleep(2.0)  # the trainer is gone by now
+    try:
+        for step in range(1, 50):  # (a send can land in the socket buffer; a later one sees the closed connection)
+            sender.send({"step": step, "payload": torch.zeros(1 << 16)})
+        out.put(("no-error",))
+    except PeerFailed as err:
+        out.put(("peer-failed", str(err)))
+    except BaseException as err:  # noqa: BLE001
+        out.put(("other", type(err).__name__, str(err)))
+
+
+def test_a_dead_trainer_ends_the_workers_batch_send_naming_it():
+    """A worker whose trainer died ends in PeerFailed naming the trainer, not a raw gloo error."""
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    procs, out = _run([(_trainer_takes_one_then_dies, ()), (_rollout_sends_after_the_trainer_died, ())], port)
+    results = [out.get(timeout=120) for _ in range(2)]
+    for p in procs:
+        p.join(30)
+    del master
+    worker = next(r for r in results if r[0] != "first")
+    assert worker[0] == "peer-failed", worker  # (before: a raw gloo RuntimeError)
+    assert "sending a batch to the trainer failed" in worker[1]
+
+
 def test_buckets_respect_the_bound():
     stream = [(f"t{i}", torch.zeros(10)) for i in range(5)] + [("big", torch.zeros(100))]
     parts = list(buckets(stream, 80))
@@ -241,3 +280,20 @@ def test_an_export_error_is_not_reported_as_the_workers():
     with pytest.raises(RuntimeError, match="the export's gather failed") as info:
         sender.send(0, export())
     assert not isinstance(info.value, PeerFailed)
+
+
+def test_a_bucket_of_mixed_dtypes_round_trips_whatever_the_lengths():
+    """An odd-length bf16 tensor followed by fp32 and int64 ones in one bucket: each tensor starts at an aligned
+    offset, so the receiver views every one in its own dtype (unaligned, viewing the fp32 bytes at offset 6 failed
+    and the worker blamed the trainer), bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    bucket = [("odd.bf16", torch.randn(3, generator=g).bfloat16()), ("f32", torch.randn(2, 3, generator=g)),
+              ("one.bf16", torch.randn(1, generator=g).bfloat16()), ("i64", torch.arange(5)),
+              ("f16", torch.randn(7, generator=g).half()), ("f64", torch.randn(2, generator=g).double())]
+    flat = _flat_bytes(bucket)
+    back = _unflatten(flat, [(n, tuple(x.shape), x.dtype) for n, x in bucket])
+    assert [n for n, _ in back] == [n for n, _ in bucket]
+    for (_, sent), (_, got) in zip(bucket, back):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+    with pytest.raises(ValueError, match="does not hold"):
+        _unflatten(flat[:-1], [(n, tuple(x.shape), x.dtype) for n, x in bucket])
