@@ -61,6 +61,12 @@ optimizer buffers (no risk of training the wrong weights after an exception mid-
 parameters (2 bytes/param in bf16, ~1/8 of the policy's training memory with Adam). Checkpoints save it (keys
 prefixed ``reference.``), so a resumed run has the same reference.
 
+LoRA (``lora=LoraConfig(...)``, ``megatron.lora``): adapters are attached to the policy chunks and every base
+parameter is frozen before DDP and the optimizer see them, so gradients, the optimizer state (also the
+DistributedOptimizer's), clipping and the grad norm cover the adapters only. The reference is then the policy's
+own frozen base with the adapters disabled (no second copy is built); ``compute_logprobs(model="reference")``
+runs the policy chunks inside ``lora.adapters_disabled``.
+
 Precision: bf16 parameters with fp32 main params, fp32 gradient reduction and fp32 Adam state on GPU; fp32
 everywhere on CPU (``model.default_dtype``).
 """
@@ -228,8 +234,9 @@ class PolicyEngine:
     must pass the same micro-batches; DP ranks pass their own.
 
     Attributes the trainer and ``checkpoint.py`` use: ``model_chunks`` (DDP-wrapped), ``reference_chunks``
-    (or None), ``optimizer`` (Megatron optimizer), ``step`` (optimizer updates done), ``arch``, ``parallel``,
-    ``optim_cfg``, ``loss_cfg``, ``dtype``, ``device``.
+    (or None; always None with LoRA, whose reference is the base), ``optimizer`` (Megatron optimizer), ``step``
+    (optimizer updates done), ``arch``, ``parallel``, ``optim_cfg``, ``loss_cfg``, ``dtype``, ``device``,
+    ``lora`` (a ``LoraConfig`` or None) and ``lora_base`` (``set_lora_base``).
     """
 
     def __init__(self, arch: ModelArch, parallel: ParallelConfig, optim: OptimConfig | None = None,
