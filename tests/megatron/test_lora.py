@@ -375,3 +375,7 @@ def test_adapter_checkpoint_refuses_another_base_or_config(world, tmp_path):
     full, _ = _engine(arch, None)
     with pytest.raises(ValueError, match="LoRA adapters"):
         load_checkpoint(full, tmp_path / "ckpt")
+    from megatron_dppo.convert.checkpoint import find_model_checkpoint
+
+    with pytest.raises(ValueError, match="LoRA training checkpoint"):  # no weights to convert
+        find_model_checkpoint(tmp_path / "ckpt")
