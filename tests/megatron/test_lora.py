@@ -142,6 +142,30 @@ def test_peft_initialisation(world):
     assert not torch.equal(full[(0, "q", "lora_A")], full[(1, "q", "lora_A")])
 
 
+def test_dropout_only_in_training_forwards(world):
+    """lora.dropout drops adapter inputs in train mode only: eval forwards (old / reference log-probs) are exact."""
+    from megatron_dppo.megatron import lora as L
+    from megatron_dppo.megatron.logprobs import forward_thd
+    from megatron_dppo.megatron.model import build_model_chunks
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
+
+    outputs = {}
+    for dropout in (0.0, 0.5):
+        seed_everything(F.SEED)  # the same base both times
+        chunks = build_model_chunks(F.tiny_arch("llama", num_layers=2), ParallelConfig())
+        L.add_lora_adapters(chunks, _lora(dropout=dropout))
+        L.load_full_lora_tensors(chunks, adapter_tensors(chunks))
+        batch = packed_batches()[0]
+        with torch.no_grad():
+            chunks[0].eval()
+            outputs[dropout, "eval"] = forward_thd(chunks[0], batch)
+            chunks[0].train()
+            outputs[dropout, "train"] = forward_thd(chunks[0], batch)
+    assert torch.equal(outputs[0.5, "eval"], outputs[0.0, "eval"])
+    assert torch.equal(outputs[0.0, "train"], outputs[0.0, "eval"])
+    assert (outputs[0.5, "train"] - outputs[0.5, "eval"]).abs().max() > 1e-3
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The engine
 # ----------------------------------------------------------------------------------------------------------
