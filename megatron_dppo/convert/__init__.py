@@ -6,6 +6,7 @@ mapping.py     typed mapping rules (replicated, column/row parallel, vocab, QKV 
                and their validation
 weights.py     export_hf_weights (streaming, gathered over TP/PP and, for experts, EP/expert-TP in buckets) and
                load_hf_weights (per-rank shards: TP slices, this EP rank's experts)
+peft.py        LoRA adapters <-> PEFT adapter folders (export, import as a warm start), the merged model's weights
 checkpoint.py  convert_hf_to_megatron / convert_megatron_to_hf (whole folders, atomic output)
 validate.py    HF config <-> Megatron TransformerConfig / GPTModel agreement
 hf_io.py       lazy safetensors reader, sharded safetensors writer, tokenizer-file copying

@@ -304,13 +304,23 @@ def find_model_checkpoint(ckpt_dir: Path) -> Path:
     step of a training-checkpoint root (megatron_dppo.megatron.checkpoint layout)."""
     for candidate in (ckpt_dir / MODEL_SUBDIR, ckpt_dir):
         if (candidate / "metadata.json").is_file():
-            return candidate
+            return _not_lora(candidate)
     if (ckpt_dir / "latest").is_file():
         from megatron_dppo.megatron.checkpoint import resolve_checkpoint
 
-        return resolve_checkpoint(ckpt_dir)
+        return _not_lora(resolve_checkpoint(ckpt_dir))
     raise ValueError(f"no Megatron dist checkpoint in {ckpt_dir} (expected {ckpt_dir / MODEL_SUBDIR}/metadata.json, "
                      f"{ckpt_dir}/metadata.json or a training-checkpoint root with a 'latest' file)")
+
+
+def _not_lora(path: Path) -> Path:
+    """A LoRA training checkpoint holds adapters only (no model weights): refused here by name."""
+    meta = path / "megatron_dppo.json"
+    if meta.is_file() and json.loads(meta.read_text()).get("lora") is not None:
+        raise ValueError(f"{path} is a LoRA training checkpoint (adapters and their optimizer state, no base "
+                         "weights); export its adapters with convert.peft.export_peft_adapter, or the merged model "
+                         "with convert.peft.export_merged_hf_weights, from an engine that loaded it")
+    return path
 
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",

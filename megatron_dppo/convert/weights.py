@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from megatron_dppo.convert.mapping import (
     MappingIndex, ParamMapping, Resolved, detect_spec, mapping_table, resolve_dims)
+from megatron_dppo.megatron.lora import is_lora_param
 from megatron_dppo.megatron.moe import global_expert_index
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -36,11 +37,14 @@ def unwrap_chunk(chunk: nn.Module) -> nn.Module:
 
 
 def global_param_names(chunk: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(global Megatron name, parameter) for every parameter of one chunk, layer indices made global."""
+    """(global Megatron name, parameter) for every parameter of one chunk, layer indices made global. LoRA adapter
+    parameters (``megatron.lora``) are not model weights and are left out (``convert.peft`` moves them)."""
     model = unwrap_chunk(chunk)
     layers = getattr(getattr(model, "decoder", None), "layers", None)
     out = []
     for name, param in model.named_parameters():
+        if is_lora_param(name):
+            continue
         if name.startswith("decoder.layers."):
             _, _, local, rest = name.split(".", 3)
             global_index = layers[int(local)].layer_number - 1
@@ -103,7 +107,7 @@ def _sort_key(name: str, expert: bool = False) -> tuple:
 
 
 def _index(chunks: Sequence[nn.Module], arch: Any) -> MappingIndex:
-    names = [n for c in chunks for n, _ in unwrap_chunk(c).named_parameters()]
+    names = [n for c in chunks for n, _ in unwrap_chunk(c).named_parameters() if not is_lora_param(n)]
     return MappingIndex(mapping_table(arch, detect_spec(names)))
 
 

@@ -27,6 +27,9 @@ What is saved:
                     written at one TP/PP/VPP/DP/EP/ETP layout loads at any other; experts under their global
                     index)
 ``reference``       the frozen reference chunks (keys prefixed ``reference.``), when the engine has one
+``lora``            instead of ``model``, for a LoRA engine (``megatron.lora``): the adapters only (their TP
+                    shards as sharded tensors, reshardable); the frozen base is not saved, the metadata names
+                    its folder and checksum (``lora_base``) and loading onto another base is refused
 ``optimizer``       Adam state + fp32 main params (MoE models: a dense and an expert optimizer, chained).
                     Regular optimizer: per-parameter sharded tensors (fully reshardable). DistributedOptimizer:
                     ``OptimConfig.dist_ckpt_optim_format``; ``dp_reshardable`` (default; reshards over DP
@@ -83,6 +86,7 @@ from megatron_dppo.megatron.checkpoint_files import (
     verify_checkpoint,
     write_manifest,
 )
+from megatron_dppo.megatron.lora import is_lora_param
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +294,9 @@ def _distopt_state_without_step(engine):
 
 
 def _model_sharded_state_dict(engine) -> dict:
+    if getattr(engine, "lora", None) is not None:  # the adapters only: the frozen base is the base folder's
+        return {"lora": {str(i): {k: v for k, v in m.sharded_state_dict().items() if is_lora_param(k)}
+                         for i, m in enumerate(engine.modules)}}
     sd = {"model": {str(i): m.sharded_state_dict() for i, m in enumerate(engine.modules)}}
     if engine.reference_chunks is not None:
         sd["reference"] = {str(i): m.sharded_state_dict(prefix="reference.")
@@ -299,7 +306,7 @@ def _model_sharded_state_dict(engine) -> dict:
 
 def _flat_model_sd(sd: dict) -> dict:
     flat = {}
-    for chunk_sd in sd["model"].values():
+    for chunk_sd in sd["model" if "model" in sd else "lora"].values():
         flat.update(chunk_sd)
     return flat
 
@@ -341,7 +348,31 @@ def _engine_meta(engine) -> dict:
         "distributed_optimizer": bool(engine.optim_cfg.use_distributed_optimizer),
         "has_optimizer_state": _optimizer_has_state(engine),
         "has_reference": engine.reference_chunks is not None,
+        "lora": asdict(engine.lora) if getattr(engine, "lora", None) is not None else None,
+        "lora_base": asdict(engine.lora_base) if getattr(engine, "lora", None) is not None else None,
     }
+
+
+def check_lora(meta: dict, engine, path) -> None:
+    """A LoRA checkpoint holds adapters for one base: the engine must have the same LoRA config and, where both
+    record one, the same base folder checksum (``PolicyEngine.set_lora_base``); a full checkpoint loads only
+    into an engine without LoRA, and the other way round."""
+    saved = meta.get("lora")
+    here = asdict(engine.lora) if getattr(engine, "lora", None) is not None else None
+    if (saved is None) != (here is None):
+        what = "LoRA adapters (model.lora set)" if saved is not None else "all weights (no model.lora)"
+        raise ValueError(f"{path}: the checkpoint holds {what}, this engine was built "
+                         f"{'with' if here is not None else 'without'} LoRA; build it as the checkpoint was")
+    if saved is None:
+        return
+    if saved != here:
+        diff = {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
+        raise ValueError(f"{path}: LoRA config differs (checkpoint, engine): {diff}")
+    base, mine = meta.get("lora_base") or {}, asdict(engine.lora_base)
+    if base.get("sha256") != mine["sha256"]:
+        raise ValueError(f"{path}: the adapters were trained on the base {base.get('path')!r} (sha256 "
+                         f"{base.get('sha256')}), this engine's base is {mine['path']!r} (sha256 {mine['sha256']}); "
+                         "load that base (engine.set_lora_base after loading its weights)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -454,6 +485,14 @@ def _commit(root: Path, name: str, tmp: Path, meta: dict, entries: dict, keep_la
                 shutil.rmtree(old, ignore_errors=True)
 
 
+def _load_adapters(module, state: dict, path) -> None:
+    """Load a chunk's adapter tensors; every adapter parameter must be there, and nothing else."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if is_lora_param(k)]
+    if missing or unexpected:
+        raise ValueError(f"{path}: adapter tensors missing {missing[:4]} / unexpected {unexpected[:4]}")
+
+
 def find_resume_checkpoint(root: str | os.PathLike, verify: str = "hash") -> Path | None:
     """Collective: the checkpoint to resume from under ``root`` (``checkpoint_files.find_checkpoint``: repairs
     an interrupted save, verifies the manifest, falls back to the newest usable one with a warning)."""
@@ -500,6 +539,7 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
         diff = {k: (meta["arch"].get(k), v) for k, v in asdict(engine.arch).items() if meta["arch"].get(k) != v}
         raise ValueError(f"{path}: model architecture differs from the engine's (checkpoint, engine): {diff}")
     check_layer_spec(meta, engine, path)
+    check_lora(meta, engine, path)
     saved, here = meta["layout"], _layout(engine)
 
     # -- what can be restored
@@ -544,7 +584,10 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
     with torch.no_grad():
         state = dist_checkpointing.load(sd, str(path))
         for i, module in enumerate(engine.modules):
-            module.load_state_dict(state["model"][str(i)], strict=True)
+            if "lora" in state:
+                _load_adapters(module, state["lora"][str(i)], path)
+            else:
+                module.load_state_dict(state["model"][str(i)], strict=True)
         if load_reference:
             for i, ref in enumerate(engine.reference_chunks):
                 ref_sd = {k[len("reference."):] if k.startswith("reference.") else k: v

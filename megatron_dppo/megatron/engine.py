@@ -61,6 +61,12 @@ optimizer buffers (no risk of training the wrong weights after an exception mid-
 parameters (2 bytes/param in bf16, ~1/8 of the policy's training memory with Adam). Checkpoints save it (keys
 prefixed ``reference.``), so a resumed run has the same reference.
 
+LoRA (``lora=LoraConfig(...)``, ``megatron.lora``): adapters are attached to the policy chunks and every base
+parameter is frozen before DDP and the optimizer see them, so gradients, the optimizer state (also the
+DistributedOptimizer's), clipping and the grad norm cover the adapters only. The reference is then the policy's
+own frozen base with the adapters disabled (no second copy is built); ``compute_logprobs(model="reference")``
+runs the policy chunks inside ``lora.adapters_disabled``.
+
 Precision: bf16 parameters with fp32 main params, fp32 gradient reduction and fp32 Adam state on GPU; fp32
 everywhere on CPU (``model.default_dtype``).
 """
@@ -82,6 +88,7 @@ from . import compat
 from .cpu import ensure_device_backend
 from .logprobs import compute_logprobs as _forward_only_logprobs
 from .logprobs import batch_logprobs, forward_thd, run_pipeline_schedule
+from .lora import LoraBase, LoraConfig, add_lora_adapters, adapters_disabled, check_lora_supported
 from .model import ModelArch, build_model_chunks, default_dtype, device_dtype_audit, engine_device
 from .moe import aux_loss_per_routed_token
 from .parallel import ParallelConfig
@@ -227,13 +234,14 @@ class PolicyEngine:
     must pass the same micro-batches; DP ranks pass their own.
 
     Attributes the trainer and ``checkpoint.py`` use: ``model_chunks`` (DDP-wrapped), ``reference_chunks``
-    (or None), ``optimizer`` (Megatron optimizer), ``step`` (optimizer updates done), ``arch``, ``parallel``,
-    ``optim_cfg``, ``loss_cfg``, ``dtype``, ``device``.
+    (or None; always None with LoRA, whose reference is the base), ``optimizer`` (Megatron optimizer), ``step``
+    (optimizer updates done), ``arch``, ``parallel``, ``optim_cfg``, ``loss_cfg``, ``dtype``, ``device``,
+    ``lora`` (a ``LoraConfig`` or None) and ``lora_base`` (``set_lora_base``).
     """
 
     def __init__(self, arch: ModelArch, parallel: ParallelConfig, optim: OptimConfig | None = None,
                  loss: LossConfig | None = None, *, dtype: torch.dtype | None = None,
-                 reference: bool | None = None, **config_overrides):
+                 reference: bool | None = None, lora: LoraConfig | None = None, **config_overrides):
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -259,10 +267,16 @@ class PolicyEngine:
             # interleaved schedule on a pipeline group whose prev and next peer can coincide (pp = 2): fixed
             # shapes and separate forward / backward exchanges (see the module docstring and _prepare)
             overrides.update(variable_seq_lengths=False, overlap_p2p_comm=True, batch_p2p_comm=False)
+        self.lora = lora
+        self.lora_base = LoraBase()  # set_lora_base: the folder the frozen base came from
+        if lora is not None:
+            check_lora_supported(arch, parallel, lora)
         chunks = build_model_chunks(arch, parallel, self.dtype, **overrides)
         for chunk in chunks:
             if not chunk.config.calculate_per_token_loss:
                 raise RuntimeError("TransformerConfig.calculate_per_token_loss must be True (fixed denominator)")
+        if lora is not None:  # before DDP and the optimizer: they take the trainable (adapter) parameters only
+            add_lora_adapters(chunks, lora)
         self._assert_placed(chunks, "policy")
 
         # 2. DDP: fp32 gradient reduction, a SUM over data-parallel ranks (gradient_scaling_factor = 1)
@@ -315,10 +329,10 @@ class PolicyEngine:
             cfg.finalize_model_grads_func = finalize_without_token_scaling
             cfg.grad_scale_func = self.optimizer.scale_loss
 
-        # 5. frozen reference model
+        # 5. frozen reference model (LoRA: the policy's own frozen base, adapters off; no copy)
         want_reference = self.loss_cfg.kl_coef > 0 if reference is None else bool(reference)
         self.reference_chunks = None
-        if want_reference:
+        if want_reference and lora is None:
             self.reference_chunks = build_model_chunks(arch, parallel, self.dtype, **overrides)
             for ref in self.reference_chunks:
                 ref.requires_grad_(False)
@@ -347,6 +361,13 @@ class PolicyEngine:
     def modules(self) -> list:
         """The bare ``GPTModel`` chunks of the policy (no DDP wrapper)."""
         return [c.module for c in self.model_chunks]
+
+    def set_lora_base(self, folder) -> None:
+        """Record the Hugging Face folder the frozen base was loaded from (and its checksum) for LoRA checkpoints,
+        which hold the adapters only and refuse to load onto another base."""
+        if self.lora is None:
+            raise ValueError("set_lora_base: this engine trains all weights (no lora config)")
+        self.lora_base = LoraBase.from_folder(folder)
 
     @torch.no_grad()
     def sync_reference_from_policy(self) -> None:
@@ -421,8 +442,11 @@ class PolicyEngine:
         ``model``: "policy" (old-policy log-probs) or "reference". With ``with_entropy`` each item is
         ``(logp, entropy)``. The list has one entry per input micro-batch (dummy padding is dropped).
         """
+        disabled = contextlib.nullcontext()
         if model == "policy":
             chunks = self.model_chunks
+        elif model == "reference" and self.lora is not None:
+            chunks, disabled = self.model_chunks, adapters_disabled(self.modules)
         elif model == "reference":
             if self.reference_chunks is None:
                 raise ValueError("model='reference' but this engine has no reference model "
@@ -432,7 +456,8 @@ class PolicyEngine:
             raise ValueError(f"model={model!r}; valid: 'policy', 'reference'")
         n = len(micro_batches)
         batches = self._prepare(micro_batches, pad_dp=False)
-        results = _forward_only_logprobs(chunks, batches, with_entropy=with_entropy, broadcast=True)[:n]
+        with disabled:
+            results = _forward_only_logprobs(chunks, batches, with_entropy=with_entropy, broadcast=True)[:n]
         sizes = [int(b.tokens.numel()) for b in micro_batches]
         if with_entropy:
             return [(lp[:t], ent[:t]) for (lp, ent), t in zip(results, sizes)]
