@@ -300,17 +300,18 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
 # ----------------------------------------------------------------------------------------------------------------
 
 def find_model_checkpoint(ckpt_dir: Path) -> Path:
-    """The dist-checkpoint folder to read: ``ckpt_dir/model`` (converted), ``ckpt_dir`` itself, or the ``latest``
-    step of a training-checkpoint root (megatron_dppo.megatron.checkpoint layout)."""
+    """The dist-checkpoint folder to read: ``ckpt_dir/model`` (converted), ``ckpt_dir`` itself, or, for a
+    training-checkpoint root (megatron_dppo.megatron.checkpoint layout), the checkpoint a resumed run would take:
+    the newest that verifies, whatever ``latest`` says (``resolve_checkpoint``)."""
     for candidate in (ckpt_dir / MODEL_SUBDIR, ckpt_dir):
         if (candidate / "metadata.json").is_file():
             return _not_lora(candidate)
-    if (ckpt_dir / "latest").is_file():
+    if (ckpt_dir / "latest").is_file() or any(ckpt_dir.glob("step_*/metadata.json")):
         from megatron_dppo.megatron.checkpoint import resolve_checkpoint
 
         return _not_lora(resolve_checkpoint(ckpt_dir))
     raise ValueError(f"no Megatron dist checkpoint in {ckpt_dir} (expected {ckpt_dir / MODEL_SUBDIR}/metadata.json, "
-                     f"{ckpt_dir}/metadata.json or a training-checkpoint root with a 'latest' file)")
+                     f"{ckpt_dir}/metadata.json or a training-checkpoint root with step_<n> folders)")
 
 
 def _not_lora(path: Path) -> Path:

@@ -51,11 +51,11 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
 
 
 def load_latest(ckpt: Path) -> dict | None:
-    """The state of the latest complete checkpoint under ``ckpt`` (``None`` when there is none)."""
-    latest = ckpt / "latest"
-    if not latest.exists():
-        return None
-    return json.loads((ckpt / latest.read_text().strip() / "state.json").read_text())
+    """The state of the newest complete checkpoint under ``ckpt`` (``None`` when there is none): the newest
+    ``step-<k>/state.json``, as the trainer resumes from its newest complete checkpoint, whatever ``latest`` says
+    (a kill between renaming a step into place and updating ``latest`` leaves the pointer behind)."""
+    states = sorted(ckpt.glob("step-*/state.json"))  # zero-padded step numbers: name order is step order
+    return json.loads(states[-1].read_text()) if states else None
 
 
 def save_checkpoint(ckpt: Path, state: dict) -> None:

@@ -84,6 +84,7 @@ from megatron_dppo.megatron.checkpoint_files import (
     out_of_space,
     recover_interrupted_saves,
     verify_checkpoint,
+    write_latest,
     write_manifest,
 )
 from megatron_dppo.megatron.lora import is_lora_param
@@ -122,26 +123,18 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: int(_NAME_RE.match(p.name).group(1)))
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """``path`` itself when it is a checkpoint directory, else the ``latest`` one under it."""
+def resolve_checkpoint(path: str | os.PathLike, verify: str = "hash") -> Path:
+    """``path`` itself when it is a checkpoint directory, else the checkpoint of the root ``path`` that a resumed
+    run would take: the newest one that verifies (``find_checkpoint``, nothing written; ``latest`` may lag behind
+    after a crash)."""
     path = Path(path)
     if (path / "metadata.json").is_file():
         return path
-    found = latest_checkpoint(path)
+    found = find_checkpoint(path, verify, repair=False) if path.is_dir() else None
     if found is None:
         raise ValueError(f"{path} is neither a checkpoint directory (no metadata.json) nor a checkpoint root "
-                         f"with a '{LATEST_FILE}' file")
+                         f"holding one (step_<n>/ folders, '{LATEST_FILE}')")
     return found
-
-
-def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST_FILE}.tmp"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST_FILE)
-    _fsync_dir(root)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -476,7 +469,7 @@ def _commit(root: Path, name: str, tmp: Path, meta: dict, entries: dict, keep_la
         final.rename(aside)
     tmp.rename(final)
     _fsync_dir(root)
-    _write_latest(root, name)
+    write_latest(root, name)
     if aside.exists():
         shutil.rmtree(aside, ignore_errors=True)
     if keep_last is not None:

@@ -259,12 +259,29 @@ def _candidates(root: Path) -> tuple[list[Path], str | None]:
     return steps, None
 
 
-def find_checkpoint(root: str | os.PathLike, level: str = "hash") -> Path | None:
-    """Collective: the checkpoint to resume from under ``root``: the newest one that verifies (normally the one
-    ``latest`` names; a warning says what was skipped and why); None when ``root`` holds none.
-    Raises :class:`CheckpointError` when checkpoints exist but none is usable."""
+def write_latest(root: Path, name: str) -> None:
+    """Point ``latest`` at ``name`` (written to a temporary name, fsynced, renamed)."""
+    tmp = root / f".{LATEST_FILE}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST_FILE)
+    fsync_dir(root)
+
+
+def find_checkpoint(root: str | os.PathLike, level: str = "hash", repair: bool = True) -> Path | None:
+    """Collective: the checkpoint under ``root`` that a run resumes from and every reader of a checkpoint root
+    takes (convert, eval, ``load_checkpoint`` of a root): the newest one that verifies (normally the one ``latest``
+    names; a warning says what was skipped and why); None when ``root`` holds none. Raises
+    :class:`CheckpointError` when checkpoints exist but none is usable.
+
+    ``repair`` (the trainer, which owns the folder): first put back what an interrupted save left under a
+    temporary name, and afterwards point ``latest`` at the chosen checkpoint when it names another (a crash
+    between renaming a new checkpoint into place and updating the pointer left it behind; a finished run never
+    saves again to fix it). Without ``repair`` nothing is written."""
     root = Path(root)
-    if D.rank() == 0:
+    if repair and D.rank() == 0:
         for line in recover_interrupted_saves(root):
             logger.warning("checkpoint recovery: %s", line)
     D.barrier()
@@ -279,8 +296,11 @@ def find_checkpoint(root: str | os.PathLike, level: str = "hash") -> Path | None
         problems = verify_checkpoint(path, level)
         if not problems:
             if rejected and D.rank() == 0:
-                logger.warning("resuming from %s, the newest usable checkpoint; skipped: %s", path,
-                               "; ".join(rejected))
+                logger.warning("taking %s, the newest usable checkpoint; skipped: %s", path, "; ".join(rejected))
+            if repair and (note or rejected) and D.rank() == 0:
+                write_latest(root, path.name)
+                logger.warning("%s now names %s", root / LATEST_FILE, path.name)
+            D.barrier()
             return path
         rejected.append(f"{path.name}: {'; '.join(problems)}")
     if rejected:

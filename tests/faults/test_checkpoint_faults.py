@@ -206,6 +206,26 @@ def test_lost_latest_pointer_takes_the_newest_complete_checkpoint(world, tmp_pat
     assert _loads_as(engine, found, saved[6])
 
 
+def test_a_pointer_left_behind_is_repaired_on_resume_and_every_reader_takes_the_trainers_checkpoint(world, tmp_path):
+    """A kill right after the final checkpoint was renamed into place, before ``latest`` was updated: ``latest``
+    names step 4 while step 6 is complete. Readers of the root (``resolve_checkpoint``: load_checkpoint of a root,
+    ``convert megatron-to-hf``'s find_model_checkpoint) take step 6, the one a resume takes, and write nothing;
+    the resume itself points ``latest`` at step 6 (a finished run never saves again to fix it). Before, readers
+    followed the pointer to step 4 forever."""
+    from megatron_dppo.convert.checkpoint import find_model_checkpoint
+    from megatron_dppo.megatron.checkpoint import find_resume_checkpoint, resolve_checkpoint
+
+    engine = _engine()
+    saved = _save_steps(engine, tmp_path, [2, 4, 6])
+    (tmp_path / "latest").write_text("step_00000004\n")
+    assert resolve_checkpoint(tmp_path) == tmp_path / "step_00000006"
+    assert find_model_checkpoint(tmp_path) == tmp_path / "step_00000006"
+    assert (tmp_path / "latest").read_text().strip() == "step_00000004"  # readers leave the folder as it is
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "step_00000006"
+    assert (tmp_path / "latest").read_text().strip() == "step_00000006"  # the trainer repairs it
+    assert _loads_as(engine, resolve_checkpoint(tmp_path), saved[6])
+
+
 # ---------------------------------------------------------------------------------------------- disk full
 def test_disk_full_injected_enospc_is_named_and_keeps_the_previous(world, tmp_path, monkeypatch):
     """ENOSPC injected at the write layer (every shard write fails as a full disk would): the error says so."""

@@ -105,7 +105,7 @@ def test_latest_pointer_keep_last_and_overwrite(world, tmp_path):
 
     engine = _small_engine()
     assert latest_checkpoint(tmp_path) is None
-    with pytest.raises(ValueError, match="latest"):
+    with pytest.raises(ValueError, match="neither a checkpoint directory"):
         resolve_checkpoint(tmp_path)
     for step in (1, 2, 3):
         engine.step = step
@@ -117,8 +117,11 @@ def test_latest_pointer_keep_last_and_overwrite(world, tmp_path):
     assert load_checkpoint(engine, tmp_path / "step_00000002") == {"step": 2}
     assert engine.step == 2
     save_checkpoint(engine, tmp_path, extra={"again": True})  # same step again: replaced atomically
-    assert load_checkpoint(engine, tmp_path) == {"again": True}
-    assert resolve_checkpoint(tmp_path) == tmp_path / "step_00000002"
+    assert load_checkpoint(engine, tmp_path / "step_00000002") == {"again": True}
+    # a root resolves as a resume does: the newest step that verifies (step 3), whatever `latest` names
+    assert (tmp_path / "latest").read_text().strip() == "step_00000002"
+    assert resolve_checkpoint(tmp_path) == tmp_path / "step_00000003"
+    assert load_checkpoint(engine, tmp_path) == {"step": 3}
 
 
 def test_load_refuses_a_different_architecture(world, tmp_path):

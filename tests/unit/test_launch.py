@@ -293,3 +293,16 @@ def test_stop_requested_follows_the_stop_file(tmp_path):
     flag.touch()
     assert stop_requested(env)
     assert not stop_requested({"DPPO_STOP_FILE": ""})
+
+
+def test_launch_check_resumes_from_the_newest_complete_step_whatever_latest_says(tmp_path):
+    """The self-test's checkpoints follow the trainer's rule: a kill between renaming step 3 into place and updating
+    ``latest`` (still naming step 2) resumes from step 3; an unfinished temporary step is never taken."""
+    from megatron_dppo.dist.launch_check import load_latest, save_checkpoint
+
+    assert load_latest(tmp_path) is None
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, {"step": step, "total": float(step)})
+    (tmp_path / "latest").write_text("step-000002")
+    (tmp_path / ".step-000004.tmp").mkdir()
+    assert load_latest(tmp_path)["step"] == 3
