@@ -7,7 +7,8 @@ the code runs:
     RLIMIT_AS      address space (``memory_mb``): an allocation past it raises MemoryError in the code
     RLIMIT_CPU     CPU seconds (``cpu_s``, default: the wall-clock timeout rounded up): SIGXCPU past it
     RLIMIT_FSIZE   bytes per written file (``max_output_bytes``): stdout and stderr go to files in the temporary
-                   directory, so endless printing ends with SIGXFSZ instead of filling the parent's memory
+                   directory, so endless printing ends with ``OSError: File too large`` in the code (Python ignores
+                   SIGXFSZ) instead of filling the parent's memory
     RLIMIT_NOFILE  open files (64)
     RLIMIT_NPROC   processes of the user (``max_processes``; off by default because Linux counts every process of
                    the user, on a shared machine included)
