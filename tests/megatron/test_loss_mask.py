@@ -25,7 +25,7 @@ def world():
 
 def _engine(loss_cfg):
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
-    from megatron_dppo.megatron.train_step import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     seed_everything(F.SEED)
     return PolicyEngine(F.tiny_arch("llama", num_layers=2, tie=False), ParallelConfig(),
