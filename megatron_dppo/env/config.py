@@ -24,6 +24,8 @@ class EnvConfig:
                           ``seq_mean_token_sum_norm`` under multi-turn episodes.
     step_timeout_s:       wall-clock limit of one ``reset``/``step`` call; past it the episode ends with
                           ``env_error`` (tools should enforce their own, shorter limits: ``python`` does).
+    max_parallel_steps:   environment calls running at once (threads; a ``python`` tool call is a subprocess
+                          each, so this also bounds the sandboxes alive at a time).
     token_check:          ``strict`` (raise on a chat-template mismatch of the rendered conversation), ``warn``
                           (log it once per process) or ``off``. The token-identity checks of the episode builder
                           (sampled ids verbatim, each turn's context = the episode so far) always run.
@@ -36,6 +38,7 @@ class EnvConfig:
     max_tokens: int = 1024
     max_assistant_tokens: int | None = None
     step_timeout_s: float = 30.0
+    max_parallel_steps: int = 32
     token_check: str = "strict"
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -47,7 +50,7 @@ class EnvConfig:
             raise ValueError(f"env.kwargs must be a mapping of factory keyword arguments, got {self.kwargs!r}")
         if not isinstance(self.chat_template_kwargs, dict):
             raise ValueError(f"env.chat_template_kwargs must be a mapping, got {self.chat_template_kwargs!r}")
-        for key in ("max_turns", "max_tokens"):
+        for key in ("max_turns", "max_tokens", "max_parallel_steps"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"env.{key} must be an integer >= 1, got {value!r}")

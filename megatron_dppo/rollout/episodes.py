@@ -91,25 +91,47 @@ class Episode:
 _TIMED_OUT = object()
 
 
-def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[Any]:
-    """Run the zero-argument callables in parallel daemon threads; per call its return value, the exception it
-    raised, or ``_TIMED_OUT`` when it had not returned ``timeout_s`` after the start (its thread is abandoned)."""
-    results: list[Any] = [_TIMED_OUT] * len(calls)
+def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float, max_parallel: int = 32) -> list[Any]:
+    """Run the zero-argument callables in daemon threads, at most ``max_parallel`` at once; per call its return
+    value, the exception it raised, or ``_TIMED_OUT`` when it had not returned ``timeout_s`` after ITS start. A
+    timed-out call's thread is abandoned (Python cannot kill a thread) and its slot freed, so a hung environment
+    costs one thread, never the batch."""
+    n = len(calls)
+    results: list[Any] = [_TIMED_OUT] * n
+    cond = threading.Condition()
+    finished: set[int] = set()
+    expired: set[int] = set()
 
     def run(i: int, fn: Callable[[], Any]) -> None:
         try:
-            results[i] = fn()
+            value = fn()
         except BaseException as err:  # noqa: BLE001 - anything a user environment raises ends only its episode
-            results[i] = err
+            value = err
+        with cond:
+            if i not in expired:
+                results[i] = value
+            finished.add(i)
+            cond.notify()
 
-    threads = [threading.Thread(target=run, args=(i, fn), daemon=True, name=f"env-step-{i}")
-               for i, fn in enumerate(calls)]
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return [r if not t.is_alive() else _TIMED_OUT for r, t in zip(results, threads)]
+    running: dict[int, float] = {}  # call -> deadline
+    started = 0
+    with cond:
+        while started < n or running:
+            while started < n and len(running) < max(1, max_parallel):
+                running[started] = time.monotonic() + timeout_s
+                threading.Thread(target=run, args=(started, calls[started]), daemon=True,
+                                 name=f"env-call-{started}").start()
+                started += 1
+            now = time.monotonic()
+            for i, deadline in list(running.items()):
+                if i in finished:
+                    del running[i]
+                elif deadline <= now:
+                    expired.add(i)
+                    del running[i]
+            if running and not (started < n and len(running) < max_parallel):
+                cond.wait(timeout=max(0.0, min(running.values()) - now))
+    return results
 
 
 def derive_seed(*parts: Any) -> int:
@@ -188,7 +210,7 @@ def _start(tasks, prompt_ids, n, env_cfg, make_env, chat, env_seed) -> list[_Run
             calls.append(lambda err=env: err)
         else:
             calls.append(lambda env=env, task=tasks[p], seed=derive_seed("env", env_seed, p, i): env.reset(task, seed))
-    for e, result in zip(running, call_all(calls, env_cfg.step_timeout_s)):
+    for e, result in zip(running, call_all(calls, env_cfg.step_timeout_s, env_cfg.max_parallel_steps)):
         try:
             extra = check_messages(_unwrap(result, "Environment.reset"), "Environment.reset")
             if extra:  # the prompt grows by the reset messages: rendered from the task's messages
@@ -259,7 +281,8 @@ def _step_environments(stepping: list[_Running], env_cfg: EnvConfig, chat: ChatT
     the episode (done, an error, no room, or ``last``: the turn budget is spent)."""
     turns = [Turn(index=len(e.sampled) - 1, token_ids=tuple(e.sampled[-1][0]), text=e.texts[-1],
                   finish_reason="stop") for e in stepping]
-    results = call_all([lambda e=e, t=t: e.env.step(t) for e, t in zip(stepping, turns)], env_cfg.step_timeout_s)
+    results = call_all([lambda e=e, t=t: e.env.step(t) for e, t in zip(stepping, turns)], env_cfg.step_timeout_s,
+                       env_cfg.max_parallel_steps)
     for e, result in zip(stepping, results):
         try:
             step = check_step(_unwrap(result, "Environment.step"))

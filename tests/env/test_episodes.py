@@ -222,3 +222,31 @@ def test_metrics(setup):
     assert m["tokens/trained_share"] == pytest.approx(trained) and 0 < trained < 1
     assert 0 < m["time/episode_p50"] <= m["time/episode_p99"]
     assert episode_metrics([]) == {}
+
+
+def test_call_all_bounds_concurrency_and_frees_the_slot_of_a_hung_call():
+    from megatron_dppo.rollout.episodes import _TIMED_OUT, call_all
+
+    active, peak = [0], [0]
+    import threading
+
+    lock = threading.Lock()
+
+    def work(value, seconds):
+        def fn():
+            with lock:
+                active[0] += 1
+                peak[0] = max(peak[0], active[0])
+            time.sleep(seconds)
+            with lock:
+                active[0] -= 1
+            if value == "raise":
+                raise ValueError("bad")
+            return value
+        return fn
+
+    start = time.monotonic()
+    calls = [work("hang", 60)] + [work(i, 0.05) for i in range(6)] + [work("raise", 0.0)]
+    results = call_all(calls, timeout_s=0.5, max_parallel=2)
+    assert results[0] is _TIMED_OUT and results[1:7] == list(range(6)) and isinstance(results[7], ValueError)
+    assert peak[0] <= 2 and time.monotonic() - start < 5
