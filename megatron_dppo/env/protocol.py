@@ -20,7 +20,8 @@ environment (a crash, a timeout of the code it runs) is an observation the model
 
 Finish reasons of an episode (``FINISH_REASONS``):
     stop        the environment ended the episode (``done``) after a complete assistant turn
-    length      the last assistant turn was cut by a token bound (per turn, episode or trained tokens)
+    length      a token bound ended the episode: its last turn was cut (per-turn, episode or trained-token bound),
+                or the trained-token bound was spent by complete turns while the environment wanted more
     max_turns   ``env.max_turns`` assistant turns were sampled and the environment wanted more
     context     the next observation did not fit into ``env.max_tokens``
     env_error   the environment raised, timed out or returned a malformed step

@@ -298,6 +298,8 @@ def _step_environments(stepping: list[_Running], env_cfg: EnvConfig, chat: ChatT
             e.end("stop")
         elif last:
             e.end("max_turns")
+        elif e.traj.num_trained >= env_cfg.assistant_token_limit:  # no sampled token may follow
+            e.end("length")
         else:
             obs_ids = chat.observation_ids(step.messages, end_id)
             if len(e.traj.token_ids) + len(obs_ids) >= env_cfg.max_tokens:

@@ -250,3 +250,13 @@ def test_call_all_bounds_concurrency_and_frees_the_slot_of_a_hung_call():
     results = call_all(calls, timeout_s=0.5, max_parallel=2)
     assert results[0] is _TIMED_OUT and results[1:7] == list(range(6)) and isinstance(results[7], ValueError)
     assert peak[0] <= 2 and time.monotonic() - start < 5
+
+
+def test_a_spent_trained_token_budget_ends_the_episode_without_a_trailing_observation(setup):
+    tok = setup[0]
+    enc = encoder(tok)
+    call = enc("<calc>1+1</calc>")
+    episodes, engine = run(setup, lambda context, sample: call, CalculatorEnv, max_assistant_tokens=2 * len(call))
+    for e in (e for g in episodes for e in g):
+        assert (e.finish_reason, e.turns, e.num_trained) == ("length", 2, 2 * len(call))
+        assert e.loss_mask[-1] == 1 and e.token_ids[-len(call):] == call
