@@ -101,8 +101,10 @@ class ChatTokens:
         return message
 
     def _closed_assistant(self, assistant: dict) -> tuple[list[int], int]:
-        """(ids of the synthetic conversation ending with ``assistant``, length of the part before it): the ids
-        from that length on are the assistant message, header, content and end-of-turn tokens."""
+        """(ids of the synthetic conversation ending with ``assistant``, where the assistant's content and closing
+        tokens start): the part before the message and, when the rendered message begins with the template's
+        generation prompt (``<|im_start|>assistant\\n``), that header are skipped, so a header token is never taken
+        for an end of turn."""
         key = repr(assistant)
         if key not in self._close_cache:
             head = self._synthetic_head()
@@ -111,7 +113,11 @@ class ChatTokens:
             if closed[: len(before)] != before:
                 raise TokenDriftError("the chat template is not append-only: appending an assistant message changes "
                                       "the tokens of the conversation before it")
-            self._close_cache[key] = (closed, len(before))
+            header = self.render_ids(head, True)[len(before):]
+            start = len(before)
+            if header and closed[start: start + len(header)] == header:
+                start += len(header)
+            self._close_cache[key] = (closed, start)
         return self._close_cache[key]
 
     def ends_turn(self, token_id: int) -> bool:

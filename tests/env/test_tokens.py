@@ -174,3 +174,10 @@ def test_trajectory_bookkeeping():
     assert traj.num_trained == 2 and traj.assistant_spans() == [(0, 2)]
     with pytest.raises(ValueError, match="log-probs"):
         traj.append_sampled([1], [])
+
+
+def test_a_header_token_is_not_an_end_of_turn(smol_tokenizer):
+    tok = smol_tokenizer
+    chat = ChatTokens(tok)
+    assert not chat.ends_turn(tok.convert_tokens_to_ids("<|im_start|>"))
+    assert chat.ends_turn(tok.convert_tokens_to_ids(IM_END))
