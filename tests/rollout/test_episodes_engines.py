@@ -45,20 +45,33 @@ def char_tokenizer():
     return tok
 
 
-def chat_model(vocab: int, stop_logit: float = 0.5, seed: int = 0):
-    """Tiny random Llama (head_dim 64 for vLLM's CPU attention) whose next-token distributions give the stop
-    token a large share: a constant first embedding coordinate survives the final RMSNorm, and only the stop
-    token's output row reads it."""
+def chat_model(vocab: int, seed: int = 0):
+    """Tiny random Llama (head_dim 64 for vLLM's CPU attention) whose next-token distribution depends strongly on
+    the context (attention output and output-layer weights scaled up: dropping one "\\n" from a context moves a
+    log-prob by ~0.4) and often ends a turn (every embedding carries a constant first coordinate, which only the
+    stop token's output row reads: ~40% stop share on average)."""
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=512,
                          eos_token_id=IM_END, pad_token_id=0, bos_token_id=1, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 4.0
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+        model.model.embed_tokens.weight[:, 0] = 3.0
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(10.0)
+            layer.self_attn.o_proj.weight.mul_(10.0)
+        model.lm_head.weight.mul_(10.0)
         model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[IM_END, 0] = stop_logit
+        model.lm_head.weight[IM_END, 0] = 2.5
     return model
+
+
+def teacher_forced(model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[<t]) for t >= 1."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        return torch.log_softmax(model(x).logits[0, :-1].float(), -1).gather(1, x[0, 1:, None])[:, 0]
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +131,21 @@ def test_engine_episodes(kind, model_dir):
     turns = [e.turns for g in episodes for e in g]
     assert max(turns) == 3 and sum(t > 1 for t in turns) >= 3, turns
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    worst = 0.0
+    worst, drift = 0.0, 0.0
     for group in episodes:
         for e in group:
-            ids = torch.tensor([e.prompt_ids + e.token_ids])
-            with torch.no_grad():
-                logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
-            mine, mask = logp[len(e.prompt_ids) - 1:], torch.tensor(e.loss_mask, dtype=torch.bool)
+            mine = teacher_forced(model, e.prompt_ids + e.token_ids)[len(e.prompt_ids) - 1:]
+            mask = torch.tensor(e.loss_mask, dtype=torch.bool)
             worst = max(worst, (mine[mask] - torch.tensor(e.logprobs)[mask]).abs().max().item())
             assert all(lp == 0.0 for lp, m in zip(e.logprobs, e.loss_mask) if not m)
             if e.turns > 1:
                 assert "go on 0" in tok.decode(e.token_ids) and 0 in e.loss_mask
+                # the check has power: the same turns after a context without the "\n" of the first observation
+                # (the dropped-separator bug) get other log-probs
+                a = e.loss_mask.index(0)
+                dropped = teacher_forced(model, e.prompt_ids + e.token_ids[:a] + e.token_ids[a + 1:])
+                later = [k for k in range(a + 1, len(e.token_ids)) if e.loss_mask[k]]
+                got = dropped[len(e.prompt_ids) - 1:][[k - 1 for k in later]]
+                drift = max(drift, (got - torch.tensor([e.logprobs[k] for k in later])).abs().max().item())
     assert worst < 1e-4, worst
+    assert drift > 1e-2, drift
