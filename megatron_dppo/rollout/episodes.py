@@ -214,6 +214,10 @@ def _start(tasks, prompt_ids, n, env_cfg, make_env, chat, env_seed) -> list[_Run
         try:
             extra = check_messages(_unwrap(result, "Environment.reset"), "Environment.reset")
             if extra:  # the prompt grows by the reset messages: rendered from the task's messages
+                if not e.task.messages:
+                    raise ValueError(f"Environment.reset returned messages for task {e.task.id!r}, which has no chat "
+                                     "messages to render them after (its prompt is not a chat: use the chat template "
+                                     "or an environment whose reset returns [])")
                 e.prompt_messages = list(e.task.messages) + extra
                 e.traj.prompt_ids = chat.prompt_ids(e.prompt_messages)
         except (MalformedStep, _EnvFailure) as err:

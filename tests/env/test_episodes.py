@@ -260,3 +260,12 @@ def test_a_spent_trained_token_budget_ends_the_episode_without_a_trailing_observ
     for e in (e for g in episodes for e in g):
         assert (e.finish_reason, e.turns, e.num_trained) == ("length", 2, 2 * len(call))
         assert e.loss_mask[-1] == 1 and e.token_ids[-len(call):] == call
+
+
+def test_reset_messages_need_the_tasks_chat_messages(setup):
+    tok, chat, tasks, prompts = setup
+    bare = [Task(t.id, t.text) for t in tasks]
+    engine = ScriptedEngine(calc_respond(tok))
+    with pytest.raises(ValueError, match="no chat messages"):
+        generate_episodes(engine, bare, prompts, 1, SamplingParams(max_new_tokens=8), EnvConfig(name="g"),
+                          GreetingEnv, chat)
