@@ -58,7 +58,11 @@ Aggregation (a per-token weight, ``sequence_token_weights``, times s_t, summed, 
     seq_mean_token_sum:       token weight w,      D = B*G   (verl's "seq-mean-token-sum": per-sequence token sums,
                                                               averaged over sequences)
 With several updates per rollout (mini-batches) B is the mini-batch's number of drawn prompts and T its tokens.
-w is the sequence's pruning weight (1 without pruning). The loss of a step is
+w is the sequence's pruning weight (1 without pruning). Token counts (|o|, T) are TRAINED tokens, the mask-1
+tokens of ``loss_mask``: in a multi-turn episode the observation tokens between assistant turns have mask 0 and
+count nowhere (callers pass the mask-1 counts as ``completion_lengths``), and L_max is the bound on trained tokens
+per sequence (``env.max_assistant_tokens``). KL, the rollout-correction factor and every metric likewise see
+mask-1 tokens only (tests/unit/test_loss_masks.py). The loss of a step is
     sum over micro-batches and DP ranks of loss_numerator(...)  /  loss_denominator(...)
 and ``loss_numerator`` returns -sum_t token_weight_t * mask_t * s_t (a quantity to MINIMIZE).
 

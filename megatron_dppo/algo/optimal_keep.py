@@ -57,23 +57,62 @@ def water_fill(score: Tensor, budget: Tensor | float, floor: Tensor | float = 0.
     return torch.where(free, pi, 1.0)
 
 
-def _fill(s: Tensor, lo: Tensor, free: Tensor, remaining: Tensor) -> Tensor:
-    """clip(c * s, lo, 1) on the ``free`` units with the largest c such that their sum stays <= ``remaining``
-    (bisection; c = 0 when the floors alone exceed it)."""
+def _fill(s: Tensor, lo: Tensor, free: Tensor, remaining: Tensor, weight: Tensor | None = None) -> Tensor:
+    """clip(c * s, lo, 1) on the ``free`` units with the largest c such that their sum (weighted by ``weight``,
+    default 1) stays <= ``remaining`` (bisection; c = 0 when the floors alone exceed it)."""
 
     def clip(c: Tensor) -> Tensor:  # lo <= 1
         return torch.maximum(torch.clamp(c * s, max=1.0), lo)
 
+    w = torch.ones_like(s) if weight is None else weight
     # c_max: every free unit with a positive score reaches 1
     smallest = torch.where(free & (s > 0), s, torch.full_like(s, torch.inf)).amin(-1, keepdim=True)
     c_max = torch.where(torch.isfinite(smallest), 1.0 / smallest, torch.zeros_like(smallest))
     low, high = torch.zeros_like(c_max), c_max.clone()
     for _ in range(BISECTION_STEPS):
         mid = 0.5 * (low + high)
-        too_much = torch.where(free, clip(mid), 0.0).sum(-1, keepdim=True) > remaining
+        too_much = torch.where(free, w * clip(mid), 0.0).sum(-1, keepdim=True) > remaining
         high = torch.where(too_much, mid, high)
         low = torch.where(too_much, low, mid)
     return clip(low)
+
+
+def cost_water_fill(score: Tensor, cost: Tensor, budget: Tensor | float, floor: Tensor | float = 0.0,
+                    forced: Tensor | None = None) -> Tensor:
+    """Cost-aware keep probabilities pi [..., N] (float64): with units of unequal cost c_i (an episode of 8 turns
+    costs more than one of 1), minimise sum (1 - pi_i)/pi_i * s_i^2 at a fixed EXPECTED COST sum pi_i c_i =
+    ``budget``. Lagrange gives pi_i = s_i / sqrt(lambda c_i), so
+
+        pi_i = clip(t * s_i / sqrt(c_i), lo_i, 1),   t >= 0 chosen so that sum pi_i c_i = budget
+
+    (keep probability proportional to signal over the square root of cost). ``forced`` units are kept (pi = 1)
+    and their cost counts in the budget. Zero-score units behave as in ``water_fill``: pi = 0 with floor 0, their
+    floor otherwise, plus their share (proportional to 1 / sqrt(c)) of any budget the positive scores cannot take.
+    With equal costs this is ``water_fill`` with the budget divided by that cost. Any pi > 0 wherever the gradient
+    can be non-zero keeps the Horvitz-Thompson estimate unbiased; the costs only move the variance."""
+    c = cost.double()
+    if bool((c <= 0).any()) or not bool(torch.isfinite(c).all()):
+        raise ValueError("cost_water_fill needs finite costs > 0")
+    s = score.double()
+    if bool((s < 0).any()) or not bool(torch.isfinite(s).all()):
+        raise ValueError("cost_water_fill needs finite scores >= 0")
+    lo = torch.as_tensor(floor, dtype=torch.float64).expand_as(s)
+    if bool(((lo < 0) | (lo > 1)).any()):
+        raise ValueError("cost_water_fill floors must lie in [0, 1]")
+    forced = torch.zeros_like(s, dtype=torch.bool) if forced is None else forced.expand_as(s)
+    budget = torch.as_tensor(budget, dtype=torch.float64)
+    budget = budget.expand(s.shape[:-1]).unsqueeze(-1) if budget.dim() < s.dim() else budget
+    free = ~forced
+    remaining = budget - torch.where(forced, c, 0.0).sum(-1, keepdim=True)
+    root = c.sqrt()
+    pi = _fill(s / root, lo, free, remaining, weight=c)
+    blind = free & (s == 0) & (lo > 0)
+    leftover = remaining - torch.where(free, pi * c, 0.0).sum(-1, keepdim=True)
+    if bool((blind.any(-1, keepdim=True) & (leftover > 1e-12)).any()):
+        extra = _fill(torch.where(blind, 1.0 / root, 0.0), lo, blind,
+                      leftover + torch.where(blind, lo * c, 0.0).sum(-1, keepdim=True), weight=c)
+        pi = torch.where(blind, extra, pi)
+    return torch.where(free, pi, 1.0)
 
 
 def systematic_sample(pi: Tensor, generator: torch.Generator) -> Tensor:

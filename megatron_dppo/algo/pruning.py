@@ -28,6 +28,14 @@ Variance-optimal keep probabilities (``keep="optimal"``; :mod:`megatron_dppo.alg
     ``bernoulli``: independent draws with these pi; ``fixed_size``: systematic sampling in a random order, whose
     inclusion probabilities are exactly pi (floor or ceil of sum pi units kept); ``deterministic``: refused.
 
+Cost-aware keep probabilities (``keep="optimal", keep_cost="tokens"``; :func:`optimal_keep.cost_water_fill`)
+    Units of unequal cost (multi-turn episodes: 1 turn or 8, short or long observations) get
+    pi = clip(t * s / sqrt(c), pi_min, 1) with t solved so that the EXPECTED COST sum pi c is (1 - r) times the
+    units' total cost (the rate is then the expected share of compute saved). The caller passes ``costs``: at
+    completion level each episode's tokens (prompt + sampled + observation: what training it costs), at prompt
+    level the expected cost of the prompt's G episodes (NaN = unknown: the mean of the known ones). The weights
+    stay 1/pi, so the estimate stays unbiased (tests/unit/test_cost_aware_pruning.py).
+
 Selection modes
     ``bernoulli``     independent draws, keep prob exactly 1 - r (the theory).
     ``fixed_size``    prune exactly n = floor(r * |C|) of the |C| candidates of a decision set (the batch at prompt
@@ -68,12 +76,19 @@ import torch
 from torch import Tensor
 
 from ._checks import check_choice, check_finite, check_float_tensor, check_rate, floor_with_tolerance
-from .optimal_keep import completion_scores, predicted_relative_variance, systematic_sample, water_fill
+from .optimal_keep import (
+    completion_scores,
+    cost_water_fill,
+    predicted_relative_variance,
+    systematic_sample,
+    water_fill,
+)
 
 logger = logging.getLogger(__name__)
 
 DPPO_MODES = ("bernoulli", "fixed_size", "deterministic")
 DPPO_KEEPS = ("uniform", "optimal")
+DPPO_KEEP_COSTS = ("none", "tokens")
 CPPO_SCOPES = ("group", "batch")
 
 _warned_deterministic = False
@@ -218,6 +233,21 @@ def _require_generator(mode: str, generator: torch.Generator | None) -> None:
         )
 
 
+def _unit_costs(costs: Tensor | None, shape: torch.Size, name: str) -> Tensor:
+    """Float64 costs of the units of a cost-aware decision: > 0, NaN (unknown, e.g. a prompt never seen) replaced
+    by the mean of the known costs along the last dim (1 when none is known)."""
+    if costs is None:
+        raise ValueError(f"DPPO keep_cost='tokens' needs {name}, got None")
+    c = costs.detach().cpu().double()
+    if tuple(c.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(c.shape)}")
+    known = ~torch.isnan(c)
+    if bool((c[known] <= 0).any()) or not bool(torch.isfinite(c[known]).all()):
+        raise ValueError(f"{name} must be finite and > 0 (NaN = unknown)")
+    mean = torch.where(known, c, 0.0).sum(-1, keepdim=True) / known.sum(-1, keepdim=True).clamp(min=1)
+    return torch.where(known, c, torch.where(mean > 0, mean, 1.0).expand_as(c))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # DPPO
 # --------------------------------------------------------------------------------------------------------------
@@ -248,11 +278,13 @@ class DPPOPruner:
     probabilities at the same expected budget (module docstring), with ``length_exponent`` alpha of the completion
     proxy |A| L^alpha, the floor ``keep_floor`` (pi_min) and ``zero_advantage_gradient`` (True when the loss has a
     term whose gradient does not vanish at A = 0, e.g. KL: zero-advantage completions then get the floor, not 0).
+    ``keep_cost="tokens"`` (with keep="optimal"): cost-aware probabilities, pi proportional to s / sqrt(cost) at a
+    fixed expected cost (module docstring); ``select_prompts`` / ``select_completions`` then need ``costs``.
     """
 
     def __init__(self, r_q: float, r_o: float, mode: str = "bernoulli", keep: str = "uniform",
                  length_exponent: float = 0.0, keep_floor: float = 0.3,
-                 zero_advantage_gradient: bool = False) -> None:
+                 zero_advantage_gradient: bool = False, keep_cost: str = "none") -> None:
         self.r_q = check_rate("r_q", r_q)
         self.r_o = check_rate("r_o", r_o)
         self.mode = check_choice("DPPO mode", mode, DPPO_MODES)
@@ -268,6 +300,10 @@ class DPPOPruner:
         self.length_exponent = float(length_exponent)
         self.keep_floor = float(keep_floor)
         self.zero_advantage_gradient = bool(zero_advantage_gradient)
+        self.keep_cost = check_choice("DPPO keep cost", keep_cost, DPPO_KEEP_COSTS)
+        if keep_cost != "none" and keep != "optimal":
+            raise ValueError(f"DPPO keep_cost={keep_cost!r} shapes the optimal rule's probabilities; it needs "
+                             f"keep='optimal', got keep={keep!r}")
         if mode == "deterministic":
             global _warned_deterministic
             if not _warned_deterministic:
@@ -280,9 +316,11 @@ class DPPOPruner:
     def __repr__(self) -> str:
         extra = (f", length_exponent={self.length_exponent}, keep_floor={self.keep_floor}, "
                  f"zero_advantage_gradient={self.zero_advantage_gradient}") if self.keep == "optimal" else ""
+        extra += f", keep_cost={self.keep_cost!r}" if self.keep_cost != "none" else ""
         return f"DPPOPruner(r_q={self.r_q}, r_o={self.r_o}, mode={self.mode!r}, keep={self.keep!r}{extra})"
 
-    def select_prompts(self, history: Tensor, generator: torch.Generator | None = None) -> PruneResult:
+    def select_prompts(self, history: Tensor, generator: torch.Generator | None = None,
+                       costs: Tensor | None = None) -> PruneResult:
         """Prompt-level decision for history [B] (NaN = never seen); leading dims = independent decisions."""
         history = check_float_tensor("history", history, min_dim=1)
         finite_or_nan = torch.isfinite(history) | torch.isnan(history)
@@ -303,13 +341,18 @@ class DPPOPruner:
             keep_prob = torch.ones_like(h)
         else:
             budget = (1.0 - self.r_q) * h.shape[-1]
-            keep_prob = water_fill(score, budget, floor=self.keep_floor, forced=unseen)
+            if self.keep_cost == "tokens":  # cost-aware: expected cost sum pi c = (1 - r_q) * sum c
+                c = _unit_costs(costs, h.shape, "costs (expected cost of each prompt's episodes)")
+                keep_prob = cost_water_fill(score, c, (1.0 - self.r_q) * c.sum(-1), floor=self.keep_floor,
+                                            forced=unseen)
+            else:
+                keep_prob = water_fill(score, budget, floor=self.keep_floor, forced=unseen)
         keep = self._draw(keep_prob, generator)
         return _result(keep, keep_prob, keep_prob < 1.0, history.device, score)
 
     def select_completions(self, advantages: Tensor, generator: torch.Generator | None = None,
                            lengths: Tensor | None = None, prompt_prob: Tensor | None = None,
-                           generated: Tensor | None = None) -> PruneResult:
+                           generated: Tensor | None = None, costs: Tensor | None = None) -> PruneResult:
         """Completion-level decision for full-group advantages [B, G]; leading dims = independent decisions.
 
         For keep="optimal" (and for the reported proxy in either rule): ``lengths`` [B, G] completion tokens,
@@ -341,7 +384,12 @@ class DPPOPruner:
             floor = torch.where(units & may_carry_gradient, self.keep_floor, 0.0).double()
             flat = lambda t: t.flatten(-2)  # noqa: E731 - one decision over every completion of the batch
             budget = (1.0 - self.r_o) * units.flatten(-2).sum(-1).double()
-            keep_prob = water_fill(flat(score), budget, floor=flat(floor)).view(a.shape)
+            if self.keep_cost == "tokens":  # cost-aware: expected cost sum pi c = (1 - r_o) * sum c
+                c = torch.where(units, _unit_costs(costs, a.shape, "costs (tokens of each episode)"), 1.0)
+                budget = (1.0 - self.r_o) * torch.where(units, c, 0.0).flatten(-2).sum(-1)
+                keep_prob = cost_water_fill(flat(score), flat(c), budget, floor=flat(floor)).view(a.shape)
+            else:
+                keep_prob = water_fill(flat(score), budget, floor=flat(floor)).view(a.shape)
         keep = self._draw(keep_prob, generator, flatten=True) & units
         return _result(keep, keep_prob, units & (keep_prob < 1.0), advantages.device, score)
 

@@ -13,6 +13,10 @@ docs/algorithms.md packing step 3. A micro-batch of ``n`` sequences with true le
 * ``labels[t] = tokens[t + 1]`` when ``t + 1`` is in the same sequence, else 0 (last real token, padding);
 * ``loss_mask[t] = 1`` iff ``labels[t]`` is a completion token, i.e. ``p_i - 1 <= t - start_i <= l_i - 2``:
   the logit at position ``t`` predicts token ``t + 1``, so sequence ``i`` has exactly ``l_i - p_i`` loss positions;
+  with per-token ``loss_masks`` (multi-turn episodes: 1 on sampled tokens, 0 on observation tokens, one entry per
+  completion token) the mask is ANDed in: position ``start_i + p_i - 1 + j`` keeps its 1 only when
+  ``loss_masks[i][j] = 1``, so observation tokens are never predicted by the loss (and ``token_weight`` is 0
+  there too); the sequence then has ``sum(loss_masks[i])`` loss positions;
 * ``token_weight`` = the sequence's loss weight on its loss positions, 0 elsewhere; ``advantages`` = the
   sequence's advantage on its real tokens, 0 on padding; ``seq_index`` = ``i`` on real tokens, -1 on padding.
 
@@ -119,6 +123,23 @@ def _as_list(x, n: int, name: str) -> list[float]:
     return [float(v) for v in values]
 
 
+def _check_loss_masks(loss_masks, token_ids, prompt_lengths) -> list[list[float]] | None:
+    """Per sequence, its completion tokens' 0/1 mask (validated: one entry per completion token, values 0 or 1)."""
+    if loss_masks is None:
+        return None
+    if len(loss_masks) != len(token_ids):
+        raise ValueError(f"loss_masks has {len(loss_masks)} entries, expected one per sequence ({len(token_ids)})")
+    out = []
+    for i, (mask, seq, p) in enumerate(zip(loss_masks, token_ids, prompt_lengths)):
+        values = mask.tolist() if isinstance(mask, Tensor) else list(mask)
+        if len(values) != len(seq) - int(p):
+            raise ValueError(f"loss_masks[{i}] has {len(values)} entries for {len(seq) - int(p)} completion tokens")
+        if any(v not in (0, 1) for v in values):
+            raise ValueError(f"loss_masks[{i}] must hold only 0 and 1")
+        out.append([float(v) for v in values])
+    return out
+
+
 def _check_sequences(token_ids, prompt_lengths, sample_ids, advantages, token_weights):
     n = len(token_ids)
     if len(prompt_lengths) != n:
@@ -147,15 +168,18 @@ def build_thd_batch(
     token_weights: Sequence[float] | Tensor,
     pad_multiple: int = 1,
     pad_token_id: int = 0,
+    loss_masks: Sequence[Sequence[int]] | None = None,
 ) -> ThdBatch:
     """Concatenate whole sequences (prompt + completion token ids) into one THD micro-batch (module docstring).
 
     ``advantages[i]`` and ``token_weights[i]`` are per-sequence scalars (``token_weights`` = the
-    ``sequence_token_weights`` value). An empty ``token_ids`` gives the zero-token dummy micro-batch.
+    ``sequence_token_weights`` value). ``loss_masks[i]`` (optional) is the 0/1 mask of sequence i's completion
+    tokens, ANDed into the loss mask. An empty ``token_ids`` gives the zero-token dummy micro-batch.
     """
     if int(pad_multiple) != pad_multiple or pad_multiple < 1:
         raise ValueError(f"pad_multiple={pad_multiple} must be an integer >= 1")
     sample_list, adv, w = _check_sequences(token_ids, prompt_lengths, sample_ids, advantages, token_weights)
+    masks = _check_loss_masks(loss_masks, token_ids, prompt_lengths)
     if len(token_ids) == 0:
         return _dummy_batch(pad_multiple, pad_token_id)
 
@@ -178,8 +202,9 @@ def build_thd_batch(
         labels[start : end - 1] = ids[1:]
         position_ids[start : start + L] = torch.arange(L)
         # Positions p-1 .. l-2 predict tokens p .. l-1, the completion.
-        loss_mask[start + p - 1 : end - 1] = 1.0
-        token_weight[start + p - 1 : end - 1] = w[i]
+        completion = 1.0 if masks is None else torch.tensor(masks[i], dtype=torch.float32)
+        loss_mask[start + p - 1 : end - 1] = completion
+        token_weight[start + p - 1 : end - 1] = w[i] * completion
         advantage[start:end] = adv[i]
         seq_index[start:end] = i
         start += L
@@ -231,10 +256,11 @@ def build_rank_micro_batches(
     token_weights: Sequence[float] | Tensor,
     pad_multiple: int = 1,
     pad_token_id: int = 0,
+    loss_masks: Sequence[Sequence[int]] | None = None,
 ) -> list[ThdBatch]:
     """One rank's micro-batches from its part of a plan (``plan[rank]``). ``token_ids``, ``prompt_lengths``,
-    ``advantages`` and ``token_weights`` cover the whole step (indexed by the plan); ``sample_ids`` of each batch
-    are those step indices. Empty bins become dummy micro-batches."""
+    ``advantages``, ``token_weights`` and ``loss_masks`` (optional) cover the whole step (indexed by the plan);
+    ``sample_ids`` of each batch are those step indices. Empty bins become dummy micro-batches."""
     n = len(token_ids)
     adv = _as_list(advantages, n, "advantages")
     w = _as_list(token_weights, n, "token_weights")
@@ -254,17 +280,18 @@ def build_rank_micro_batches(
                 [w[i] for i in mb],
                 pad_multiple=pad_multiple,
                 pad_token_id=pad_token_id,
+                loss_masks=None if loss_masks is None else [loss_masks[i] for i in mb],
             )
         )
     return out
 
 
 def build_plan_micro_batches(plan, token_ids, prompt_lengths, advantages, token_weights, pad_multiple=1,
-                             pad_token_id=0) -> list[list[ThdBatch]]:
+                             pad_token_id=0, loss_masks=None) -> list[list[ThdBatch]]:
     """``[dp_rank][micro_batch] -> ThdBatch`` for a whole plan (tests, benchmarks; a rank only needs its own)."""
     return [
         build_rank_micro_batches(rank, token_ids, prompt_lengths, advantages, token_weights, pad_multiple,
-                                 pad_token_id)
+                                 pad_token_id, loss_masks)
         for rank in plan
     ]
 
@@ -313,9 +340,11 @@ def build_padded_batch(
     token_weights: Sequence[float] | Tensor,
     pad_token_id: int = 0,
     max_length: int | None = None,
+    loss_masks: Sequence[Sequence[int]] | None = None,
 ) -> PaddedBatch:
     """Right-padded ``[N, L]`` batch, ``L = max_length`` or the longest sequence. Same field rules as THD."""
     sample_list, adv, w = _check_sequences(token_ids, prompt_lengths, sample_ids, advantages, token_weights)
+    masks = _check_loss_masks(loss_masks, token_ids, prompt_lengths)
     n = len(token_ids)
     if n == 0:
         raise ValueError("token_ids is empty: a padded batch needs at least one sequence")
@@ -335,8 +364,9 @@ def build_padded_batch(
         ids = torch.as_tensor(list(seq), dtype=torch.long)
         tokens[i, :l] = ids
         labels[i, : l - 1] = ids[1:]
-        loss_mask[i, p - 1 : l - 1] = 1.0
-        token_weight[i, p - 1 : l - 1] = w[i]
+        completion = 1.0 if masks is None else torch.tensor(masks[i], dtype=torch.float32)
+        loss_mask[i, p - 1 : l - 1] = completion
+        token_weight[i, p - 1 : l - 1] = w[i] * completion
         advantage[i, :l] = adv[i]
         seq_index[i, :l] = i
         attention_mask[i, :l] = True

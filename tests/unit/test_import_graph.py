@@ -93,16 +93,17 @@ def test_no_import_circle_in_the_package():
 # --------------------------------------------------------------------------------------------------------------
 # The layers, as data: each package and the packages of ours it may import (besides its own modules)
 # --------------------------------------------------------------------------------------------------------------
-PURE = {"algo", "packing", "config", "dist"}  # import nothing of ours
+PURE = {"algo", "packing", "config", "dist", "env"}  # import nothing of ours
 ENGINES = {"rewards", "data", "rollout", "megatron", "convert"}
 ALLOWED: dict[str, set[str]] = {
     "algo": set(),  # plain torch: advantages, pruning, losses
     "packing": set(),  # plain torch: Dense Prompt Packing, THD batches
     "config": set(),  # typed dataclasses, YAML, overrides
     "dist": set(),  # the process layer: launch, collectives, placement, weight/batch transfer, staleness
+    "env": set(),  # multi-turn environments, tools, token-in-token-out streams
     "rewards": {"dist"},
     "data": {"rewards"},  # (gold-answer extraction is the reward's)
-    "rollout": {"dist"},  # generation engines (HF, vLLM)
+    "rollout": {"dist", "env"},  # generation engines (HF, vLLM), multi-turn episodes
     "megatron": {"algo", "packing", "dist"},  # the training engine
     "convert": {"megatron", "dist"},  # HF <-> Megatron checkpoints
     "run": PURE | ENGINES,  # what a run is built from, its state, lifecycle, console, metrics sinks
