@@ -3,11 +3,14 @@
 verl_grpo``. Each peer formula is re-implemented below from the upstream source cited next to it (read from the
 PyPI wheels verl==0.9.1 and trl==1.16.0), and each test also shows that the alternative form differs on the same
 inputs, so the comparison can fail. GSPO's log-ratio cap (``loss.gspo_log_ratio_cap``) is compared with verl's real
-``compute_policy_loss_gspo`` (``requirements/verl-peer.txt``; skipped without verl).
+``compute_policy_loss_gspo`` (``make peers``; skipped without it).
 """
 from __future__ import annotations
 
+import importlib
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,15 +173,22 @@ def test_verl_grpo_preset_with_gspo_is_verls_gspo():
     assert resolve_loss_preset("verl_grpo")[0].clip_ratio_c == 3.0
 
 
-def real_verl():
-    """verl 0.9.1's own functions (``pip install --no-deps -r requirements/verl-peer.txt``); the test skips without
-    them."""
-    core = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is not installed (pip install --no-deps "
-                                                                     "-r requirements/verl-peer.txt)")
-    from verl.workers.config import ActorConfig
+VERL_SITE = Path(__file__).resolve().parents[2] / ".peers" / "verl"  # `make peers` (requirements/verl-peer.txt)
 
-    return core, ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_size=GROUP,
-                             rollout_n=GROUP, clip_ratio=0.2)
+
+def real_verl():
+    """verl 0.9.1's own core_algos and ActorConfig, imported from ``.peers/verl``, which is on sys.path only while
+    they import (verl's wheel also ships a top-level ``tests`` package); skips when the folder is absent."""
+    if not (VERL_SITE / "verl").is_dir():
+        pytest.skip(f"verl is not installed in {VERL_SITE} (make peers)")
+    sys.path.insert(0, str(VERL_SITE))
+    try:
+        core = importlib.import_module("verl.trainer.ppo.core_algos")
+        actor_config = importlib.import_module("verl.workers.config").ActorConfig
+    finally:
+        sys.path.remove(str(VERL_SITE))
+    return core, actor_config(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_size=GROUP,
+                              rollout_n=GROUP, clip_ratio=0.2)
 
 
 def test_verl_grpo_gspo_caps_the_log_ratio_as_verls_real_function():
