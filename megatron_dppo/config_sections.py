@@ -139,7 +139,11 @@ class RolloutConfig:
     top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1].")
     top_k: int = opt(-1, "Top-k sampling; -1 = off.")
     batch_size: int = opt(64, "HF engine: sequences generated per forward batch.")
-    gpu_memory_utilization: float = opt(0.5, "vLLM: fraction of GPU memory for weights + KV cache.")
+    gpu_memory_utilization: float = opt(0.5, "vLLM: the most of the GPU's memory (a fraction of its total) vLLM "
+                                             "may take for weights + KV cache. When less is free where its engine "
+                                             "is built (colocated: after the trainer), vLLM gets the free memory "
+                                             "less 1 GiB (logged); start-up is refused, naming this option, when "
+                                             "that cannot hold its weights and one full-length sequence.")
     enforce_eager: bool = opt(False, "vLLM: disable CUDA graphs.")
     sleep_between_steps: bool = opt(True, "vLLM on GPU: release rollout memory while training (sleep/wake).")
     weight_bucket_mb: int = opt(256, "Weight push: bucket size (MiB) of the streaming Megatron->HF export.")
