@@ -152,7 +152,7 @@ if [[ $MODE != no-te ]]; then
         TE_STATUS=failed
         remove_te
         if ! "$PY" -c "import megatron.core" 2>/dev/null; then
-            say "error: import megatron.core fails even without Transformer Engine; see: $PY -c 'import megatron.core'" >&2
+            say "error: import megatron.core fails even without Transformer Engine ($PY -c 'import megatron.core')" >&2
             exit 1
         fi
         say "Transformer Engine was NOT installed (the end of $LOG says why); every piece was removed and"
