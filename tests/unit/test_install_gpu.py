@@ -183,3 +183,25 @@ def test_te_that_builds_but_does_not_import_is_removed(tmp_path, env_with_half_t
            "transformer-engine-cu13" in out
     assert _te_pieces(python, env) == []
     assert _run(python, "-c", "import megatron.core", env=env).returncode == 0
+
+
+def test_transformer_engine_is_pinned_whole_in_one_place():
+    """The old recipe's defect: requirements/gpu.txt and the `gpu` extra pinned transformer-engine-cu13 (the core
+    library) without the transformer-engine package, a TE that breaks `import megatron.core`. TE is pinned only in
+    requirements/gpu-te.txt, as transformer-engine[core_cuNN]==V, which scripts/install_gpu.sh completes with the
+    torch binding of the same version (or removes)."""
+    import ast
+    import re
+
+    te = re.compile(r"^\s*transformer[-_.]engine", re.I)
+    for path in sorted((REPO / "requirements").glob("*.txt")):
+        pins = [line for line in path.read_text().splitlines() if te.match(line)]
+        if path.name == "gpu-te.txt":
+            assert len(pins) == 1 and re.fullmatch(r"transformer-engine\[core_cu1[23]\]==\d+\.\d+\.\d+", pins[0])
+        else:
+            assert pins == [], f"{path.name} pins part of Transformer Engine: {pins}"
+    setup = ast.parse((REPO / "setup.py").read_text())
+    extras = next(kw.value for node in ast.walk(setup) if isinstance(node, ast.Call)
+                  for kw in node.keywords if kw.arg == "extras_require")
+    requirements = [r for values in ast.literal_eval(extras).values() for r in values]
+    assert not [r for r in requirements if te.match(r)], requirements
