@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test test-all test-slow test-vllm bench-trl clean
+.PHONY: venv peers demo test test-all test-slow test-vllm bench-trl clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,16 @@ $(VENV)/.installed: $(BIN)/python requirements/cpu.txt setup.py
 	touch $@
 
 venv: $(VENV)/.installed
+
+# verl's real loss functions for the peer-parity tests (tests/unit/test_loss_peers.py), in a folder of their own:
+# verl's wheel ships a top-level `tests` package that would shadow this repository's tests in .venv. The tests put
+# the folder on sys.path only while they import verl, and skip when it is absent.
+peers: .peers/verl/.installed
+
+.peers/verl/.installed: requirements/verl-peer.txt | $(BIN)/python
+	rm -rf .peers/verl
+	$(BIN)/pip install --quiet --no-deps --target .peers/verl -r requirements/verl-peer.txt
+	touch $@
 
 # The CPU quickstart: a tiny Qwen2 learns arithmetic with a warm start then DPPO (~2-3 min on 2 cores).
 # Starts over each time; the reward curve lands in runs/quickstart/reward_curve.png.
@@ -38,7 +48,7 @@ test-vllm: venv
 	bash .ci/vllm.sh
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-trl build *.egg-info
+	rm -rf $(VENV) .venv-vllm .venv-trl .peers build *.egg-info
 
 # Step time vs TRL's GRPOTrainer on the quickstart's work (benchmarks/vs_trl.py); TRL gets its own venv, .venv-trl.
 # A benchmark, not a test: ~15-25 min on 2 cores. Results: runs/vs_trl/vs_trl.json.

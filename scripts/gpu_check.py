@@ -8,14 +8,19 @@ The stages live in ``scripts/gpu_checks/`` by concept: ``harness`` (the runner a
 batches, engines, FLOPs), ``env_stages`` (1-2), ``attention_stage`` (3), ``parity_stages`` (4, 5b),
 ``train_stages`` (5, 6), ``quickstart_stage`` (7), ``async_stage`` (8).
 
+A stage that takes the whole process down (the time limit's SIGTERM, a CUDA abort, a segfault) stays in the report
+as ``crashed`` (``gpu_checks/harness.py``).
+
 Stages (pass/fail thresholds in each):
 
-1. environment   versions, GPU, attention backends available; measured bf16 GEMM peak (8192^3, mean of 10).
+1. environment   versions, GPU and its compute mode (nvidia-smi: under Exclusive_Process, which admits one
+                 process, the quickstart and async stages skip), attention backends available; measured bf16 GEMM
+                 peak (8192^3, mean of 10).
 2. dist          NCCL process group + Megatron model-parallel state, world of 1; an all-reduce.
 3. varlen        torch varlen FlashAttention (through ``attention.varlen_attention``) == per-sequence SDPA,
                  forward and backward, GQA, bf16 and fp16 against an fp32 reference (must be within 2x of bf16
                  SDPA's own error); ``VarlenCoreAttention`` == ``SDPACoreAttention`` on a packed batch with padded
-                 segments and tail padding.
+                 segments and tail padding (within a few rounding steps of each tensor's largest value).
 4. hf_parity     llama / qwen2 / qwen3 random models: every tensor on the GPU in bf16 (``device_dtype_audit``),
                  Megatron THD logits vs transformers per sequence, and the Megatron -> HF export round trip
                  (bit-exact).
@@ -43,6 +48,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -53,7 +59,7 @@ sys.path.insert(0, str(REPO))
 from gpu_checks.async_stage import stage_async  # noqa: E402 - after the repository joins sys.path
 from gpu_checks.attention_stage import stage_varlen  # noqa: E402
 from gpu_checks.env_stages import stage_dist, stage_environment  # noqa: E402
-from gpu_checks.harness import REPORT, Check  # noqa: E402
+from gpu_checks.harness import REPORT, Check, Stop  # noqa: E402
 from gpu_checks.parity_stages import stage_hf_parity, stage_moe  # noqa: E402
 from gpu_checks.quickstart_stage import stage_quickstart  # noqa: E402
 from gpu_checks.train_stages import stage_checkpoint, stage_train_step  # noqa: E402
@@ -75,11 +81,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out or os.environ.get("OUT") or REPO / "gpu_check_out")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_check_work_"))
+    signal.signal(signal.SIGTERM, _stop)  # the time limit (`timeout`): the running stage is recorded as crashed
     try:
         return run_stages(Check(args.cpu_smoke, out, work), args)
+    except Stop:
+        return 128 + signal.SIGTERM
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _stop(signum, frame):
+    raise Stop(f"stopped by signal {signal.Signals(signum).name} (the time limit?)")
 
 
 def run_stages(check: Check, args) -> int:
@@ -101,11 +114,16 @@ def run_stages(check: Check, args) -> int:
         check.write()
         return 2
     ok = True
-    for name, fn in STAGES:
-        if name in skipped:
-            check.report["stages"][name] = {"status": "skip", "reason": "--skip"}
-        elif wanted is None or name in wanted or name in ("environment", "dist"):
-            ok = check.run(name, lambda fn=fn: fn(check)) and ok
+    try:
+        for name, fn in STAGES:
+            if name in skipped:
+                check.report["stages"][name] = {"status": "skip", "reason": "--skip"}
+            elif wanted is None or name in wanted or name in ("environment", "dist"):
+                ok = check.run(name, lambda fn=fn: fn(check)) and ok
+    except BaseException:  # a stop from outside: the stage is recorded as crashed; say what ran
+        check.report["summary"] = {k: v["status"] for k, v in check.report["stages"].items()}
+        check.write()
+        raise
     try:
         from megatron_dppo.megatron.parallel import destroy_parallel
 

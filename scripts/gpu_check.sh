@@ -18,7 +18,7 @@ if [[ -z "$PY" ]]; then
     if [[ -x .venv/bin/python ]] && .venv/bin/python -c "import torch" >/dev/null 2>&1; then PY=.venv/bin/python; else PY=python3; fi
 fi
 command -v nvidia-smi >/dev/null 2>&1 &&
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+    nvidia-smi --query-gpu=name,memory.total,driver_version,compute_mode --format=csv,noheader 2>/dev/null || true
 
 # Wheels the device lacks (megatron-core, math-verify, ...) travel in .whl/ (scripts/device_wheels.sh).
 SITE="${GPU_CHECK_SITE:-/tmp/dppo-site}"

@@ -18,9 +18,12 @@ Per-token objective (to MAXIMIZE):  s_t = pg_t - beta * KL_t, with
                   through the sequence mean, and a kept token's gradient carries the sequence's weights, not its own.
                 stop_gradient (verl's compute_policy_loss_gspo): the per-token ratio s_t = sg[S] * pi_t / sg[pi_t]
                   has the value S and the gradient S * grad log pi_t, so token t's gradient is c_t u_t d pg/d S * S:
-                  each token carries its own weight; a masked token gets none. (verl also clamps log s_t at 10,
-                  which zeroes the gradient above S = e^10; not reproduced.)
+                  each token carries its own weight; a masked token gets none.
               With no rollout factor (u constant within a sequence) the two give the same value and gradient.
+              ``gspo_log_ratio_cap`` = m (off when None; verl clamps at 10): the log of the ratio (log S, or log s_t
+              in the stop_gradient form) is clamped at m before exp, so the ratio is at most e^m and its gradient
+              is zero where the clamp binds (log S > m). Only the unclipped branch of a negative-advantage term
+              reaches such a ratio, so the cap bounds that term at e^m |A| and drops its gradient.
 
 Dual clip (``clip_ratio_c`` = c > 1, off when None; Ye et al. 2019, verl's ``clip_ratio_c``): for tokens with
 A < 0 the clipped objective is bounded below, pg_t = max(pg_t, c * A), so a huge ratio on a negative-advantage
@@ -127,6 +130,7 @@ class LossConfig:
     rollout_correction_cap: float = 2.0  # upper bound of the rollout IS weight
     rollout_correction_cap_low: float = 0.0  # lower bound of the rollout IS weight
     gspo_gradient: str = "autograd"  # autograd (TRL) | stop_gradient (verl); module docstring, gspo
+    gspo_log_ratio_cap: float | None = None  # gspo: clamp log S (log s_t) at this value (verl: 10; None = off)
     kl_bias_correction: bool = False  # KL_t times the importance ratio (TRL use_bias_correction_kl)
 
     def __post_init__(self) -> None:
@@ -147,6 +151,10 @@ class LossConfig:
         if self.clip_ratio_c is not None and not (math.isfinite(self.clip_ratio_c) and self.clip_ratio_c > 1):
             raise ValueError(f"LossConfig.clip_ratio_c must be None (off) or a finite number > 1, got "
                              f"{self.clip_ratio_c!r}")
+        cap = self.gspo_log_ratio_cap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                                or not (math.isfinite(cap) and cap > 0)):
+            raise ValueError(f"LossConfig.gspo_log_ratio_cap must be None (off) or a finite number > 0, got {cap!r}")
         if self.kl_clamp is not None and not (math.isfinite(self.kl_clamp) and self.kl_clamp > 0):
             raise ValueError(f"LossConfig.kl_clamp must be None (off) or a finite number > 0, got {self.kl_clamp!r}")
         if self.rollout_correction_cap <= self.rollout_correction_cap_low:
@@ -233,7 +241,8 @@ def gspo(logp, old_logp, advantages, loss_mask, seq_index, cfg):
     """pg_t = min(S A, clip(S, 1-eps_low, 1+eps_high) A), S = exp(mean over the sequence of logp - old_logp).
 
     ``cfg.gspo_gradient == "stop_gradient"``: S is replaced by verl's s_t = exp(sg[log S] + logp_t - sg[logp_t]),
-    the same value with the gradient S * d logp_t of token t alone (module docstring)."""
+    the same value with the gradient S * d logp_t of token t alone (module docstring). ``cfg.gspo_log_ratio_cap``
+    clamps that log-ratio from above before exp (verl's 10)."""
     if seq_index is None:
         raise ValueError("policy loss 'gspo' needs seq_index to group tokens into sequences, got None")
     mask = loss_mask > 0
@@ -241,6 +250,8 @@ def gspo(logp, old_logp, advantages, loss_mask, seq_index, cfg):
     log_seq = sequence_mean(log_ratio, loss_mask, seq_index)
     if cfg.gspo_gradient == "stop_gradient":
         log_seq = log_seq.detach() + (log_ratio - log_ratio.detach())
+    if cfg.gspo_log_ratio_cap is not None:
+        log_seq = torch.clamp(log_seq, max=cfg.gspo_log_ratio_cap)
     return _clipped_min(torch.exp(log_seq), advantages, mask, cfg)
 
 
@@ -266,7 +277,8 @@ def importance_ratio(logp: Tensor, old_logp: Tensor, loss_mask: Tensor, seq_inde
 #: verl_grpo: verl's actor defaults with its GRPO example (verl/trainer/config/actor/actor.yaml: clip_ratio 0.2,
 #:   clip_ratio_c 3.0, loss_agg_mode token-mean; examples/grpo_trainer: use_kl_loss, kl_loss_coef 0.001,
 #:   kl_loss_type low_var_kl, which verl clamps to [-10, 10]; advantage epsilon 1e-6); with policy_loss gspo,
-#:   verl's compute_policy_loss_gspo: the stop-gradient token ratio and no dual clip (PRESET_POLICY_RULES);
+#:   verl's compute_policy_loss_gspo: the stop-gradient token ratio with its log clamped at 10
+#:   (gspo_log_ratio_cap) and no dual clip (PRESET_POLICY_RULES);
 #: trl_grpo: TRL GRPOConfig defaults (epsilon 0.2, beta 0.0, loss_type "dapo" = token sum over the batch's
 #:   tokens, scale_rewards "group" with std + 1e-4, use_bias_correction_kl True: acts once kl_coef > 0).
 LOSS_PRESETS: dict[str, tuple[LossConfig, str]] = {
@@ -275,7 +287,8 @@ LOSS_PRESETS: dict[str, tuple[LossConfig, str]] = {
     "gspo": (LossConfig("gspo", 3e-4, 4e-4, 0.0, "k3", "seq_mean_token_mean"), "grpo"),
     "dr_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k3", "seq_mean_token_sum_norm"), "dr_grpo"),
     "verl_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.001, "k3", "token_mean", clip_ratio_c=3.0, kl_clamp=10.0,
-                             advantage_eps=1e-6, gspo_gradient="stop_gradient"), "grpo"),
+                             advantage_eps=1e-6, gspo_gradient="stop_gradient", gspo_log_ratio_cap=10.0),
+                  "grpo"),
     "trl_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k3", "token_mean", advantage_eps=1e-4,
                             kl_bias_correction=True), "grpo"),
 }
@@ -521,6 +534,7 @@ def reference_objective(
     Dual clip (A < 0): each term max(term, c A); ``kl_clamp``: k3 with x in [-20, 20], KL_t in [-c, c];
     ``rollout_weight`` [B, G, L]: u_t multiplies each ppo_clip token term (the whole gspo term per token);
     gspo ``stop_gradient``: the token terms min(s_t A, clip(s_t) A), s_t = exp(sg[log S] + log rho_t - sg[log rho_t]);
+    ``gspo_log_ratio_cap`` m: the ratio's log (log S or log s_t) clamped at m;
     ``kl_bias_correction``: KL_t times rho_t (ppo_clip) or S (gspo).
     ``denominator`` overrides D (e.g. the Horvitz-Thompson T_hat). Only the built-in losses/estimators.
     """
@@ -540,8 +554,13 @@ def reference_objective(
         log_seq = log_rho.sum(-1) / length.clamp(min=1)
         kl_ratio = torch.exp(log_seq)[..., None].expand_as(logp)
         ratio = kl_ratio
+        log_ratio = log_seq[..., None].expand_as(logp)
         if cfg.gspo_gradient == "stop_gradient":
-            ratio = torch.exp(log_seq.detach()[..., None] + log_rho - log_rho.detach())
+            log_ratio = log_seq.detach()[..., None] + log_rho - log_rho.detach()
+        if cfg.gspo_log_ratio_cap is not None:
+            log_ratio = torch.clamp(log_ratio, max=cfg.gspo_log_ratio_cap)
+        if cfg.gspo_gradient == "stop_gradient" or cfg.gspo_log_ratio_cap is not None:
+            ratio = torch.exp(log_ratio)
     a_t = a[..., None]
     pg = torch.minimum(ratio * a_t, torch.clamp(ratio, lo, hi) * a_t)
     if cfg.clip_ratio_c is not None:

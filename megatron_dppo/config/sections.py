@@ -139,7 +139,11 @@ class RolloutConfig:
     top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1].")
     top_k: int = opt(-1, "Top-k sampling; -1 = off.")
     batch_size: int = opt(64, "HF engine: sequences generated per forward batch.")
-    gpu_memory_utilization: float = opt(0.5, "vLLM: fraction of GPU memory for weights + KV cache.")
+    gpu_memory_utilization: float = opt(0.5, "vLLM: the most of the GPU's memory (a fraction of its total) vLLM "
+                                             "may take for weights + KV cache. When less is free where its engine "
+                                             "is built (colocated: after the trainer), vLLM gets the free memory "
+                                             "less 1 GiB (logged); start-up is refused, naming this option, when "
+                                             "that cannot hold its weights and one full-length sequence.")
     enforce_eager: bool = opt(False, "vLLM: disable CUDA graphs.")
     sleep_between_steps: bool = opt(True, "vLLM on GPU: release rollout memory while training (sleep/wake).")
     weight_bucket_mb: int = opt(256, "Weight push: bucket size (MiB) of the streaming Megatron->HF export.")
@@ -258,8 +262,9 @@ class LossConfig:
         "grpo", "Loss preset: grpo (PPO clip, seq-mean-token-mean, std-normalized A), dapo (clip-higher 0.28, "
                 "token-mean), gspo (sequence ratio), dr_grpo (no std, sum-norm by L_max); the peers' defaults by "
                 "name: verl_grpo (token-mean, dual clip 3, k3 KL 0.001 clamped to 10, advantage eps 1e-6; with "
-                "policy_loss=gspo as verl's GSPO: no dual clip, gspo_gradient=stop_gradient), trl_grpo (token-"
-                "mean, no KL, advantage eps 1e-4, kl_bias_correction on). Several updates per rollout are train."
+                "policy_loss=gspo as verl's GSPO: no dual clip, gspo_gradient=stop_gradient, gspo_log_ratio_cap "
+                "10), trl_grpo (token-mean, no KL, advantage eps 1e-4, kl_bias_correction on). Several updates per "
+                "rollout are train."
                 "mini_batches / train.epochs (verl ppo_mini_batch_size / ppo_epochs, TRL steps_per_generation / "
                 "num_iterations).")
     policy_loss: Optional[Literal["ppo_clip", "gspo"]] = opt(None, "Override: per-token PPO clip or GSPO.")
@@ -300,6 +305,11 @@ class LossConfig:
               "pi_t/sg[pi_t], token t's gradient carries its own u_t. Identical without rollout_correction. "
               "Default autograd: it is the exact gradient of the GSPO objective the docs write, and leaves runs "
               "without rollout correction bit for bit as before; prefer stop_gradient with mis.")
+    gspo_log_ratio_cap: Optional[float] = opt(
+        None, "Override: GSPO only: clamp the log of the sequence ratio (log S; log s_t under stop_gradient) at "
+              "this value before exp, so the ratio is at most e^cap and gets no gradient where the clamp binds "
+              "(log S > cap; only negative-advantage terms reach it). 10 in verl_grpo (verl's "
+              "compute_policy_loss_gspo); null in the other presets = no cap.")
     kl_bias_correction: Optional[bool] = opt(
         None, "Override: multiply the KL term by the importance ratio (rho_t; S for gspo) with full autograd, "
               "TRL's use_bias_correction_kl (on in trl_grpo, off elsewhere); acts only with kl_coef > 0.")
@@ -314,6 +324,8 @@ class LossConfig:
         _check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "loss.clip_ratio_c", self.clip_ratio_c,
                "null or > 1")
         _check(self.kl_clamp is None or self.kl_clamp > 0, "loss.kl_clamp", self.kl_clamp, "null or > 0")
+        _check(self.gspo_log_ratio_cap is None or self.gspo_log_ratio_cap > 0, "loss.gspo_log_ratio_cap",
+               self.gspo_log_ratio_cap, "null or > 0")
         for name in ("rollout_correction_cap", "rollout_correction_cap_low"):
             v = getattr(self, name)
             _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")

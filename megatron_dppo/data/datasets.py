@@ -22,9 +22,14 @@ index). ``load_prompt_dataset(path)`` reads a file whose rows carry ``id``, ``pr
 ``FieldSpec()`` (question / answer). A prompt spec containing "{" is a template over the row's fields. Hub ids and
 Hub-format folders are read by ``megatron_dppo.data.hub``.
 
-Bad input fails early with the file, the line (row number for parquet) and the field: invalid JSON, a row that is
-not an object, a missing / null / non-text field, an empty prompt, a GSM8K answer without "#### ". A missing file
-and a file without rows fail too. All of these raise ``DatasetError`` (a ValueError).
+Bad input fails early with the file, the line (row number for parquet) and the field: invalid JSON, a line that
+is not UTF-8, a row that is not an object, a missing / null / non-text field, an empty prompt, a GSM8K answer
+without "#### ". A missing file, a file without rows, an unsupported file type and a file its reader cannot parse
+(a damaged parquet file) fail too. All of these raise ``DatasetError`` (a ValueError: the CLI prints one
+``error:`` line and exits 2). The one exception is a read with ``bad_rows="skip"`` (named sets that choose it,
+e.g. deepscaler, in ``megatron-dppo data prepare``): every unreadable row, an invalid JSON line included, is
+dropped and counted (``ReadStats``, the manifest's ``skipped``) and the read goes on; a file that cannot be parsed
+at all still fails.
 """
 from __future__ import annotations
 
@@ -151,25 +156,41 @@ def preset_for_name(path: str | Path) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+def _iter_jsonl(path: Path, skipped: ReadStats | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, row) of a JSON lines file. A line that is not a JSON object raises DatasetError, or with
+    ``skipped`` (``bad_rows="skip"``) is counted there and passed over."""
     offset = 0  # of the line in the file, in bytes
     with path.open("rb") as handle:
         for line_no, raw in enumerate(handle, start=1):
+            start, offset = offset, offset + len(raw)
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DatasetError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte offset "
-                                   f"{offset + err.start} of the file); save the file as UTF-8") from None
-            offset += len(raw)
-            if not line.strip():
+                row = _json_object(raw, start, f"{path}:{line_no}")
+            except DatasetError as err:
+                if skipped is None:
+                    raise
+                skipped.rows += 1
+                skipped.skipped.append(str(err))
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DatasetError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__}")
-            yield line_no, row
+            if row is not None:
+                yield line_no, row
+
+
+def _json_object(raw: bytes, offset: int, where: str) -> dict | None:
+    """One JSON lines row (None for a blank line); ``offset``: the line's byte offset in the file."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{where}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte offset "
+                           f"{offset + err.start} of the file); save the file as UTF-8") from None
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+    return row
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, dict]]:
@@ -178,7 +199,13 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, dict]]:
     except ImportError:
         raise DatasetError(f"{path}: reading parquet files needs pyarrow, which is not installed "
                            "(pip install pyarrow), or convert the file to JSONL") from None
-    table = pq.read_table(path)
+    import pyarrow as pa
+
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as err:  # a damaged or truncated file: "Couldn't deserialize thrift", ...
+        raise DatasetError(f"{path}: not a readable parquet file ({type(err).__name__}: "
+                           f"{str(err).strip().splitlines()[0] if str(err).strip() else 'no detail'})") from None
     for row_no, row in enumerate(table.to_pylist(), start=1):
         yield row_no, row
 

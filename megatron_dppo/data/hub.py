@@ -64,7 +64,7 @@ class HubDataset:
     subset: str | None = None
     reward: str = "math"
     dedupe: bool = False  # drop rows whose prompt and gold repeat an earlier row's
-    bad_rows: str = "error"  # "skip": drop rows whose prompt or gold cannot be read (counted in the manifest)
+    bad_rows: str = "error"  # "skip": drop unreadable rows, counted in the manifest (datasets.py, "Bad input")
     about: str = ""
 
 
@@ -162,6 +162,9 @@ def resolve_source(dataset: str, split: str | None = None, subset: str | None = 
                       d.reward, d.dedupe, d.bad_rows, revision, {"role": role})
     path = Path(dataset).expanduser()
     if path.is_file():
+        if path.suffix.lower() not in _FILE_SUFFIXES:
+            raise DatasetError(f"{path}: unsupported data file type {path.suffix or '(no suffix)'!r}; data files end "
+                               f"in {', '.join(_FILE_SUFFIXES)} (or give a Hub id or a dataset folder)")
         return Source("file", str(path), path.name.split(".")[0], split, subset, fields)
     if path.is_dir():
         marker = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
@@ -197,6 +200,11 @@ def hub_error(src: Source, err: Exception) -> DatasetError:
         f"<file>.jsonl or data.train_files), or fill the cache there (HF_HOME) and copy it here.")
 
 
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def _split_of(ds: Any, split: str | None, where: str):
     """One split of a DatasetDict: ``split``, else train, else its only split."""
     if not hasattr(ds, "keys"):
@@ -223,8 +231,12 @@ def _load(src: Source):
             raise DatasetError(f"{src.location}: not a readable save_to_disk folder: {err}") from None
     if src.kind == "file":
         suffix = Path(src.location).suffix.lower()
-        builder = {".csv": "csv", ".arrow": "arrow", ".json": "json"}[suffix]
-        return datasets.load_dataset(builder, data_files=src.location, split="train")
+        builder = {".csv": "csv", ".arrow": "arrow", ".json": "json"}[suffix]  # (resolve_source checked it)
+        try:
+            return datasets.load_dataset(builder, data_files=src.location, split="train")
+        except Exception as err:  # noqa: BLE001 - the library raises many types; the message names the file
+            raise DatasetError(f"{src.location}: not a readable {suffix[1:]} file: {type(err).__name__}: "
+                               f"{_first_line(err)}") from None
     if src.kind == "folder":
         try:
             ds = datasets.load_dataset(src.location, src.subset, split=None)
@@ -239,19 +251,20 @@ def _load(src: Source):
         raise hub_error(src, err) from None
 
 
-def _native_rows(path: Path) -> Iterator[tuple[int, dict]] | None:
-    """Rows of a file the package reads without ``datasets`` (JSON lines, parquet); None for other files."""
+def _native_rows(path: Path, skipped: ReadStats | None = None) -> Iterator[tuple[int, dict]] | None:
+    """Rows of a file the package reads without ``datasets`` (JSON lines, parquet); None for other files.
+    ``skipped``: unreadable JSON lines are counted there instead of raising (``bad_rows="skip"``)."""
     from megatron_dppo.data.datasets import _iter_jsonl, _iter_parquet  # noqa: PLC0415
 
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return _iter_parquet(path)
     if suffix in (".jsonl", ".ndjson"):
-        return _iter_jsonl(path)
+        return _iter_jsonl(path, skipped)
     if suffix == ".json":
         with path.open("rb") as handle:
             head = handle.read(4096).lstrip()
-        return None if head.startswith(b"[") else _iter_jsonl(path)
+        return None if head.startswith(b"[") else _iter_jsonl(path, skipped)
     return None
 
 
@@ -264,7 +277,9 @@ def load_records(dataset: str, *, split: str | None = None, subset: str | None =
     ``prepared`` layout when the first row is in it, else the preset whose name starts the file / folder / repo
     name, else question / answer."""
     src = resolve_source(dataset, split, subset, fields, revision)
-    rows = _native_rows(Path(src.location)) if src.kind == "file" else None
+    stats = stats if stats is not None else ReadStats()
+    bad_rows = bad_rows or src.bad_rows
+    rows = _native_rows(Path(src.location), stats if bad_rows == "skip" else None) if src.kind == "file" else None
     if src.kind == "file" and (src.split or src.subset):
         raise DatasetError(f"{src.location}: a single file has no splits or subsets; unset data.split / "
                            "data.subset (or give a folder / Hub id)")
@@ -283,10 +298,8 @@ def load_records(dataset: str, *, split: str | None = None, subset: str | None =
     where_name = src.location + (f" [{src.split}]" if src.split and src.kind != "file" else "")
     unit = "line" if src.kind == "file" and Path(src.location).suffix.lower() in (".jsonl", ".ndjson") else "row"
     where = (lambda n: f"{where_name}:{n}") if unit == "line" else (lambda n: f"{where_name}: row {n}")
-    stats = stats if stats is not None else ReadStats()
     records = rows_to_records(itertools.chain([first], rows), spec, src.name, where, limit,
-                              bad_rows=bad_rows or src.bad_rows, dedupe=src.dedupe if dedupe is None else dedupe,
-                              stats=stats)
+                              bad_rows=bad_rows, dedupe=src.dedupe if dedupe is None else dedupe, stats=stats)
     if not records:
         raise DatasetError(f"dataset {dataset!r}: no usable rows ({stats.rows} read, {len(stats.skipped)} "
                            f"skipped, e.g. {stats.skipped[:1]})")

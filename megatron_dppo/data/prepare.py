@@ -16,10 +16,16 @@ duplicate, the columns used, and the file's SHA-256; preparing into the same fol
 
 ``--source NAME=SRC`` (or ``NAME:ROLE=SRC``) reads NAME from SRC instead of its Hub id: another Hub id, a Hub-format
 folder, or a file (then the columns follow the file name's preset, e.g. ``aime24.jsonl``, else NAME's own).
+
+Errors: a source that cannot be read, an output folder that cannot be created (both ``DatasetError``: one
+``error:`` line, exit 2) and a file system that fills up (``PrepareWriteError``, an OSError naming the file and the
+folder: exit 1) stop the command; a file is only ever replaced whole (written to ``<name>.jsonl.tmp``, renamed),
+and a failed write removes its ``.tmp``.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import hashlib
 import json
 import os
@@ -30,6 +36,10 @@ from megatron_dppo.data.hub import HUB_DATASETS, ROLES, load_records, named
 from megatron_dppo.data.suites import SUITES
 
 MANIFEST = "manifest.json"
+
+
+class PrepareWriteError(OSError):
+    """An output file could not be written (disk full, quota, I/O error); names the file and its folder."""
 
 
 def sha256_file(path: Path) -> str:
@@ -75,13 +85,56 @@ def parse_sources(items: list[str]) -> dict[tuple[str, str | None], str]:
     return out
 
 
-def _write_jsonl(records, path: Path) -> None:
+def _replace_whole(path: Path, write) -> None:
+    """Write ``path`` through ``<name>.tmp`` (``write(handle)``) and rename it into place. On failure the ``.tmp``
+    is removed and PrepareWriteError names the file and its folder (a full disk: ``No space left on device``)."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as handle:
+    try:
+        with tmp.open("w", encoding="utf-8") as handle:
+            write(handle)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        reason = err.strerror or str(err)
+        hint = " (free space there or choose another --out)" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise PrepareWriteError(err.errno, f"{reason}: cannot write {path.name} in {path.parent}{hint}; no partial "
+                                           "file was left", str(path)) from None
+
+
+def _write_jsonl(records, path: Path) -> None:
+    def write(handle):
         for r in records:
             row = {"id": r.id.split(":", 1)[1], "prompt": r.prompt, "answer": r.gold, "raw": r.raw}
             handle.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
-    os.replace(tmp, path)
+
+    _replace_whole(path, write)
+
+
+def _out_error(out: Path, reason: str) -> DatasetError:
+    return DatasetError(f"--out {out}: cannot create the output folder ({reason}); choose a writable folder")
+
+
+def _check_out(out: Path) -> None:
+    """Before any download: ``out`` exists as a folder, or its nearest existing parent is a folder that takes a
+    new folder (probed with an empty one, removed again: /proc, /sys or a read-only mount refuse it)."""
+    import tempfile  # noqa: PLC0415
+
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise _out_error(out, f"{existing} is a file, not a folder")
+    if existing == out:
+        return
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dppo-write-probe-", dir=existing))
+    except OSError as err:
+        raise _out_error(out, f"{existing} refuses a new folder: {err.strerror or err}") from None
+
+
+def _make_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _out_error(out, f"{err.strerror or err}: {err.filename or out}") from None
 
 
 def prepare(names: list[str], out: str | Path, sources: dict[tuple[str, str | None], str] | None = None,
@@ -92,6 +145,7 @@ def prepare(names: list[str], out: str | Path, sources: dict[tuple[str, str | No
     out = Path(out)
     sources = sources or {}
     pairs = expand(names, roles)
+    _check_out(out)  # before any download
     manifest_path = out / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {"files": {}}
     try:
@@ -120,7 +174,7 @@ def prepare(names: list[str], out: str | Path, sources: dict[tuple[str, str | No
             if local.is_file():
                 entry["source_sha256"] = sha256_file(local)
         path = out / f"{name}_{role}.jsonl"
-        out.mkdir(parents=True, exist_ok=True)
+        _make_out(out)
         _write_jsonl(records, path)
         entry.update({"dataset": name, "role": role, "reward": d.reward, "columns": resolved.extra["fields"],
                       "rows_read": stats.rows, "rows": len(records), "skipped": len(stats.skipped),
@@ -133,9 +187,7 @@ def prepare(names: list[str], out: str | Path, sources: dict[tuple[str, str | No
             + (f", {len(stats.skipped)} skipped" if stats.skipped else "")
             + (f", {stats.duplicates} duplicates dropped" if stats.duplicates else ""))
     manifest.update({"format": 1, "written_by": "megatron-dppo data prepare"})
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = manifest_path.with_name(MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, manifest_path)
+    _make_out(out)
+    _replace_whole(manifest_path, lambda h: h.write(json.dumps(manifest, indent=1, sort_keys=True) + "\n"))
     log(f"{manifest_path}: {len(manifest['files'])} files")
     return manifest

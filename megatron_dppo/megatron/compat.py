@@ -9,7 +9,9 @@ newer/older release added or removed is dropped with one log line instead of a `
 
 GPU extras are detected, never required (docs/architecture.md): Transformer Engine (fused THD attention, fused
 RoPE), NVIDIA Apex (fused optimizers, gradient-accumulation fusion; never the unrelated PyPI ``apex``), vLLM
-(rollout). ``log_gpu_extras_once`` logs which ones were found, once per process.
+(rollout). ``log_gpu_extras_once`` logs which ones were found, once per process. A Transformer Engine that is
+installed but broken is the exception: Megatron-Core cannot start with it, so ``check_transformer_engine`` (run
+when ``megatron_dppo.megatron`` is imported, before anything imports Megatron-Core) names it and the fix.
 """
 from __future__ import annotations
 
@@ -147,6 +149,57 @@ class GpuExtras:
     vllm: str | None
 
 
+class BrokenTransformerEngine(RuntimeError):
+    """Transformer Engine is installed but importing it fails with an error other than ModuleNotFoundError."""
+
+
+def installed_te_distributions() -> dict[str, str]:
+    """{distribution name: version} of the installed Transformer Engine pieces (transformer-engine, its core
+    library transformer-engine-cu12/-cu13, its torch binding transformer-engine-torch), from package metadata."""
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = re.sub(r"[-_.]+", "-", (dist.metadata["Name"] or "").lower())
+        if name.startswith("transformer-engine"):
+            found[name] = dist.version
+    return dict(sorted(found.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def check_transformer_engine() -> None:
+    """Raise ``BrokenTransformerEngine`` when Transformer Engine is installed but ``import transformer_engine`` /
+    ``transformer_engine.pytorch`` raises anything other than ModuleNotFoundError.
+
+    Megatron-Core 0.16 wraps its TE imports in ``except ImportError``, and ``tensor_parallel/random.py`` (imported by
+    ``import megatron.core``) in ``except ModuleNotFoundError`` only. So a TE that raises anything else (a core
+    library without the ``transformer-engine`` package: "Could not find `transformer-engine`", an AssertionError;
+    a torch binding that failed to build: FileNotFoundError; a library that does not load: ImportError; mismatched
+    versions) makes ``import megatron.core`` itself fail, for every attention backend, with a traceback deep inside
+    it. A TE piece that is missing (ModuleNotFoundError) passes: Megatron-Core runs without TE. Once per process;
+    costs one ``find_spec`` when TE is not installed."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except ModuleNotFoundError:
+        return
+    except Exception as err:  # noqa: BLE001 - any other error is the crash this check reports
+        dists = installed_te_distributions()
+        pieces = ", ".join(f"{n} {v}" for n, v in dists.items()) or "no distribution metadata"
+        location = importlib.util.find_spec("transformer_engine").submodule_search_locations
+        where = f" at {list(location)[0]}" if location else ""
+        remove = " ".join(dists) or "transformer-engine transformer-engine-cu13 transformer-engine-torch"
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        raise BrokenTransformerEngine(
+            f"Transformer Engine is installed but broken ({pieces}{where}): importing it raises {reason}. "
+            "Megatron-Core catches only ModuleNotFoundError / ImportError around its Transformer Engine imports, "
+            "so it cannot start. "
+            "Either install every piece of one TE release (bash scripts/install_gpu.sh --te-only: the "
+            "transformer-engine package, its core library and the torch binding compiled against this torch), or "
+            f"remove it: pip uninstall -y {remove} (then model.attention_backend=auto runs varlen, without TE)"
+        ) from err
+
+
 def _dist_version(*names: str) -> str | None:
     for name in names:
         try:
@@ -162,7 +215,7 @@ def detect_gpu_extras() -> GpuExtras:
     Transformer Engine costs seconds and is done by the code that uses them."""
     te = None
     if importlib.util.find_spec("transformer_engine") is not None:
-        te = _dist_version("transformer-engine", "transformer_engine", "transformer-engine-cu12") or "unknown"
+        te = _dist_version("transformer-engine", "transformer-engine-cu13", "transformer-engine-cu12") or "unknown"
     # PyPI's `apex` is an unrelated package; NVIDIA Apex ships the `amp_C` CUDA extension.
     apex = "nvidia" if (importlib.util.find_spec("apex") is not None
                         and importlib.util.find_spec("amp_C") is not None) else None

@@ -60,7 +60,8 @@ def build_loss(cfg: Config) -> tuple[LossConfig, str]:
                                                    "aggregation", "advantage_eps", "clip_ratio_c", "kl_clamp",
                                                    "rollout_correction", "rollout_correction_cap",
                                                    "rollout_correction_cap_low", "gspo_gradient",
-                                                   "kl_bias_correction") if getattr(cfg.loss, k) is not None}
+                                                   "gspo_log_ratio_cap", "kl_bias_correction")
+                 if getattr(cfg.loss, k) is not None}
     loss, estimator = resolve_loss_preset(cfg.loss.preset, **overrides)
     return loss, cfg.loss.advantage_estimator or estimator
 

@@ -30,6 +30,7 @@ def _free_port() -> int:
 
 
 def stage_async(c: Check) -> dict:
+    c.need_shared_gpu("this stage runs a trainer and a rollout worker")
     out = c.work / "async"
     shutil.rmtree(out, ignore_errors=True)
     base = [*quickstart_args(c, out), "rollout.placement=separate", "rollout.workers=1", "train.max_staleness=1",

@@ -5,9 +5,50 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
+import subprocess
 import time
 
 from .harness import Check, require, sync
+
+
+def parse_compute_modes(csv: str) -> list[dict]:
+    """Rows of ``nvidia-smi --query-gpu=index,pci.bus_id,compute_mode --format=csv,noheader``."""
+    rows = []
+    for line in csv.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3:
+            rows.append({"index": int(parts[0]) if parts[0].isdigit() else parts[0], "pci_bus_id": parts[1],
+                         "compute_mode": parts[2]})
+    return rows
+
+
+def compute_mode_of(rows: list[dict], visible: str | None) -> str | None:
+    """The compute mode of the GPU this process uses (CUDA device 0): the one mode when all GPUs share it, else
+    that of the first of CUDA_VISIBLE_DEVICES when it is an index (nvidia-smi's order), else the only GPU's;
+    None when unknown."""
+    modes = {r["compute_mode"] for r in rows}
+    if len(modes) <= 1:
+        return modes.pop() if modes else None
+    first = (visible or "").split(",")[0].strip()
+    if first.isdigit():
+        return next((r["compute_mode"] for r in rows if r["index"] == int(first)), None)
+    return rows[0]["compute_mode"] if not first or len(rows) == 1 else None
+
+
+def gpu_compute_modes() -> dict:
+    """The compute mode of every GPU (nvidia-smi) and of the one in use: Exclusive_Process admits one process
+    (a second one, e.g. the async stage's rollout worker, fails to create its CUDA context), Prohibited none."""
+    if shutil.which("nvidia-smi") is None:
+        return {"compute_mode": None, "compute_modes": "nvidia-smi not found"}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,pci.bus_id,compute_mode", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return {"compute_mode": None, "compute_modes": f"nvidia-smi failed: {err}"}
+    rows = parse_compute_modes(out.stdout)
+    return {"compute_mode": compute_mode_of(rows, os.environ.get("CUDA_VISIBLE_DEVICES")),
+            "compute_modes": rows or f"nvidia-smi: {(out.stdout + out.stderr).strip()[:300]}"}
 
 
 def stage_environment(c: Check) -> dict:
@@ -30,6 +71,8 @@ def stage_environment(c: Check) -> dict:
         info["gpu"] = torch.cuda.get_device_name()
         info["capability"] = list(torch.cuda.get_device_capability())
         info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    info.update(gpu_compute_modes())
+    c.compute_mode = None if c.cpu_smoke else info["compute_mode"]  # (the CPU smoke run does not use the GPU)
     try:
         from torch.nn.attention.varlen import varlen_attn
 

@@ -20,6 +20,7 @@ def stage_quickstart(c: Check) -> dict:
     each run's output goes to ``quickstart_run<i>.log`` next to the report."""
     import shutil
 
+    c.need_shared_gpu("this stage runs the CLI in a subprocess")
     out = c.work / "quickstart"
     shutil.rmtree(out, ignore_errors=True)
     base = [sys.executable, *quickstart_args(c, out)]

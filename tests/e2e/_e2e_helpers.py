@@ -47,6 +47,22 @@ def tiny_config(output_dir: Path, **sections) -> dict:
     return cfg
 
 
+def damaged_parquet(path: Path) -> Path:
+    """A parquet file of prompts whose footer (the thrift metadata) is overwritten: pyarrow then fails with
+    "Couldn't deserialize thrift", as on a file damaged in transfer."""
+    import struct
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": ["What is 2 plus 3?"] * 3, "answer": ["5"] * 3}), path)
+    data = bytearray(path.read_bytes())
+    footer = struct.unpack("<I", data[-8:-4])[0]
+    data[-8 - footer:-8] = b"\xff" * footer
+    path.write_bytes(bytes(data))
+    return path
+
+
 def write_config(path: Path, cfg: dict) -> Path:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

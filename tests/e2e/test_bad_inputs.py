@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from _e2e_helpers import PY, REPO, TINY_MODEL, env, free_port, read_metrics, run_cli, tiny_config, write_config
+from _e2e_helpers import PY, REPO, TINY_MODEL, damaged_parquet, env, free_port, read_metrics, run_cli, tiny_config, \
+    write_config
 
 CASES = {
     # name: (expected fragments of the error message, how to build the case)
@@ -37,6 +38,7 @@ CASES = {
     "reward_weight_not_number": ["reward.fn.arithmetic='heavy' is invalid", "a finite number"],
     "yaml_not_utf8": ["not_utf8.yaml': line 2 is not valid UTF-8", "byte 0xe9"],
     "jsonl_not_utf8": ["latin1.jsonl:2: not valid UTF-8", "byte 0xe9 at byte offset"],
+    "damaged_parquet": ["damaged.parquet: not a readable parquet file", "Couldn't deserialize thrift"],
     "enormous_line": ["prompt 'huge:1' is at least", "context length is 32 tokens"],
     "weights_do_not_fit": ["model.path", "HF checkpoint does not match the qwen2 architecture"],
 }
@@ -119,6 +121,7 @@ def results(tmp_path_factory):
                                                  reward={"fn": {"arithmetic": "heavy", "format": 0.1}}), []),
         "yaml_not_utf8": (tiny_config(tmp / "yaml_not_utf8" / "run"), []),
         "jsonl_not_utf8": (files_case("jsonl_not_utf8", data / "latin1.jsonl"), []),
+        "damaged_parquet": (files_case("damaged_parquet", damaged_parquet(data / "damaged.parquet")), []),
         "enormous_line": (files_case("enormous_line", data / "huge.jsonl"), []),
         "weights_do_not_fit": (tiny_config(tmp / "weights_do_not_fit" / "run",
                                            model={"path": str(hf_model), "tokenizer": with_chat,

@@ -85,3 +85,83 @@ def test_resumed_step_comparison():
         compare_next_step(step, {"loss": 0.5, "grad_norm": 2.01}, exact_grad_norm=False)
     with pytest.raises(AssertionError, match="loss differs after resume: 0.5 vs 0.5000001"):
         compare_next_step(step, {"loss": 0.5000001, "grad_norm": 2.0}, exact_grad_norm=False)
+
+
+def _gpu_checks():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_checks.attention_stage as attention
+    import gpu_checks.env_stages as env_stages
+    import gpu_checks.harness as harness
+
+    return attention, env_stages, harness
+
+
+def test_module_level_varlen_tolerance_follows_the_gradient_scale():
+    """bf16 at |g| ~ 18 moves in steps of 0.125: two kernels one rounding step apart fail an absolute 5e-2 and
+    pass the relative limit; a real error of 1.0 at that scale still fails it; fp32 on the CPU keeps 1e-5."""
+    import torch
+
+    attention, _, _ = _gpu_checks()
+    exact = torch.tensor([18.06, 0.5, -3.0])
+    one_order = exact.to(torch.bfloat16).float()  # 18.0
+    other_order = (exact + torch.tensor([0.01, 0.0, 0.0])).to(torch.bfloat16).float()  # 18.125: the next step
+    diff = (one_order - other_order).abs().max().item()
+    assert diff == 0.125 and diff > 5e-2  # what the old absolute limit rejected
+    eps = torch.finfo(torch.bfloat16).eps
+    limit = attention.module_limit(one_order.abs().max().item(), eps, floor=5e-2)
+    assert diff <= limit < 1.0
+    assert attention.module_limit(0.01, eps, floor=5e-2) == 5e-2  # never tighter than before
+    assert attention.module_limit(1.0, torch.finfo(torch.float32).eps, floor=1e-5) == 1e-5
+
+
+def test_a_stage_that_kills_the_process_stays_in_the_report(tmp_path):
+    """A stage that ends the process (os._exit: as a CUDA abort or SIGKILL would) is recorded as crashed before it
+    ran; SIGTERM (the time limit) during a stage is recorded with the signal and stops the run."""
+    import signal
+
+    driver = f"""
+import os, signal, sys, time
+from pathlib import Path
+sys.path.insert(0, {str(REPO / 'scripts')!r})
+import gpu_check
+from gpu_checks.harness import Check
+check = Check(True, Path(sys.argv[1]), Path(sys.argv[1]))
+check.run("first", lambda: {{"figure": 1}})
+if sys.argv[2] == "exit":
+    check.run("dies", lambda: os._exit(3))
+signal.signal(signal.SIGTERM, gpu_check._stop)
+def terminated():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+try:
+    check.run("terminated", terminated)
+except gpu_check.Stop:
+    sys.exit(143)
+"""
+    for how, code, stage in (("exit", 3, "dies"), ("sigterm", 128 + signal.SIGTERM, "terminated")):
+        out = tmp_path / how
+        proc = subprocess.run([sys.executable, "-c", driver, str(out), how], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == code, proc.stderr
+        stages = json.loads((out / "gpu_check.json").read_text())["stages"]
+        assert list(stages) == ["first", stage] and stages["first"]["status"] == "pass"
+        assert stages[stage]["status"] == "crashed"
+        if how == "exit":
+            assert "ended during this stage without a Python exception" in stages[stage]["error"]
+        else:
+            assert stages[stage]["error"] == "Stop: stopped by signal SIGTERM (the time limit?)"
+
+
+def test_compute_mode_is_read_and_exclusive_mode_skips_multi_process_stages(tmp_path):
+    _, env_stages, harness = _gpu_checks()
+    rows = env_stages.parse_compute_modes("0, 00000000:17:00.0, Default\n1, 00000000:65:00.0, Exclusive_Process\n")
+    assert rows[1] == {"index": 1, "pci_bus_id": "00000000:65:00.0", "compute_mode": "Exclusive_Process"}
+    assert env_stages.compute_mode_of(rows, "1") == "Exclusive_Process"
+    assert env_stages.compute_mode_of(rows, "0,1") == "Default"
+    assert env_stages.compute_mode_of(rows, "GPU-8f2a") is None  # a UUID among several GPUs: unknown
+    assert env_stages.compute_mode_of(rows[:1], None) == "Default"
+    check = harness.Check(False, tmp_path, tmp_path)
+    check.need_shared_gpu("two processes")  # unknown mode: the stage runs
+    check.compute_mode = "Exclusive_Process"
+    with pytest.raises(harness.Skip, match="compute mode is Exclusive_Process: two processes on it"):
+        check.need_shared_gpu("two processes")

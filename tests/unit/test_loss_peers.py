@@ -2,9 +2,15 @@
 (``gspo_gradient``), TRL's bias-corrected KL (``kl_bias_correction``) and verl's GSPO under ``loss.preset=
 verl_grpo``. Each peer formula is re-implemented below from the upstream source cited next to it (read from the
 PyPI wheels verl==0.9.1 and trl==1.16.0), and each test also shows that the alternative form differs on the same
-inputs, so the comparison can fail.
+inputs, so the comparison can fail. GSPO's log-ratio cap (``loss.gspo_log_ratio_cap``) is compared with verl's real
+``compute_policy_loss_gspo`` (``make peers``; skipped without it).
 """
 from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,6 +173,64 @@ def test_verl_grpo_preset_with_gspo_is_verls_gspo():
     assert resolve_loss_preset("verl_grpo")[0].clip_ratio_c == 3.0
 
 
+VERL_SITE = Path(__file__).resolve().parents[2] / ".peers" / "verl"  # `make peers` (requirements/verl-peer.txt)
+
+
+def real_verl():
+    """verl 0.9.1's own core_algos and ActorConfig, imported from ``.peers/verl``, which is on sys.path only while
+    they import (verl's wheel also ships a top-level ``tests`` package); skips when the folder is absent."""
+    if not (VERL_SITE / "verl").is_dir():
+        pytest.skip(f"verl is not installed in {VERL_SITE} (make peers)")
+    sys.path.insert(0, str(VERL_SITE))
+    try:
+        core = importlib.import_module("verl.trainer.ppo.core_algos")
+        actor_config = importlib.import_module("verl.workers.config").ActorConfig
+    finally:
+        sys.path.remove(str(VERL_SITE))
+    return core, actor_config(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_size=GROUP,
+                              rollout_n=GROUP, clip_ratio=0.2)
+
+
+def test_verl_grpo_gspo_caps_the_log_ratio_as_verls_real_function():
+    """loss.preset=verl_grpo loss.policy_loss=gspo against verl's real compute_policy_loss_gspo + kl_penalty
+    (low_var_kl) + agg_loss (token-mean), on sequences whose mean log-ratio exceeds verl's cap of 10 with a negative
+    advantage (the unclipped branch: verl's term is e^10 |A| with no gradient). Without the cap the same inputs give
+    e^11-scale terms with gradient, so the comparison can fail."""
+    core, actor = real_verl()
+    shift = torch.tensor([11.0, 0.0, 10.5, 0.0, 0.0, 12.0, 0.0, 0.0], dtype=DT)
+    p = problem(seed=7, shift=shift)
+    p["adv"] = torch.tensor([-1.0, 0.5, -0.7, 1.2, -0.3, 0.9, 0.8, 0.2], dtype=DT)  # seq 5: A > 0, clipped anyway
+    seq_log_ratio = ((p["logp"] - p["old"]) * p["mask"]).sum(-1) / p["mask"].sum(-1)
+    binds = (seq_log_ratio > 10) & (p["adv"] < 0)
+    assert binds.tolist() == [True, False, True, False, False, False, False, False]
+    cfg, _ = resolve_loss_preset("verl_grpo", policy_loss="gspo")
+    assert cfg.gspo_log_ratio_cap == 10.0
+
+    def policy_loss(leaf):
+        adv = p["adv"][:, None].expand_as(leaf)
+        return core.compute_policy_loss_gspo(p["old"], leaf, adv, p["mask"], "token-mean", actor)[0]
+
+    def theirs(leaf):
+        kl = core.kl_penalty(leaf, p["ref"], "low_var_kl")
+        return policy_loss(leaf) + cfg.kl_coef * core.agg_loss(kl, p["mask"], "token-mean")
+
+    value, grad = value_and_grad(theirs, p)
+    mine, g_mine = value_and_grad(lambda leaf: ours(p, leaf, cfg), p)
+    assert value > 1e3  # the capped terms dominate: e^10 |A| per token
+    assert torch.allclose(mine, value, rtol=1e-12, atol=0)
+    assert torch.allclose(g_mine, grad, rtol=1e-10, atol=1e-15)
+    _, g_policy = value_and_grad(policy_loss, p)  # where the cap binds, only the KL term has a gradient
+    assert torch.equal(g_policy[binds], torch.zeros_like(g_policy[binds])) and bool((g_policy[~binds] != 0).any())
+    uncapped = replace(cfg, gspo_log_ratio_cap=None)  # what the preset gave before
+    loose, g_loose = value_and_grad(lambda leaf: ours(p, leaf, uncapped), p)
+    assert loose > 1.5 * value and bool((g_loose[binds][p["mask"][binds] > 0] != 0).all())
+    # the padded reference objective applies the same cap
+    view = lambda t: t.view(-1, GROUP, t.shape[-1])  # noqa: E731
+    ref = -reference_objective(view(p["logp"]), view(p["old"]), p["adv"].view(-1, GROUP), view(p["mask"]), cfg,
+                               view(p["ref"]))
+    assert torch.allclose(ref, value, rtol=1e-12, atol=0)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # TRL 1.16.0
 # ------------------------------------------------------------------------------------------------------------
@@ -268,7 +332,7 @@ def test_presets_carry_the_peer_forms():
     assert LOSS_PRESETS["verl_grpo"][0].gspo_gradient == "stop_gradient"
     for name in ("grpo", "dapo", "gspo", "dr_grpo"):
         cfg = LOSS_PRESETS[name][0]
-        assert (cfg.gspo_gradient, cfg.kl_bias_correction) == ("autograd", False)
+        assert (cfg.gspo_gradient, cfg.kl_bias_correction, cfg.gspo_log_ratio_cap) == ("autograd", False, None)
 
 
 def test_config_options_reach_the_loss():
@@ -280,6 +344,12 @@ def test_config_options_reach_the_loss():
     trl, _ = build_loss(load_config(None, ["loss.preset=trl_grpo", "loss.kl_bias_correction=false",
                                            "loss.gspo_gradient=stop_gradient"], validate=False))
     assert (trl.kl_bias_correction, trl.gspo_gradient) == (False, "stop_gradient")
+    assert verl.gspo_log_ratio_cap == 10.0 and trl.gspo_log_ratio_cap is None
+    uncapped, _ = build_loss(load_config(None, ["loss.preset=verl_grpo", "loss.gspo_log_ratio_cap=20"],
+                                         validate=False))
+    assert uncapped.gspo_log_ratio_cap == 20.0
+    with pytest.raises(ValueError, match="loss.gspo_log_ratio_cap=-1.0 is invalid: expected null or > 0"):
+        load_config(None, ["loss.gspo_log_ratio_cap=-1"], validate=False).loss.validate()
     with pytest.raises(ValueError, match="loss.gspo_gradient='sg' is invalid"):
         load_config(None, ["loss.gspo_gradient=sg"], validate=False)
     with pytest.raises(ValueError, match="unknown loss preset 'verl'; valid: grpo, dapo"):

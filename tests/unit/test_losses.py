@@ -285,6 +285,8 @@ def test_loss_denominator_errors(kwargs, match):
         (dict(kl_coef=-1.0), "kl_coef.*-1.0"),
         (dict(gspo_gradient="detach"), "'detach'.*autograd, stop_gradient"),
         (dict(kl_bias_correction="yes"), "kl_bias_correction.*'yes'"),
+        (dict(gspo_log_ratio_cap=0.0), "gspo_log_ratio_cap.*0.0"),
+        (dict(gspo_log_ratio_cap=float("inf")), "gspo_log_ratio_cap.*inf"),
     ],
 )
 def test_loss_config_validation(kwargs, match):
