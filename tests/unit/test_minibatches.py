@@ -493,6 +493,10 @@ def test_presets_by_name_with_overrides():
     default, _ = build_loss(load_config(None, [], validate=False))
     assert (default.clip_ratio_c, default.kl_clamp, default.advantage_eps, default.rollout_correction) == \
         (None, None, 1e-6, "none")
+    assert default.temperature == 1.0
+    # the rollout's sampling temperature reaches the loss: every log-prob of the update is tempered by it
+    tempered, _ = build_loss(load_config(None, ["rollout.temperature=0.7", "loss.preset=verl_grpo"], validate=False))
+    assert tempered.temperature == 0.7 and tempered.kl_clamp == 10.0
 
 
 def test_rollout_correction_stage_places_engine_logprobs_at_the_completion_tokens():
