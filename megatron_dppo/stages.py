@@ -38,7 +38,7 @@ class Rollout:
     prompts: list[Prompt]
     completions: list[list[list[int]]]  # [Bk][G] token ids (stop token included)
     texts: list[list[str]]  # [Bk][G] decoded completions
-    policy_logprobs: list[list[list[float] | None]]  # [Bk][G] temperature-1 log-probs from the rollout engine
+    behaviour_logprobs: list[list[list[float]]]  # [Bk][G] log-probs of the sampled distribution (rollout/base.py)
     truncated: list[list[bool]]  # [Bk][G] finish_reason == "length"
     rewards: torch.Tensor | None = None  # [Bk, G] float32
     reward_failures: int = 0  # samples scored 0 because the reward function failed (all ranks)
@@ -109,7 +109,7 @@ def generate(run: Run, prompts: list[Prompt], n: int, step: int, temperature: fl
             out.append(([c.token_ids for c in comps],
                         [run.tokenizer.decode(_strip_stop(c.token_ids, run.eos_ids), skip_special_tokens=True)
                          for c in comps],
-                        [c.policy_logprobs for c in comps],
+                        [c.logprobs for c in comps],
                         [c.finish_reason == "length" for c in comps]))
         return out
 
@@ -117,7 +117,7 @@ def generate(run: Run, prompts: list[Prompt], n: int, step: int, temperature: fl
     with generation_window(run):  # wakes the rollout engine (GPU memory handover), sleeps it afterwards
         results = D.map_sharded(generate_shard, prompts, shard_index, num_shards)
     return Rollout(prompts=list(prompts), completions=[r[0] for r in results], texts=[r[1] for r in results],
-                   policy_logprobs=[r[2] for r in results], truncated=[r[3] for r in results])
+                   behaviour_logprobs=[r[2] for r in results], truncated=[r[3] for r in results])
 
 
 def score(run: Run, scorer: Any, rollout: Rollout) -> torch.Tensor:
@@ -349,10 +349,11 @@ def whole_batch_micro_batches(run: Run, batch: TrainBatch, packed: list[list]) -
 def correct_rollout_mismatch(run: Run, rollout: Rollout, mini_batches: list[TrainBatch],
                              packed: list[list]) -> dict[str, float]:
     """loss.rollout_correction: set each micro-batch's per-token factor u' of the policy-gradient term from the
-    trainer's old log-probs and the rollout engine's (``algo.losses.rollout_correction_weights``); sequences
-    without engine log-probs get u' = 1. Returns the mismatch metrics over all DP ranks (rollout/is_ratio: mean u
-    before correction, rollout/is_corrected_fraction: tokens truncated or masked, rollout/kl_k1 and
-    rollout/kl_k3: KL(rollout || trainer) per token). No-op (no metrics) when off."""
+    trainer's old log-probs and the rollout engine's behaviour log-probs (``algo.losses.rollout_correction_weights``;
+    a sequence without them is an error, ``behaviour_logprobs_at``). Returns the mismatch metrics over all DP ranks
+    (rollout/is_ratio: mean u before correction, rollout/is_corrected_fraction: tokens truncated or masked,
+    rollout/kl_k1 and rollout/kl_k3: KL(behaviour || trainer) per token: engine numerics, staleness and, with top-k /
+    top-p, the truncation). No-op (no metrics) when off."""
     if run.loss_cfg.rollout_correction == "none":
         return {}
     sums = torch.zeros(5, dtype=torch.float64)
@@ -360,7 +361,7 @@ def correct_rollout_mismatch(run: Run, rollout: Rollout, mini_batches: list[Trai
         for mb in micro_batches:
             if mb.is_dummy or mb.old_logprobs is None:
                 continue
-            engine_logp = _rollout_logprobs_in_place_of(mb, batch, rollout)
+            engine_logp = behaviour_logprobs_at(mb, mb.old_logprobs, batch, rollout)
             weight, m = rollout_correction_weights(mb.old_logprobs, engine_logp, mb.loss_mask, run.loss_cfg)
             mb.rollout_weight = weight.to(mb.old_logprobs.dtype)
             sums += torch.stack([m[k].double().cpu() for k in ("tokens", "ratio_sum", "corrected_tokens", "k1_sum",
@@ -372,18 +373,24 @@ def correct_rollout_mismatch(run: Run, rollout: Rollout, mini_batches: list[Trai
             "rollout/kl_k1": k1 / tokens, "rollout/kl_k3": k3 / tokens}
 
 
-def _rollout_logprobs_in_place_of(mb, batch: TrainBatch, rollout: Rollout) -> torch.Tensor:
-    """A copy of ``mb.old_logprobs`` with the rollout engine's log-probs written at each sequence's completion
-    positions (where the engine returned them, with the right length)."""
-    out = mb.old_logprobs.detach().clone()
+def behaviour_logprobs_at(mb, like: torch.Tensor, batch: TrainBatch, rollout: Rollout) -> torch.Tensor:
+    """The rollout engine's behaviour log-probs laid out as ``like`` (a per-position tensor of ``mb``): each
+    sequence's at its completion positions, ``like``'s values elsewhere. A sequence the engine returned no log-probs
+    for, or a different number of them, raises ValueError naming it: a trainer log-prob in its place would make the
+    correction 1 and the KL 0 there, a stale or truncated sample passing for on-policy."""
+    out = like.detach().clone()
     mask = mb.loss_mask > 0
     bounds = mb.cu_seqlens_padded.tolist()
     for sid, a, b in zip(mb.sample_ids.tolist(), bounds[:-1], bounds[1:]):
         row, i = batch.origin[sid]
-        ref = rollout.policy_logprobs[row][i]
+        ref = rollout.behaviour_logprobs[row][i]
         positions = mask[a:b].nonzero().flatten() + a
-        if ref is not None and len(ref) == positions.numel():
-            out[positions] = torch.tensor(ref, dtype=out.dtype, device=out.device)
+        if ref is None or len(ref) != positions.numel():
+            raise ValueError(f"completion {i} of prompt {rollout.prompts[row].id!r}: the rollout engine returned "
+                             f"{'no' if ref is None else len(ref)} behaviour log-probs for its {positions.numel()} "
+                             "tokens; the rollout correction and the mismatch metrics need one per sampled token "
+                             "(rollout/base.py, Completion.logprobs)")
+        out[positions] = torch.tensor(ref, dtype=out.dtype, device=out.device)
     return out
 
 
@@ -496,12 +503,14 @@ def ht_prompt_mean(prompt_cut: PruneResult, per_prompt: torch.Tensor) -> float:
 
 def logprob_mismatch(rollout: Rollout, mini_batches: list[TrainBatch], packed: list[list],
                      train_logprobs: list | None = None) -> dict[str, float]:
-    """Mean |rollout-engine log-prob - Megatron log-prob| over completion tokens (weight-sync health check);
+    """Mean |behaviour log-prob - Megatron log-prob| over completion tokens (weight-sync health check);
     ``mini_batches`` and ``packed`` are the PPO mini-batches and their micro-batches (one of each by default).
     The Megatron side is the old-policy pass (``mb.old_logprobs``) when it ran, else (one update per rollout, the
     pass skipped) the train forward's own log-probs at the same weights (``train_logprobs``, one per micro-batch
     of that single update: ``PolicyEngine.last_logprobs``, None on ranks that hold no output layer); the two are
-    the same numbers."""
+    the same numbers, both at the sampling temperature. Without top-k / top-p and at staleness 0 it is numerics
+    only (~1e-6 in fp32); top-k / top-p add the truncation gap -log Z_K (docs/algorithms.md). A sequence without
+    behaviour log-probs raises (``behaviour_logprobs_at``)."""
     diff, count = 0.0, 0
     for batch, micro_batches in zip(mini_batches, packed):
         for m, mb in enumerate(micro_batches):
@@ -510,13 +519,10 @@ def logprob_mismatch(rollout: Rollout, mini_batches: list[TrainBatch], packed: l
                 values_all = train_logprobs[m]
             if values_all is None or mb.is_dummy:
                 continue
-            for sid, values in zip(mb.sample_ids.tolist(), mb.completion_values(values_all)):
-                row, i = batch.origin[sid]
-                ref = rollout.policy_logprobs[row][i]
-                if ref is None or len(ref) != values.numel():
-                    continue
-                diff += float((values.double().cpu() - torch.tensor(ref, dtype=torch.float64)).abs().sum())
-                count += values.numel()
+            engine = behaviour_logprobs_at(mb, values_all.cpu(), batch, rollout)
+            mask = mb.loss_mask.cpu() > 0
+            diff += float((values_all.double().cpu() - engine.double())[mask].abs().sum())
+            count += int(mask.sum())
     totals = D.all_gather_objects((diff, count))
     diff, count = sum(t[0] for t in totals), sum(t[1] for t in totals)
     return {"rollout/logprob_abs_diff": diff / count} if count else {}
