@@ -15,10 +15,10 @@ Gradients: ``d(-log p(y))/dz_v = p_v - 1[v = y]`` (Megatron's backward, per shar
 every TP rank computes the same replicated value, Megatron's convention).
 
 Temperature: with ``temperature`` = T != 1 every quantity above is that of ``softmax(z / T)``, the distribution the
-rollout engine samples from at temperature T (before any top-k / top-p truncation; docs/algorithms.md,
-"Temperature"). Each rank divides ITS OWN shard by T before the max, the sums and the all-reduces, so the result is
-exact under TP (the full-vocabulary ``log_softmax(z / T)``); the division happens on the fp32 copy of each chunk,
-never on the caller's logits. Gradients gain the factor 1/T: ``d log p(y)/dz_v = (1[v = y] - p_v) / T``.
+rollout engine samples from at temperature T, before any top-k / top-p truncation (docs/algorithms.md, "Temperature
+and truncated sampling"). Each rank divides ITS OWN shard by T before the max, the sums and the all-reduces, so the
+result is exact under TP (the full-vocabulary ``log_softmax(z / T)``); the division happens on the fp32 copy of each
+chunk, never on the caller's logits. Gradients gain the factor 1/T: ``d log p(y)/dz_v = (1[v = y] - p_v) / T``.
 
 Memory: both are computed in chunks of tokens (``chunk_tokens``; default: ``LOGPROB_CHUNK_BYTES`` of fp32 per
 chunk), so the fp32 temporaries are ``[chunk, V/tp]`` instead of ``[T, V/tp]``. The log-prob's autograd function

@@ -50,8 +50,9 @@ Temperature
 Every log-prob of the loss (the train forward's, the old policy's, the reference's) and the entropy metric are of
 ``softmax(logits / T)`` with T = ``loss_cfg.temperature``, the rollout's sampling temperature: the PPO ratio and
 the KL are between the tempered policies, the distribution the rollout engine samples from (as verl and TRL;
-docs/algorithms.md, "Temperature"). The division happens per vocabulary shard before the parallel log-softmax
-(``logprobs.vocab_parallel_logprobs``), exact under TP. The warm start swaps in a loss with T = 1.
+docs/algorithms.md, "Temperature and truncated sampling"). The division happens per vocabulary shard before the
+parallel log-softmax (``logprobs.vocab_parallel_logprobs``), exact under TP. The warm start swaps in a loss with
+T = 1.
 
 Old-policy and reference log-probs
 ----------------------------------

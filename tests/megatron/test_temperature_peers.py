@@ -1,6 +1,6 @@
 """Training at a sampling temperature T != 1 trains the distribution the rollout samples: our engine's loss AND
 gradient equal verl's and TRL's for the same model, tokens, advantages and old / reference log-probs, each peer
-running its own code (verl==0.9.1, trl==1.16.*; docs/algorithms.md, "Temperature").
+running its own code (verl==0.9.1, trl==1.16.*; docs/algorithms.md, "Temperature and truncated sampling").
 
 * TRL: a real ``GRPOTrainer`` (``temperature=0.7``, ``loss_type="grpo"``, ``beta > 0``) built on the HF model; its
   ``_compute_loss`` runs ``_get_per_token_logps_and_entropies`` through the fused LM head that
