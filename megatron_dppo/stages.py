@@ -519,9 +519,10 @@ def logprob_mismatch(rollout: Rollout, mini_batches: list[TrainBatch], packed: l
                 values_all = train_logprobs[m]
             if values_all is None or mb.is_dummy:
                 continue
-            engine = behaviour_logprobs_at(mb, values_all.cpu(), batch, rollout)
-            mask = mb.loss_mask.cpu() > 0
-            diff += float((values_all.double().cpu() - engine.double())[mask].abs().sum())
+            values_all = values_all.to(mb.loss_mask.device)
+            engine = behaviour_logprobs_at(mb, values_all, batch, rollout)
+            mask = mb.loss_mask > 0
+            diff += float((values_all.double() - engine.double())[mask].abs().sum())
             count += int(mask.sum())
     totals = D.all_gather_objects((diff, count))
     diff, count = sum(t[0] for t in totals), sum(t[1] for t in totals)
