@@ -19,9 +19,10 @@ $(VENV)/.installed: $(BIN)/python requirements/cpu.txt setup.py
 
 venv: $(VENV)/.installed
 
-# verl's real loss functions for the peer-parity tests (tests/unit/test_loss_peers.py), in a folder of their own:
-# verl's wheel ships a top-level `tests` package that would shadow this repository's tests in .venv. The tests put
-# the folder on sys.path only while they import verl, and skip when it is absent.
+# verl 0.9.1 for the peer-parity tests (losses, temperature, agent-loop tokens: tests/_peers.py), in a folder of its
+# own: verl's wheel ships a top-level `tests` package that would shadow this repository's tests in .venv, and its
+# pins (transformers < 5.11, vLLM, ...) do not fit this set. The tests put the folder on sys.path only while they
+# import verl, and skip when it is absent. `make test` installs it.
 peers: .peers/verl/.installed
 
 .peers/verl/.installed: requirements/verl-peer.txt | $(BIN)/python
@@ -35,7 +36,7 @@ demo: venv
 	rm -rf runs/quickstart
 	$(BIN)/megatron-dppo train --config examples/quickstart.yaml
 
-test: venv
+test: venv peers
 	$(BIN)/python -m pytest -q
 
 test-slow: venv

@@ -114,7 +114,7 @@ class StepData:
     rewards: torch.Tensor  # [B, G]
     advantages: torch.Tensor  # [B, G]
     lengths: torch.Tensor  # [B, G] completion tokens
-    logprob: torch.Tensor  # [B, G] sequence log-prob under the policy (rollout engine, temperature 1; NaN if absent)
+    logprob: torch.Tensor  # [B, G] sequence log-prob under the sampled distribution (rollout engine; the policy at T=1)
     gram: torch.Tensor | None = None  # [N, N] float64 (grpo preset)
     norms: torch.Tensor | None = None  # [N] |g_i|
     linearity: float = math.nan  # |sum_i g_i - g_full| / |g_full|
@@ -144,8 +144,7 @@ def rollout_step(run, B: int, G: int) -> tuple[StepData, object]:
     total_cut = PruneResult(keep=torch.ones(B, G, dtype=torch.bool), weight=ones2.float(), keep_prob=ones2)
     batch = build_train_batch(trainer, prompts, prompt_cut, rollout, adv, total_cut)
     lengths = torch.tensor([[len(c) for c in comps] for comps in rollout.completions], dtype=torch.float64)
-    logprob = torch.tensor([[math.nan if lp is None else float(sum(lp)) for lp in row]
-                            for row in rollout.policy_logprobs], dtype=torch.float64)
+    logprob = torch.tensor([[float(sum(lp)) for lp in row] for row in rollout.behaviour_logprobs], dtype=torch.float64)
     data = StepData(rl_step=step, prompt_ids=[p.id for p in prompts], history=history,
                     rewards=rollout.rewards.double(), advantages=adv.double(), lengths=lengths, logprob=logprob)
     return data, (prompts, prompt_cut, rollout, adv, total_cut, batch)

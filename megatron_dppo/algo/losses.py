@@ -1,7 +1,9 @@
 """Policy losses of the GRPO family with per-sample weights and a FIXED full-batch denominator.
 
 Notation (docs/algorithms.md, "Objective"): per-token ratio rho = exp(logp - old_logp), advantage A of the token's
-sequence, KL estimate KL_t between the policy and the reference, coefficient beta = ``kl_coef``.
+sequence, KL estimate KL_t between the policy and the reference, coefficient beta = ``kl_coef``. Every log-prob is
+of the TEMPERED policy softmax(logits / T), T = ``LossConfig.temperature`` (the rollout's sampling temperature; the
+engine applies it), so the ratio and the KL are between the tempered policies the rollout samples from.
 Per-token objective (to MAXIMIZE):  s_t = pg_t - beta * KL_t, with
 
     ppo_clip: pg_t = min(rho_t * A, clip(rho_t, 1 - eps_low, 1 + eps_high) * A)   (DAPO clip-higher: eps_high)
@@ -132,6 +134,9 @@ class LossConfig:
     gspo_gradient: str = "autograd"  # autograd (TRL) | stop_gradient (verl); module docstring, gspo
     gspo_log_ratio_cap: float | None = None  # gspo: clamp log S (log s_t) at this value (verl: 10; None = off)
     kl_bias_correction: bool = False  # KL_t times the importance ratio (TRL use_bias_correction_kl)
+    # Every log-prob of the loss (current, old, reference) is of softmax(logits / temperature): the rollout's sampling
+    # temperature (run/build wires rollout.temperature in), as verl and TRL do; 1 = the raw policy (warm start).
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         POLICY_LOSSES.check(self.policy_loss)
@@ -157,6 +162,10 @@ class LossConfig:
             raise ValueError(f"LossConfig.gspo_log_ratio_cap must be None (off) or a finite number > 0, got {cap!r}")
         if self.kl_clamp is not None and not (math.isfinite(self.kl_clamp) and self.kl_clamp > 0):
             raise ValueError(f"LossConfig.kl_clamp must be None (off) or a finite number > 0, got {self.kl_clamp!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not (
+                math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"LossConfig.temperature must be a finite number > 0 (the sampling temperature), got "
+                             f"{self.temperature!r}")
         if self.rollout_correction_cap <= self.rollout_correction_cap_low:
             raise ValueError(f"LossConfig.rollout_correction_cap={self.rollout_correction_cap} must be > "
                              f"rollout_correction_cap_low={self.rollout_correction_cap_low}")

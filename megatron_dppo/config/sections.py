@@ -135,9 +135,12 @@ class RolloutConfig:
     engine: Literal["hf", "vllm"] = opt("hf", "Rollout engine: hf (transformers generate; CPU default) or vllm "
                                               "(GPU, colocated with training).")
     max_new_tokens: int = opt(256, "Maximum completion length L_max in tokens.")
-    temperature: float = opt(1.0, "Sampling temperature (> 0).")
-    top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1].")
-    top_k: int = opt(-1, "Top-k sampling; -1 = off.")
+    temperature: float = opt(1.0, "Sampling temperature T (> 0). The loss trains the policy it samples: every "
+                                  "log-prob of the update is of softmax(logits / T), as in verl and TRL; the warm "
+                                  "start stays at T = 1 (docs/algorithms.md, \"Temperature and truncated sampling\").")
+    top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1]. The trainer's log-probs stay untruncated; the rollout "
+                            "correction and rollout/* metrics then include the truncation gap -log Z_K.")
+    top_k: int = opt(-1, "Top-k sampling; -1 = off (truncation: as rollout.top_p).")
     batch_size: int = opt(64, "HF engine: sequences generated per forward batch.")
     gpu_memory_utilization: float = opt(0.5, "vLLM: the most of the GPU's memory (a fraction of its total) vLLM "
                                              "may take for weights + KV cache. When less is free where its engine "

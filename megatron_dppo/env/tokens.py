@@ -154,8 +154,8 @@ class Trajectory:
 
     token_ids:       assistant turns verbatim and observation ids, in order (the "completion" of the episode)
     loss_mask:       1 on sampled tokens, 0 on observation tokens
-    logprobs:        the engine's sampling log-probs on sampled tokens, 0.0 on observation tokens
-    policy_logprobs: the engine's temperature-1 log-probs likewise, or None when a turn came without them
+    logprobs:        the engine's behaviour log-probs (of the distribution sampled: rollout/base.py) on sampled
+                     tokens, 0.0 on observation tokens
     segments:        (kind, start, end) spans of ``token_ids``, kind "assistant" or "observation"
     """
 
@@ -163,33 +163,25 @@ class Trajectory:
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    policy_logprobs: list[float] | None = field(default_factory=list)
     segments: list[tuple[str, int, int]] = field(default_factory=list)
 
     def context(self) -> list[int]:
         """The ids the engine conditions the next turn on: the prompt and the stream so far."""
         return self.prompt_ids + self.token_ids
 
-    def append_sampled(self, token_ids: Sequence[int], logprobs: Sequence[float],
-                       policy_logprobs: Sequence[float] | None = None) -> None:
-        if len(logprobs) != len(token_ids) or (policy_logprobs is not None and len(policy_logprobs) != len(token_ids)):
+    def append_sampled(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        if len(logprobs) != len(token_ids):
             raise ValueError(f"{len(token_ids)} sampled tokens with {len(logprobs)} log-probs")
-        self._append("assistant", token_ids, 1, logprobs, policy_logprobs)
+        self._append("assistant", token_ids, 1, logprobs)
 
     def append_observation(self, token_ids: Sequence[int]) -> None:
-        zeros = [0.0] * len(token_ids)
-        self._append("observation", token_ids, 0, zeros, zeros)
+        self._append("observation", token_ids, 0, [0.0] * len(token_ids))
 
-    def _append(self, kind, token_ids, mask, logprobs, policy_logprobs) -> None:
+    def _append(self, kind, token_ids, mask, logprobs) -> None:
         start = len(self.token_ids)
         self.token_ids.extend(int(t) for t in token_ids)
         self.loss_mask.extend([mask] * len(token_ids))
         self.logprobs.extend(float(x) for x in logprobs)
-        if self.policy_logprobs is not None:
-            if policy_logprobs is None:
-                self.policy_logprobs = None
-            else:
-                self.policy_logprobs.extend(float(x) for x in policy_logprobs)
         self.segments.append((kind, start, len(self.token_ids)))
 
     @property
@@ -212,7 +204,7 @@ def check_episode(trajectory: Trajectory, sampled: Sequence[tuple[Sequence[int],
         raise TokenDriftError(f"{len(spans)} assistant segments, {len(sampled)} sampled turns, {len(contexts)} "
                               "contexts: every turn must be appended exactly once")
     n = len(t.token_ids)
-    if not (len(t.loss_mask) == len(t.logprobs) == n) or (t.policy_logprobs is not None and len(t.policy_logprobs) != n):
+    if not len(t.loss_mask) == len(t.logprobs) == n:
         raise TokenDriftError("token ids, loss mask and log-probs of the episode differ in length")
     expected_mask = [0] * n
     for j, ((a, b), (ids, logprobs), context) in enumerate(zip(spans, sampled, contexts)):

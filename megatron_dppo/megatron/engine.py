@@ -45,6 +45,15 @@ schedule runs with a fixed activation shape and separate forward / backward exch
 the two same-peer messages crosswise, silently swapping activations and gradients (measured here: wrong loss,
 grad norm 549 instead of 3.13; NVIDIA/Megatron-LM issue 5100 / PR 5271).
 
+Temperature
+-----------
+Every log-prob of the loss (the train forward's, the old policy's, the reference's) and the entropy metric are of
+``softmax(logits / T)`` with T = ``loss_cfg.temperature``, the rollout's sampling temperature: the PPO ratio and
+the KL are between the tempered policies, the distribution the rollout engine samples from (as verl and TRL;
+docs/algorithms.md, "Temperature and truncated sampling"). The division happens per vocabulary shard before the
+parallel log-softmax (``logprobs.vocab_parallel_logprobs``), exact under TP. The warm start swaps in a loss with
+T = 1.
+
 Old-policy and reference log-probs
 ----------------------------------
 ``compute_logprobs(micro_batches, model="policy" | "reference")`` runs the forward-only schedule
@@ -437,7 +446,8 @@ class PolicyEngine:
     def compute_logprobs(self, micro_batches: Sequence, model: str = "policy", with_entropy: bool = False
                          ) -> list[Tensor] | list[tuple[Tensor, Tensor]]:
         """Forward-only per-position log-probs ``logp[t] = log p(labels[t] | prefix)`` of each micro-batch
-        (``[T_i]`` float32, meaningful where ``loss_mask`` is 1), on every rank (broadcast over the pipeline).
+        (``[T_i]`` float32, meaningful where ``loss_mask`` is 1), on every rank (broadcast over the pipeline), of the
+        policy at ``loss_cfg.temperature`` (the loss's every log-prob is tempered alike).
 
         ``model``: "policy" (old-policy log-probs) or "reference". With ``with_entropy`` each item is
         ``(logp, entropy)``. The list has one entry per input micro-batch (dummy padding is dropped).
@@ -457,7 +467,8 @@ class PolicyEngine:
         n = len(micro_batches)
         batches = self._prepare(micro_batches, pad_dp=False)
         with disabled:
-            results = _forward_only_logprobs(chunks, batches, with_entropy=with_entropy, broadcast=True)[:n]
+            results = _forward_only_logprobs(chunks, batches, with_entropy=with_entropy, broadcast=True,
+                                              temperature=self.loss_cfg.temperature)[:n]
         sizes = [int(b.tokens.numel()) for b in micro_batches]
         if with_entropy:
             return [(lp[:t], ent[:t]) for (lp, ent), t in zip(results, sizes)]
@@ -480,7 +491,8 @@ class PolicyEngine:
     # ------------------------------------------------------------------------------------------------------
     def _loss_func(self, batch, denominator: float, output_tensor: Tensor):
         """Last pipeline stage: (numerator / D, loss-token count, {"stats": sums}) for one micro-batch."""
-        logp, entropy = batch_logprobs(output_tensor, batch, with_entropy=True)  # the whole micro-batch, also under CP
+        # the whole micro-batch, also under CP; tempered like the old and reference log-probs (compute_logprobs)
+        logp, entropy = batch_logprobs(output_tensor, batch, with_entropy=True, temperature=self.loss_cfg.temperature)
         no_tokens = not bool((batch.loss_mask > 0).any())  # dummy: every term is masked out
         old = batch.old_logprobs.to(logp.device, torch.float32) if batch.old_logprobs is not None else logp.detach()
         ref = None

@@ -14,6 +14,12 @@ Gradients: ``d(-log p(y))/dz_v = p_v - 1[v = y]`` (Megatron's backward, per shar
 ``dH/dz_v = -p_v (z_v - E_p[z])`` (autograd through local ops; the all-reduce has an identity backward since
 every TP rank computes the same replicated value, Megatron's convention).
 
+Temperature: with ``temperature`` = T != 1 every quantity above is that of ``softmax(z / T)``, the distribution the
+rollout engine samples from at temperature T, before any top-k / top-p truncation (docs/algorithms.md, "Temperature
+and truncated sampling"). Each rank divides ITS OWN shard by T before the max, the sums and the all-reduces, so the
+result is exact under TP (the full-vocabulary ``log_softmax(z / T)``); the division happens on the fp32 copy of each
+chunk, never on the caller's logits. Gradients gain the factor 1/T: ``d log p(y)/dz_v = (1[v = y] - p_v) / T``.
+
 Memory: both are computed in chunks of tokens (``chunk_tokens``; default: ``LOGPROB_CHUNK_BYTES`` of fp32 per
 chunk), so the fp32 temporaries are ``[chunk, V/tp]`` instead of ``[T, V/tp]``. The log-prob's autograd function
 saves only the caller's logits and one fp32 ``log Z`` per token, and recomputes ``p`` chunk by chunk in the
@@ -36,6 +42,7 @@ data-parallel x context-parallel ranks.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -65,25 +72,47 @@ def _chunk_rows(chunk_tokens: int | None, vocab_local: int) -> int:
     return chunk_tokens
 
 
-def vocab_parallel_entropy(logits_shard: Tensor, *, grad: bool = False, chunk_tokens: int | None = None) -> Tensor:
-    """Entropy ``H = -sum_v p_v log p_v`` of ``softmax(z)`` over the FULL vocabulary from this rank's shard
-    ``logits_shard[..., V/tp]``; fp32, shape ``logits_shard.shape[:-1]``. With ``grad=False`` (default) the
+def check_temperature(temperature: float) -> float:
+    """``temperature`` as a float, or ValueError unless it is a finite number > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature={temperature!r} must be a finite number > 0 (the rollout's sampling "
+                         "temperature the logits are divided by)")
+    return float(temperature)
+
+
+def _tempered(z: Tensor, temperature: float) -> Tensor:
+    """``z / T`` in place on the fp32 tensor ``z`` (T = 1: ``z`` untouched). A masked padding logit
+    (``mask_vocab_padding``: dtype min / 2) may overflow to -inf for T < 0.5: it is clamped back to the fp32 minimum,
+    whose probability is still exactly 0, so the entropy's ``p * z`` term stays 0 instead of 0 * inf."""
+    if temperature == 1.0:
+        return z
+    return z.div_(temperature).clamp_(min=torch.finfo(torch.float32).min)
+
+
+def vocab_parallel_entropy(logits_shard: Tensor, *, grad: bool = False, chunk_tokens: int | None = None,
+                           temperature: float = 1.0) -> Tensor:
+    """Entropy ``H = -sum_v p_v log p_v`` of ``softmax(z / temperature)`` over the FULL vocabulary from this rank's
+    shard ``logits_shard[..., V/tp]``; fp32, shape ``logits_shard.shape[:-1]``. With ``grad=False`` (default) the
     result carries no autograd graph and is computed in chunks of ``chunk_tokens`` tokens (None = automatic);
     ``grad=True`` uses the unchunked autograd path."""
+    temperature = check_temperature(temperature)
     rows = _chunk_rows(chunk_tokens, logits_shard.shape[-1])
     with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
         if torch.is_grad_enabled() or rows == 0:
-            return _entropy_unchunked(logits_shard)
+            return _entropy_unchunked(logits_shard, temperature)
         flat = logits_shard.reshape(-1, logits_shard.shape[-1])
-        parts = [_entropy_unchunked(flat[i:i + rows]) for i in range(0, flat.shape[0], rows)]
+        parts = [_entropy_unchunked(flat[i:i + rows], temperature) for i in range(0, flat.shape[0], rows)]
         out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
         return out.reshape(logits_shard.shape[:-1])
 
 
-def _entropy_unchunked(logits_shard: Tensor) -> Tensor:
+def _entropy_unchunked(logits_shard: Tensor, temperature: float = 1.0) -> Tensor:
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     z = logits_shard.float()
+    if temperature != 1.0:  # out of place: autograd (grad=True) needs the division in the graph
+        z = torch.clamp(z / temperature, min=torch.finfo(torch.float32).min)
     m = z.detach().max(dim=-1).values
     torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=_tp_group())
     shifted = z - m.unsqueeze(-1)
@@ -95,50 +124,58 @@ def _entropy_unchunked(logits_shard: Tensor) -> Tensor:
 
 
 def vocab_parallel_logprobs(logits_shard: Tensor, labels: Tensor, *, with_entropy: bool = True,
-                            entropy_grad: bool = False, chunk_tokens: int | None = None
+                            entropy_grad: bool = False, chunk_tokens: int | None = None, temperature: float = 1.0
                             ) -> tuple[Tensor, Tensor | None]:
-    """``(log p(labels), entropy)`` from vocab-sharded logits, never gathering the vocabulary.
+    """``(log p(labels), entropy)`` of ``p = softmax(logits / temperature)`` from vocab-sharded logits, never
+    gathering the vocabulary.
 
     ``logits_shard``: ``[..., V/tp]`` (this TP rank's slice, any float dtype); ``labels``: ``[...]`` global
     token ids in ``[0, V)``. Returns fp32 tensors of shape ``labels.shape``; the log-probs are differentiable
     w.r.t. the logits (Megatron's vocab-parallel cross entropy), the entropy only with ``entropy_grad``.
     ``entropy`` is None when ``with_entropy`` is False. Every TP rank gets the same values. ``chunk_tokens``:
-    tokens per chunk (None = automatic, 0 = unchunked; see the module docstring).
+    tokens per chunk (None = automatic, 0 = unchunked; see the module docstring). ``temperature``: the sampling
+    temperature T > 0 (module docstring, "Temperature"); 1 leaves the computation exactly as without it.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     if logits_shard.shape[:-1] != labels.shape:
         raise ValueError(f"logits_shard has shape {tuple(logits_shard.shape)}, labels {tuple(labels.shape)}: "
                          "labels must match every logits dimension but the vocabulary")
-    entropy = (vocab_parallel_entropy(logits_shard, grad=entropy_grad, chunk_tokens=chunk_tokens)
-               if with_entropy else None)
+    temperature = check_temperature(temperature)
+    entropy = (vocab_parallel_entropy(logits_shard, grad=entropy_grad, chunk_tokens=chunk_tokens,
+                                      temperature=temperature) if with_entropy else None)
     rows = _chunk_rows(chunk_tokens, logits_shard.shape[-1])
     if rows > 0:
         from megatron.core import parallel_state
 
         vocab_start = parallel_state.get_tensor_model_parallel_rank() * logits_shard.shape[-1]
         flat = logits_shard.reshape(-1, logits_shard.shape[-1])
-        logp = _ChunkedLogprob.apply(flat, labels.reshape(-1).long(), rows, vocab_start)
+        logp = _ChunkedLogprob.apply(flat, labels.reshape(-1).long(), rows, vocab_start, temperature)
         return logp.reshape(labels.shape), entropy
-    # Megatron's cross entropy subtracts the max and exponentiates IN PLACE on an fp32 input: hand it a copy.
-    logits_fp32 = logits_shard.float() if logits_shard.dtype != torch.float32 else logits_shard.clone()
+    # Megatron's cross entropy subtracts the max and exponentiates IN PLACE on an fp32 input: hand it a copy (the
+    # division by T, when there is one, makes it).
+    if temperature != 1.0:
+        logits_fp32 = torch.clamp(logits_shard.float() / temperature, min=torch.finfo(torch.float32).min)
+    else:
+        logits_fp32 = logits_shard.float() if logits_shard.dtype != torch.float32 else logits_shard.clone()
     logp = -vocab_parallel_cross_entropy(logits_fp32, labels.long())
     return logp, entropy
 
 
 class _ChunkedLogprob(torch.autograd.Function):
-    """``log p(y)`` from vocab-sharded logits ``[N, V/tp]`` in chunks of rows; backward
-    ``d log p(y) / dz_v = 1[v = y] - p_v`` recomputed per chunk from the saved ``log Z``."""
+    """``log p(y)``, ``p = softmax(z / T)``, from vocab-sharded logits ``z[N, V/tp]`` in chunks of rows; backward
+    ``d log p(y) / dz_v = (1[v = y] - p_v) / T`` recomputed per chunk from the saved ``log Z`` (of ``z / T``)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, rows: int, vocab_start: int) -> Tensor:
+    def forward(ctx, logits: Tensor, labels: Tensor, rows: int, vocab_start: int, temperature: float = 1.0
+                ) -> Tensor:
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
         n, vocab_local = logits.shape
         logp = torch.empty(n, dtype=torch.float32, device=logits.device)
         log_z = torch.empty(n, dtype=torch.float32, device=logits.device)
         for i in range(0, n, rows):
-            z = logits[i:i + rows].to(torch.float32, copy=True)
+            z = _tempered(logits[i:i + rows].to(torch.float32, copy=True), temperature)
             m = z.max(dim=-1).values
             torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=_tp_group())
             z -= m.unsqueeze(-1)
@@ -148,7 +185,7 @@ class _ChunkedLogprob(torch.autograd.Function):
             logp[i:i + rows] = sums[1] - sums[0].log()
             log_z[i:i + rows] = m + sums[0].log()
         ctx.save_for_backward(logits, labels, log_z)
-        ctx.rows, ctx.vocab_start = rows, vocab_start
+        ctx.rows, ctx.vocab_start, ctx.temperature = rows, vocab_start, temperature
         return logp
 
     @staticmethod
@@ -158,12 +195,15 @@ class _ChunkedLogprob(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for i in range(0, n, ctx.rows):
             g = grad_logp[i:i + ctx.rows].float()
-            p = (logits[i:i + ctx.rows].float() - log_z[i:i + ctx.rows].unsqueeze(-1)).exp_()
+            if ctx.temperature != 1.0:  # d/dz = (1/T) d/d(z/T)
+                g = g / ctx.temperature
+            z = _tempered(logits[i:i + ctx.rows].to(torch.float32, copy=True), ctx.temperature)
+            p = z.sub_(log_z[i:i + ctx.rows].unsqueeze(-1)).exp_()
             chunk = p.mul_(-g.unsqueeze(-1))
             local, inside = _local_labels(labels[i:i + ctx.rows], ctx.vocab_start, vocab_local)
             chunk.scatter_add_(1, local.unsqueeze(1), torch.where(inside, g, torch.zeros_like(g)).unsqueeze(1))
             grad[i:i + ctx.rows] = chunk
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def _local_labels(labels: Tensor, vocab_start: int, vocab_local: int) -> tuple[Tensor, Tensor]:
@@ -244,26 +284,28 @@ def context_parallel_group():
     return parallel_state.get_context_parallel_group()
 
 
-def batch_logprobs(logits_shard: Tensor, batch, *, with_entropy: bool = True, entropy_grad: bool = False
-                   ) -> tuple[Tensor, Tensor | None]:
+def batch_logprobs(logits_shard: Tensor, batch, *, with_entropy: bool = True, entropy_grad: bool = False,
+                   temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
     """``(logp[T], entropy[T])`` of a whole micro-batch from ``forward_thd``'s logits: ``vocab_parallel_logprobs``
-    with the labels of the positions the logits cover; under context parallelism gathered over the CP group into
-    the full order (module docstring), identical on every CP rank."""
+    (at ``temperature``) with the labels of the positions the logits cover; under context parallelism gathered over
+    the CP group into the full order (module docstring), identical on every CP rank."""
     group = context_parallel_group()
     cu = batch.cu_seqlens_padded
     labels = split_to_cp_rank(batch.labels, cu, group).to(logits_shard.device)
     logp, entropy = vocab_parallel_logprobs(logits_shard, labels, with_entropy=with_entropy,
-                                            entropy_grad=entropy_grad)
+                                            entropy_grad=entropy_grad, temperature=temperature)
     if group is None:
         return logp, entropy
     return gather_cp_same_grad(logp, cu, group), None if entropy is None else gather_cp_same_grad(entropy, cu, group)
 
 
-def thd_logprobs(model, batch, *, with_entropy: bool = True, entropy_grad: bool = False
+def thd_logprobs(model, batch, *, with_entropy: bool = True, entropy_grad: bool = False, temperature: float = 1.0
                  ) -> tuple[Tensor, Tensor | None]:
     """``(logp[T], entropy[T])`` of a packed batch on a single pipeline stage model (pp = 1).
-    ``logp[t] = log p(labels[t] | tokens[<= t] of the same sequence)``; meaningful where ``loss_mask`` is 1."""
-    return batch_logprobs(forward_thd(model, batch), batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    ``logp[t] = log p(labels[t] | tokens[<= t] of the same sequence)`` at ``temperature``; meaningful where
+    ``loss_mask`` is 1."""
+    return batch_logprobs(forward_thd(model, batch), batch, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                          temperature=temperature)
 
 
 def _engine_device() -> torch.device:
@@ -279,8 +321,9 @@ def _unwrap(model):
 
 @torch.no_grad()
 def compute_logprobs(model_chunks: Sequence, micro_batches: Sequence, *, with_entropy: bool = False,
-                     broadcast: bool = True) -> list[tuple[Tensor, Tensor | None]]:
-    """Forward-only log-probs (and entropy) of every micro-batch with Megatron's pipeline schedule.
+                     broadcast: bool = True, temperature: float = 1.0) -> list[tuple[Tensor, Tensor | None]]:
+    """Forward-only log-probs (and entropy) of every micro-batch with Megatron's pipeline schedule, of the policy
+    at ``temperature`` (softmax of logits / T).
 
     ``model_chunks``: this rank's model chunks (one per virtual stage); ``micro_batches``: the same list of
     ``ThdBatch`` on every rank of the TP/PP group (each stage needs the THD layout). Returns
@@ -298,7 +341,7 @@ def compute_logprobs(model_chunks: Sequence, micro_batches: Sequence, *, with_en
     for chunk in model_chunks:
         chunk.eval()
     try:
-        results = _forward_only(model_chunks, micro_batches, with_entropy)
+        results = _forward_only(model_chunks, micro_batches, with_entropy, check_temperature(temperature))
     finally:
         for chunk, mode in zip(model_chunks, was_training):
             chunk.train(mode)
@@ -307,7 +350,7 @@ def compute_logprobs(model_chunks: Sequence, micro_batches: Sequence, *, with_en
     return results
 
 
-def _forward_only(model_chunks: list, micro_batches: list, with_entropy: bool) -> list:
+def _forward_only(model_chunks: list, micro_batches: list, with_entropy: bool, temperature: float) -> list:
     from megatron.core import parallel_state
 
     def forward_step(data_iterator, model):
@@ -315,7 +358,7 @@ def _forward_only(model_chunks: list, micro_batches: list, with_entropy: bool) -
         output = forward_thd(model, batch)
 
         def loss_func(output_tensor, non_loss_data=True):
-            return batch_logprobs(output_tensor, batch, with_entropy=with_entropy)
+            return batch_logprobs(output_tensor, batch, with_entropy=with_entropy, temperature=temperature)
 
         return output, loss_func
 

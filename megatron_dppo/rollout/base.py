@@ -4,14 +4,15 @@
     engine.load_weights(iterable of (hf_name, tensor))                        # e.g. convert.export_hf_weights(...)
     engine.sleep(); engine.wake_up(tags=None)                                  # free / restore accelerator memory
 
-Log-probabilities. For every generated token y_t a Completion carries
-    logprobs[t]        = log p_sample(y_t | x, y_<t): the distribution the token was actually drawn from, i.e. the
-                         model's logits after temperature, top-k and top-p (the renormalized truncated
-                         softmax of logits / temperature).
-    policy_logprobs[t] = log softmax(logits)[y_t]: the raw policy at temperature 1 without truncation, which is
-                         what the trainer's old/reference log-probs measure (None when the engine cannot provide it).
-The two are equal when temperature == 1, top_k <= 0 and top_p == 1. The trainer recomputes old log-probs with
-its own forward pass; rollout log-probs serve importance-sampling corrections and train/inference mismatch metrics.
+Log-probabilities (the behaviour policy). For every generated token y_t a Completion carries
+    logprobs[t] = log mu(y_t | x, y_<t), mu the distribution the token was actually drawn from: the logits divided
+                  by the temperature, then top-k and top-p (tokens outside the kept set at -inf), renormalized:
+                  log_softmax(warp(logits))[y_t]. Every engine returns them in every sampling mode.
+The trainer's log-probs are of the tempered, UNtruncated policy softmax(logits / T) (LossConfig.temperature, as
+verl and TRL). Without top-k / top-p the two are the same distribution, and logprobs equal the trainer's at the same
+weights up to numerics; with truncation log mu(y) - log pi_T(y) = -log Z_K >= 0, Z_K the tempered mass of the kept
+set. The rollout correction and the stale-batch (decoupled) objective use these log-probs as pi_behav
+(docs/algorithms.md, "Temperature and truncated sampling").
 
 Token ids include the stop token that ended a completion (EOS or one of ``stop_token_ids``), with its log-prob, so
 the policy learns to stop; ``finish_reason`` is "stop" then and "length" when ``max_new_tokens`` ran out.
@@ -47,20 +48,14 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
-    @property
-    def is_untruncated_t1(self) -> bool:
-        """True when the sampling distribution is the raw policy (logprobs == policy_logprobs)."""
-        return self.temperature == 1.0 and self.top_k <= 0 and self.top_p >= 1.0
-
 
 @dataclass
 class Completion:
-    """One sampled completion; see the module docstring for the two kinds of log-probs."""
+    """One sampled completion; ``logprobs``: the behaviour log-probs (module docstring), one per token."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
-    policy_logprobs: list[float] | None = None
 
     def __post_init__(self):
         if len(self.logprobs) != len(self.token_ids):

@@ -50,7 +50,7 @@ class Episode:
     """One finished episode (see ``env/tokens.py`` for the token fields).
 
     prompt_ids:      the prompt the episode started from (the task's, or re-rendered with ``reset`` messages)
-    token_ids / loss_mask / logprobs / policy_logprobs: the stream after the prompt and its per-token data
+    token_ids / loss_mask / logprobs: the stream after the prompt and its per-token data (behaviour log-probs)
     finish_reason:   ``env.protocol.FINISH_REASONS``
     reward:          sum of the environment's step rewards
     turns:           assistant turns sampled; tool_calls / tool_errors / tool_timeouts: summed over steps
@@ -64,7 +64,6 @@ class Episode:
     token_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
-    policy_logprobs: list[float] | None
     finish_reason: str
     reward: float = 0.0
     turns: int = 0
@@ -274,7 +273,7 @@ def _record(e: _Running, context: list[int], completion, stops: set, chat: ChatT
     e.contexts.append(list(context))
     e.sampled.append((ids, logprobs))
     e.texts.append(chat.tokenizer.decode(ids, skip_special_tokens=True))
-    e.traj.append_sampled(ids, logprobs, completion.policy_logprobs)
+    e.traj.append_sampled(ids, logprobs)
     e.last_stop = bool(ids) and ids[-1] in stops and completion.finish_reason == "stop"
     if not e.last_stop:
         e.end("length")
@@ -325,7 +324,7 @@ def _finish(e: _Running, chat: ChatTokens, env_cfg: EnvConfig) -> Episode:
         if problem is not None:
             _report_render_problem(problem, env_cfg.token_check)
     return Episode(prompt_ids=e.traj.prompt_ids, token_ids=e.traj.token_ids, loss_mask=e.traj.loss_mask,
-                   logprobs=e.traj.logprobs, policy_logprobs=e.traj.policy_logprobs, finish_reason=e.finish,
+                   logprobs=e.traj.logprobs, finish_reason=e.finish,
                    reward=e.reward, turns=len(e.sampled), tool_calls=e.counts[0], tool_errors=e.counts[1],
                    tool_timeouts=e.counts[2], texts=e.texts, messages=messages, seconds=e.seconds, error=e.error)
 

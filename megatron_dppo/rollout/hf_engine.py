@@ -8,10 +8,9 @@ in a Hub ``generation_config.json``) are replaced by a neutral config, so the sa
 distribution the log-probs describe.
 
 Log-probs (see ``rollout/base.py``). A recorder placed after the warpers stores log_softmax(warped logits) for the
-token sampled at each step (``logprobs``: the sampling distribution); a recorder placed before them stores
-log_softmax(raw logits) (``policy_logprobs``: the temperature-1 policy). Only one [batch, vocab] step is kept at a
-time, never the whole [steps, batch, vocab] score history. When the sampling is untruncated at temperature 1, both
-are the same numbers and only one recorder runs.
+token sampled at each step: the log-prob under the distribution the token was drawn from (temperature, then top-k
+and top-p with the removed tokens at -inf, renormalized). Only one [batch, vocab] step is kept at a time, never the
+whole [steps, batch, vocab] score history.
 
 Reproducibility: with ``SamplingParams.seed`` set, a generate() call draws from a private RNG stream seeded with
 it (the global torch RNG is saved and restored), so the same call on the same engine state gives the same samples.
@@ -137,7 +136,7 @@ class HFRolloutEngine:
 
     # ------------------------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[CompletionGroup]:
-        """n completions per prompt with token ids, sampling log-probs, policy log-probs and finish reasons."""
+        """n completions per prompt with token ids, the log-probs of the sampled distribution and finish reasons."""
         validate_prompts(prompt_token_ids, n)
         if self._asleep:
             raise RuntimeError("HFRolloutEngine.generate() called while asleep; call wake_up() first")
@@ -172,8 +171,7 @@ class HFRolloutEngine:
 
         stops = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
         sample_recorder = _StepLogprobRecorder()
-        policy_recorder = None if sampling.is_untruncated_t1 else _StepLogprobRecorder()
-        processors = [policy_recorder] if policy_recorder is not None else []
+        processors = []
         if sampling.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(sampling.temperature))
         if sampling.top_k > 0:
@@ -191,7 +189,6 @@ class HFRolloutEngine:
                                   generation_config=config, logits_processor=LogitsProcessorList(processors))
         generated = out.sequences[:, width:]
         sample_logprobs = sample_recorder.finish(generated).cpu()
-        policy_logprobs = policy_recorder.finish(generated).cpu() if policy_recorder is not None else sample_logprobs
         generated = generated.cpu()
 
         stop_set = set(stops)
@@ -205,7 +202,6 @@ class HFRolloutEngine:
                 token_ids=tokens[:end],
                 logprobs=sample_logprobs[i, :end].tolist(),
                 finish_reason=finish,
-                policy_logprobs=policy_logprobs[i, :end].tolist(),
             ))
         return completions
 

@@ -27,9 +27,12 @@ Rollout workers (``rollout.placement=separate``): ``weight_sync=True`` installs 
 default process group (``_ranks_of_the_default_group``).
 
 Log-probs. The engine is created with ``logprobs_mode="processed_logprobs"`` and asks for ``logprobs=0``, so
-``Completion.logprobs`` is the log-prob of each sampled token under the sampling distribution (after temperature,
-top-k, top-p), the same quantity as the HF engine. vLLM gives one kind per engine: ``policy_logprobs`` is filled
-only when the sampling is untruncated at temperature 1 (then the two are equal), else None.
+``Completion.logprobs`` is the log-prob of each sampled token under the sampling distribution, the same quantity as
+the HF engine (``rollout/base.py``). In vLLM 0.32 the sampler divides the logits by the temperature, then
+``TopKTopPSampler.forward_native`` / ``forward_cpu`` applies top-k / top-p (removed tokens at -inf) and, in this
+mode, returns ``logits.log_softmax(-1)`` of exactly the logits it samples from; on CUDA the processed modes keep it
+off FlashInfer's sampler, which exposes no log-probs. vLLM's default mode, ``raw_logprobs``, would instead return
+log_softmax of the logits before temperature and truncation: not the behaviour policy whenever T != 1.
 
 Stop tokens. The engine runs without a tokenizer (``skip_tokenizer_init``; prompts are token ids and text is
 never needed), so the EOS ids are read from the model's config.json / generation_config.json and passed as
@@ -401,9 +404,7 @@ class VLLMRolloutEngine:
                 tokens = list(sample.token_ids)
                 logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, sample.logprobs)]
                 finish = "stop" if sample.finish_reason == "stop" else "length"
-                group.completions.append(Completion(
-                    token_ids=tokens, logprobs=logprobs, finish_reason=finish,
-                    policy_logprobs=list(logprobs) if sampling.is_untruncated_t1 else None))
+                group.completions.append(Completion(token_ids=tokens, logprobs=logprobs, finish_reason=finish))
             groups.append(group)
         return groups
 

@@ -89,7 +89,7 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
     return Rollout(prompts=[p for r in rollouts for p in r.prompts],
                    completions=[c for r in rollouts for c in r.completions],
                    texts=[t for r in rollouts for t in r.texts],
-                   policy_logprobs=[lp for r in rollouts for lp in r.policy_logprobs],
+                   behaviour_logprobs=[lp for r in rollouts for lp in r.behaviour_logprobs],
                    truncated=[t for r in rollouts for t in r.truncated],
                    rewards=torch.cat(rewards) if rewards else torch.zeros(0, G),
                    reward_failures=sum(r.reward_failures for r in rollouts),
@@ -100,7 +100,8 @@ def select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
     """The groups ``rows`` of ``rollout``, in that order (reward failures are counted on the whole rollout)."""
     index = torch.tensor(rows, dtype=torch.long)
     return Rollout(prompts=[rollout.prompts[i] for i in rows], completions=[rollout.completions[i] for i in rows],
-                   texts=[rollout.texts[i] for i in rows], policy_logprobs=[rollout.policy_logprobs[i] for i in rows],
+                   texts=[rollout.texts[i] for i in rows],
+                   behaviour_logprobs=[rollout.behaviour_logprobs[i] for i in rows],
                    truncated=[rollout.truncated[i] for i in rows],
                    rewards=rollout.rewards[index] if rollout.rewards is not None else None)
 

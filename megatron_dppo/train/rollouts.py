@@ -28,7 +28,7 @@ class Rollout:
     prompts: list[Prompt]
     completions: list[list[list[int]]]  # [Bk][G] token ids (stop token included)
     texts: list[list[str]]  # [Bk][G] decoded completions
-    policy_logprobs: list[list[list[float] | None]]  # [Bk][G] temperature-1 log-probs from the rollout engine
+    behaviour_logprobs: list[list[list[float]]]  # [Bk][G] log-probs of the sampled distribution (rollout/base.py)
     truncated: list[list[bool]]  # [Bk][G] finish_reason == "length"
     rewards: torch.Tensor | None = None  # [Bk, G] float32
     reward_failures: int = 0  # samples scored 0 because the reward function failed (all ranks)
@@ -66,7 +66,7 @@ def generate(side: RolloutSide, prompts: list[Prompt], n: int, step: int, temper
             out.append(([c.token_ids for c in comps],
                         [side.tokenizer.decode(_strip_stop(c.token_ids, side.eos_ids), skip_special_tokens=True)
                          for c in comps],
-                        [c.policy_logprobs for c in comps],
+                        [c.logprobs for c in comps],
                         [c.finish_reason == "length" for c in comps]))
         return out
 
@@ -74,7 +74,7 @@ def generate(side: RolloutSide, prompts: list[Prompt], n: int, step: int, temper
     with generation_window(side):  # wakes the rollout engine (GPU memory handover), sleeps it afterwards
         results = D.map_sharded(generate_shard, prompts, shard_index, num_shards)
     return Rollout(prompts=list(prompts), completions=[r[0] for r in results], texts=[r[1] for r in results],
-                   policy_logprobs=[r[2] for r in results], truncated=[r[3] for r in results])
+                   behaviour_logprobs=[r[2] for r in results], truncated=[r[3] for r in results])
 
 
 def score(scorer: Any, rollout: Rollout, group_size: int) -> torch.Tensor:

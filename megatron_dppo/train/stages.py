@@ -237,10 +237,11 @@ def whole_batch_micro_batches(side: TrainSide, batch: TrainBatch, packed: list[l
 def correct_rollout_mismatch(loss_cfg: LossConfig, rollout: Rollout, mini_batches: list[TrainBatch],
                              packed: list[list]) -> dict[str, float]:
     """loss.rollout_correction: set each micro-batch's per-token factor u' of the policy-gradient term from the
-    trainer's old log-probs and the rollout engine's (``algo.losses.rollout_correction_weights``); sequences
-    without engine log-probs get u' = 1. Returns the mismatch metrics over all DP ranks (rollout/is_ratio: mean u
-    before correction, rollout/is_corrected_fraction: tokens truncated or masked, rollout/kl_k1 and
-    rollout/kl_k3: KL(rollout || trainer) per token). No-op (no metrics) when off."""
+    trainer's old log-probs and the rollout engine's behaviour log-probs (``algo.losses.rollout_correction_weights``;
+    a sequence without them is an error, ``behaviour_logprobs_at``). Returns the mismatch metrics over all DP ranks
+    (rollout/is_ratio: mean u before correction, rollout/is_corrected_fraction: tokens truncated or masked,
+    rollout/kl_k1 and rollout/kl_k3: KL(behaviour || trainer) per token: engine numerics, staleness and, with top-k /
+    top-p, the truncation). No-op (no metrics) when off."""
     if loss_cfg.rollout_correction == "none":
         return {}
     sums = torch.zeros(5, dtype=torch.float64)
@@ -248,7 +249,7 @@ def correct_rollout_mismatch(loss_cfg: LossConfig, rollout: Rollout, mini_batche
         for mb in micro_batches:
             if mb.is_dummy or mb.old_logprobs is None:
                 continue
-            engine_logp = _rollout_logprobs_in_place_of(mb, batch, rollout)
+            engine_logp = behaviour_logprobs_at(mb, mb.old_logprobs, batch, rollout)
             weight, m = rollout_correction_weights(mb.old_logprobs, engine_logp, mb.loss_mask, loss_cfg)
             mb.rollout_weight = weight.to(mb.old_logprobs.dtype)
             sums += torch.stack([m[k].double().cpu() for k in ("tokens", "ratio_sum", "corrected_tokens", "k1_sum",
@@ -260,18 +261,24 @@ def correct_rollout_mismatch(loss_cfg: LossConfig, rollout: Rollout, mini_batche
             "rollout/kl_k1": k1 / tokens, "rollout/kl_k3": k3 / tokens}
 
 
-def _rollout_logprobs_in_place_of(mb, batch: TrainBatch, rollout: Rollout) -> torch.Tensor:
-    """A copy of ``mb.old_logprobs`` with the rollout engine's log-probs written at each sequence's completion
-    positions (where the engine returned them, with the right length)."""
-    out = mb.old_logprobs.detach().clone()
+def behaviour_logprobs_at(mb, like: torch.Tensor, batch: TrainBatch, rollout: Rollout) -> torch.Tensor:
+    """The rollout engine's behaviour log-probs laid out as ``like`` (a per-position tensor of ``mb``): each
+    sequence's at its completion positions, ``like``'s values elsewhere. A sequence the engine returned no log-probs
+    for, or a different number of them, raises ValueError naming it: a trainer log-prob in its place would make the
+    correction 1 and the KL 0 there, a stale or truncated sample passing for on-policy."""
+    out = like.detach().clone()
     mask = mb.loss_mask > 0
     bounds = mb.cu_seqlens_padded.tolist()
     for sid, a, b in zip(mb.sample_ids.tolist(), bounds[:-1], bounds[1:]):
         row, i = batch.origin[sid]
-        ref = rollout.policy_logprobs[row][i]
+        ref = rollout.behaviour_logprobs[row][i]
         positions = mask[a:b].nonzero().flatten() + a
-        if ref is not None and len(ref) == positions.numel():
-            out[positions] = torch.tensor(ref, dtype=out.dtype, device=out.device)
+        if ref is None or len(ref) != positions.numel():
+            raise ValueError(f"completion {i} of prompt {rollout.prompts[row].id!r}: the rollout engine returned "
+                             f"{'no' if ref is None else len(ref)} behaviour log-probs for its {positions.numel()} "
+                             "tokens; the rollout correction and the mismatch metrics need one per sampled token "
+                             "(rollout/base.py, Completion.logprobs)")
+        out[positions] = torch.tensor(ref, dtype=out.dtype, device=out.device)
     return out
 
 

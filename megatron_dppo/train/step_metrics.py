@@ -8,7 +8,7 @@ import torch
 from megatron_dppo.algo.pruning import PruneResult, pruning_stats
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.train.rollouts import Rollout
-from megatron_dppo.train.stages import TrainBatch
+from megatron_dppo.train.stages import TrainBatch, behaviour_logprobs_at
 
 
 def step_metrics(prompt_cut: PruneResult, completion_cut: PruneResult | None, total_cut: PruneResult,
@@ -69,12 +69,14 @@ def ht_prompt_mean(prompt_cut: PruneResult, per_prompt: torch.Tensor) -> float:
 
 def logprob_mismatch(rollout: Rollout, mini_batches: list[TrainBatch], packed: list[list],
                      train_logprobs: list | None = None) -> dict[str, float]:
-    """Mean |rollout-engine log-prob - Megatron log-prob| over completion tokens (weight-sync health check);
+    """Mean |behaviour log-prob - Megatron log-prob| over completion tokens (weight-sync health check);
     ``mini_batches`` and ``packed`` are the PPO mini-batches and their micro-batches (one of each by default).
     The Megatron side is the old-policy pass (``mb.old_logprobs``) when it ran, else (one update per rollout, the
     pass skipped) the train forward's own log-probs at the same weights (``train_logprobs``, one per micro-batch
     of that single update: ``PolicyEngine.last_logprobs``, None on ranks that hold no output layer); the two are
-    the same numbers."""
+    the same numbers, both at the sampling temperature. Without top-k / top-p and at staleness 0 it is numerics
+    only (~1e-6 in fp32); top-k / top-p add the truncation gap -log Z_K (docs/algorithms.md). A sequence without
+    behaviour log-probs raises (``behaviour_logprobs_at``)."""
     diff, count = 0.0, 0
     for batch, micro_batches in zip(mini_batches, packed):
         for m, mb in enumerate(micro_batches):
@@ -83,13 +85,11 @@ def logprob_mismatch(rollout: Rollout, mini_batches: list[TrainBatch], packed: l
                 values_all = train_logprobs[m]
             if values_all is None or mb.is_dummy:
                 continue
-            for sid, values in zip(mb.sample_ids.tolist(), mb.completion_values(values_all)):
-                row, i = batch.origin[sid]
-                ref = rollout.policy_logprobs[row][i]
-                if ref is None or len(ref) != values.numel():
-                    continue
-                diff += float((values.double().cpu() - torch.tensor(ref, dtype=torch.float64)).abs().sum())
-                count += values.numel()
+            values_all = values_all.to(mb.loss_mask.device)
+            engine = behaviour_logprobs_at(mb, values_all, batch, rollout)
+            mask = mb.loss_mask > 0
+            diff += float((values_all.double() - engine.double())[mask].abs().sum())
+            count += int(mask.sum())
     totals = D.all_gather_objects((diff, count))
     diff, count = sum(t[0] for t in totals), sum(t[1] for t in totals)
     return {"rollout/logprob_abs_diff": diff / count} if count else {}

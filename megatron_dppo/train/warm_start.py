@@ -27,7 +27,7 @@ def sft_step(side: TrainSide, gold_pairs: list[tuple[list[int], list[int]]], ste
                        seq_weights=ones, rewards=ones, origin=[], denominator=float(len(pairs)))
     with timer("pack"):
         micro_batches, packing = pack(side, batch)
-    with timer("logprob"):  # old log-probs: ratio 1 exactly, and the NLL to report
+    with timer("logprob"), sft_loss(side.engine):  # old log-probs at T = 1: ratio 1 exactly, and the NLL to report
         side.engine.fill_logprobs(micro_batches, old=True, reference=False)
     nll_sum = sum(float(-(mb.old_logprobs * mb.loss_mask).sum()) for mb in micro_batches if not mb.is_dummy)
     tokens = sum(float(mb.loss_mask.sum()) for mb in micro_batches if not mb.is_dummy)
@@ -43,14 +43,15 @@ def sft_step(side: TrainSide, gold_pairs: list[tuple[list[int], list[int]]], ste
 
 
 class sft_loss:  # noqa: N801 - used as a context manager
-    """The engine's loss for the warm start: PPO clip with KL off, per-sequence token mean (then restored)."""
+    """The engine's loss for the warm start: PPO clip with KL off, per-sequence token mean, temperature 1 (the NLL
+    of the gold answers, whatever rollout.temperature the RL loss uses), then restored."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def __enter__(self):
         self.saved = self.engine.loss_cfg
-        self.engine.loss_cfg = LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k1", "seq_mean_token_mean")
+        self.engine.loss_cfg = LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k1", "seq_mean_token_mean", temperature=1.0)
 
     def __exit__(self, *exc):
         self.engine.loss_cfg = self.saved

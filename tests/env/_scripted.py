@@ -26,7 +26,7 @@ class ScriptedEngine:
                 else:
                     tokens, finish = tokens[: sampling.max_new_tokens], "length"
                 logprobs = [-0.01 * (1 + (7 * k + len(ids)) % 13) for k in range(len(tokens))]
-                group.completions.append(Completion(tokens, logprobs, finish, policy_logprobs=list(logprobs)))
+                group.completions.append(Completion(tokens, logprobs, finish))
             groups.append(group)
         return groups
 

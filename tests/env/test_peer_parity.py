@@ -8,21 +8,16 @@ episode loop equal, bit for bit, those built by
   ``merge_assistant_tokens``, ``merge_context_tokens``, ``align_response_metadata``, called in the order of
   ``ToolAgentLoop``).
 
-Tokenizer: SmolLM2-135M-Instruct's ChatML (conftest). Peers: ``pip install 'trl==1.16.*'`` and
-``pip install --no-deps verl==0.9.1`` (skipped when absent). verl's package ``__init__`` imports ray; the
-tokenizer sub-package does not need it, so its parents are entered as bare namespace modules for the import.
+Tokenizer: SmolLM2-135M-Instruct's ChatML (conftest). Peers: trl 1.16 (requirements/cpu.txt) and verl 0.9.1
+(``make peers``, tests/_peers.py); skipped when absent.
 
 Also shown: verl's automatic builder choice for SmolLM2 (config ``model_type`` "llama" -> the generic builder)
 drops ChatML's ``\\n`` after ``<|im_end|>`` at every tool turn; our render audit flags that stream.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
-import types
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -179,28 +174,13 @@ def test_token_ids_mask_and_logprobs_equal_trls_tool_loop(smol_tokenizer, script
 # verl 0.9.1
 # ------------------------------------------------------------------------------------------------------------
 def import_verl_continuous_token():
-    """verl's continuous_token and continuous_token_wiring modules, imported without running the ``verl`` and
-    ``verl.utils`` package initialisers (they import ray); sys.modules is restored afterwards."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None or spec.origin is None:
-        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
-    from importlib.metadata import version
+    """verl 0.9.1's continuous_token and continuous_token_wiring modules, from .peers/verl (``make peers``,
+    tests/_peers.py)."""
+    from tests._peers import verl_path
 
-    if version("verl") != "0.9.1":
-        pytest.skip(f"parity is pinned to verl 0.9.1, found {version('verl')}")
-    root = Path(spec.origin).parent
-    saved = {k: v for k, v in sys.modules.items() if k == "verl" or k.startswith("verl.")}
-    try:
-        for name, path in (("verl", root), ("verl.utils", root / "utils")):
-            module = types.ModuleType(name)
-            module.__path__ = [str(path)]
-            sys.modules[name] = module
+    with verl_path():
         import verl.utils.tokenizer.continuous_token as ct
         import verl.utils.tokenizer.continuous_token_wiring as wiring
-    finally:
-        for key in [k for k in sys.modules if k == "verl" or k.startswith("verl.")]:
-            del sys.modules[key]
-        sys.modules.update(saved)
     return ct, wiring
 
 
@@ -257,8 +237,7 @@ def test_verls_automatic_builder_for_a_llama_chatml_model_drops_the_separator(sm
     assert response != episodes[1].token_ids
     assert len(episodes[1].token_ids) - len(response) == 1  # one "\n" per tool turn (sample 1 makes one call)
     # our render audit sees it in verl's stream
-    traj = Trajectory(prompt_ids, response, mask, logprobs, None,
-                      segments=_segments(mask))
+    traj = Trajectory(prompt_ids, response, mask, logprobs, segments=_segments(mask))
     chat = ChatTokens(tok)
     observations = [[{"role": "tool", "name": "calculator", "content": "5535"}]]
     messages = conversation_messages(tok, traj, observations, [tok.convert_tokens_to_ids("<|im_end|>")])

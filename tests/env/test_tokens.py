@@ -62,7 +62,7 @@ def _episode(tok, chat, turns, observations):
         logprobs = [-0.5 - 0.01 * k for k in range(len(ids))]
         contexts.append(traj.context())
         sampled.append((ids, logprobs))
-        traj.append_sampled(ids, logprobs, logprobs)
+        traj.append_sampled(ids, logprobs)
         if j < len(observations):
             traj.append_observation(chat.observation_ids(observations[j], ids[-1]))
     return traj, sampled, contexts
@@ -100,10 +100,10 @@ def test_planted_decode_reencode_loop_is_caught(smol_tokenizer):
     traj, sampled, contexts = _episode(tok, chat, turns, [[{"role": "tool", "content": "408"}]])
 
     class ReencodingTrajectory(Trajectory):
-        def append_sampled(self, token_ids, logprobs, policy_logprobs=None):
+        def append_sampled(self, token_ids, logprobs):
             ids = encode(tok, tok.decode(token_ids, skip_special_tokens=False))
             pad = (list(logprobs) + [0.0] * len(ids))[: len(ids)]
-            super().append_sampled(ids, pad, pad)
+            super().append_sampled(ids, pad)
 
     bad = ReencodingTrajectory(list(traj.prompt_ids))
     bad_contexts = []
@@ -139,7 +139,7 @@ def test_dropped_turn_separator_is_caught_by_the_render_audit(smol_tokenizer):
     broken_contexts = []
     for j, (ids, logprobs) in enumerate(sampled):
         broken_contexts.append(broken.context())
-        broken.append_sampled(ids, logprobs, logprobs)
+        broken.append_sampled(ids, logprobs)
         if j == 0:
             broken.append_observation(traj.token_ids[a + 1:b])  # the separator dropped
     check_episode(broken, sampled, broken_contexts)  # identity holds ...
@@ -167,10 +167,10 @@ def test_a_stop_token_that_does_not_close_turns_cannot_be_continued(smol_tokeniz
 
 def test_trajectory_bookkeeping():
     traj = Trajectory([1, 2])
-    traj.append_sampled([5, 6], [-1.0, -2.0], None)
+    traj.append_sampled([5, 6], [-1.0, -2.0])
     traj.append_observation([7])
     assert traj.context() == [1, 2, 5, 6, 7]
-    assert traj.loss_mask == [1, 1, 0] and traj.logprobs == [-1.0, -2.0, 0.0] and traj.policy_logprobs is None
+    assert traj.loss_mask == [1, 1, 0] and traj.logprobs == [-1.0, -2.0, 0.0]
     assert traj.num_trained == 2 and traj.assistant_spans() == [(0, 2)]
     with pytest.raises(ValueError, match="log-probs"):
         traj.append_sampled([1], [])

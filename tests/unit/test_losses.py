@@ -287,6 +287,9 @@ def test_loss_denominator_errors(kwargs, match):
         (dict(kl_bias_correction="yes"), "kl_bias_correction.*'yes'"),
         (dict(gspo_log_ratio_cap=0.0), "gspo_log_ratio_cap.*0.0"),
         (dict(gspo_log_ratio_cap=float("inf")), "gspo_log_ratio_cap.*inf"),
+        (dict(temperature=0.0), "temperature.*0.0"),
+        (dict(temperature=float("inf")), "temperature.*inf"),
+        (dict(temperature=True), "temperature.*True"),
     ],
 )
 def test_loss_config_validation(kwargs, match):

@@ -493,17 +493,24 @@ def test_presets_by_name_with_overrides():
     default, _ = build_loss(load_config(None, [], validate=False))
     assert (default.clip_ratio_c, default.kl_clamp, default.advantage_eps, default.rollout_correction) == \
         (None, None, 1e-6, "none")
+    assert default.temperature == 1.0
+    # the rollout's sampling temperature reaches the loss: every log-prob of the update is tempered by it
+    tempered, _ = build_loss(load_config(None, ["rollout.temperature=0.7", "loss.preset=verl_grpo"], validate=False))
+    assert tempered.temperature == 0.7 and tempered.kl_clamp == 10.0
 
 
 def test_rollout_correction_stage_places_engine_logprobs_at_the_completion_tokens():
     """stages.correct_rollout_mismatch on packed micro-batches (padding between sequences, two sequences in one
-    bin, their order swapped): each completion token gets u' of ITS OWN rollout-engine log-prob; a sequence the
-    engine gave no log-probs for gets 1; prompt and padding positions get 0."""
+    bin, their order swapped): each completion token gets u' of ITS OWN rollout-engine log-prob; prompt and padding
+    positions get 0. A sequence the engine gave no log-probs for (or the wrong number) is an error naming it, not
+    u' = 1 (the old fallback, which made a stale or truncated sample look on-policy there)."""
+    import dataclasses
     from types import SimpleNamespace
 
     from megatron_dppo.packing import build_rank_micro_batches
     from megatron_dppo.train.rollouts import Rollout
     from megatron_dppo.train.stages import TrainBatch, correct_rollout_mismatch
+    from megatron_dppo.train.step_metrics import logprob_mismatch
 
     prompts = [[5, 6], [7, 8, 9]]
     completions = [[[11, 12, 13]], [[21, 22]]]
@@ -511,24 +518,41 @@ def test_rollout_correction_stage_places_engine_logprobs_at_the_completion_token
     batch = TrainBatch(token_ids=token_ids, prompt_lengths=[2, 3], advantages=torch.tensor([1.0, -1.0]),
                        token_weights=torch.ones(2), seq_weights=torch.ones(2), rewards=torch.zeros(2),
                        origin=[(0, 0), (1, 0)], denominator=2.0)
-    engine_logp = [-0.5, -1.0, -3.0]  # sequence 0: u = exp(old - engine) with old = -1 everywhere
-    rollout = Rollout(prompts=[SimpleNamespace(token_ids=p) for p in prompts], completions=completions,
-                      texts=[[""], [""]], policy_logprobs=[[engine_logp], [None]], truncated=[[False], [False]])
-    micro_batches = build_rank_micro_batches([[1, 0]], token_ids, [2, 3], batch.advantages, batch.token_weights,
-                                             pad_multiple=4)
-    for mb in micro_batches:
-        mb.old_logprobs = torch.full(mb.tokens.shape, -1.0)
+    engine_logp = [[-0.5, -1.0, -3.0], [-1.25, -0.75]]  # u = exp(old - engine) with old = -1 everywhere
+    rollout = Rollout(prompts=[SimpleNamespace(id=f"q{q}", token_ids=p) for q, p in enumerate(prompts)],
+                      completions=completions, texts=[[""], [""]],
+                      behaviour_logprobs=[[engine_logp[0]], [engine_logp[1]]], truncated=[[False], [False]])
+
+    def packed():
+        micro_batches = build_rank_micro_batches([[1, 0]], token_ids, [2, 3], batch.advantages, batch.token_weights,
+                                                 pad_multiple=4)
+        for mb in micro_batches:
+            mb.old_logprobs = torch.full(mb.tokens.shape, -1.0)
+        return micro_batches
+
+    micro_batches = packed()
     loss_cfg = LossConfig(rollout_correction="tis", rollout_correction_cap=2.0)
     metrics = correct_rollout_mismatch(loss_cfg, rollout, [batch], [micro_batches])
     (mb,) = micro_batches
     per_seq = dict(zip(mb.sample_ids.tolist(), mb.completion_values(mb.rollout_weight)))
-    u = torch.exp(-1.0 - torch.tensor(engine_logp))
-    assert torch.allclose(per_seq[0], u.clamp(max=2.0).float())
-    assert torch.equal(per_seq[1], torch.ones(2))
+    u = [torch.exp(-1.0 - torch.tensor(lp)) for lp in engine_logp]
+    for sid in (0, 1):
+        assert torch.allclose(per_seq[sid], u[sid].clamp(max=2.0).float())
     assert float(mb.rollout_weight[mb.loss_mask == 0].abs().sum()) == 0.0
+    all_u = torch.cat(u)
     assert metrics["rollout/is_corrected_fraction"] == pytest.approx(1 / 5)  # u = e^2 > 2, of 5 tokens
-    assert metrics["rollout/is_ratio"] == pytest.approx((float(u.sum()) + 2) / 5)
-    assert metrics["rollout/kl_k1"] == pytest.approx(float(torch.tensor(engine_logp).sum() + 3) / 5)
+    assert metrics["rollout/is_ratio"] == pytest.approx(float(all_u.sum()) / 5)
+    all_lp = torch.tensor(engine_logp[0] + engine_logp[1])
+    assert metrics["rollout/kl_k1"] == pytest.approx(float(all_lp.sum() + 5) / 5)
+    assert logprob_mismatch(rollout, [batch], [micro_batches])["rollout/logprob_abs_diff"] == \
+        pytest.approx(float((all_lp + 1).abs().sum()) / 5)
+
+    for missing, said in ((None, "no behaviour log-probs"), ([-1.0], "returned 1 behaviour log-probs")):
+        broken = dataclasses.replace(rollout, behaviour_logprobs=[[engine_logp[0]], [missing]])
+        for stage in (lambda mbs: correct_rollout_mismatch(loss_cfg, broken, [batch], [mbs]),
+                      lambda mbs: logprob_mismatch(broken, [batch], [mbs])):
+            with pytest.raises(ValueError, match=f"completion 0 of prompt 'q1'.*{said} for its 2 tokens"):
+                stage(packed())
 
 
 def test_one_mini_batch_one_epoch_is_todays_step():
