@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 from megatron_dppo.config.fields import _check, opt
 
@@ -27,6 +27,13 @@ class DynamicSamplingConfig:
     max_rounds: int = opt(10, "Most generation rounds per step, the first included (verl max_num_gen_batches). "
                               "When they are spent the step trains on the groups found so far (fewer than B, possibly "
                               "none) with a warning, instead of verl's error.")
+    filter_metric: Literal["task", "training"] = opt(
+        "task", "The reward whose spread within a group decides 'one reward for all' for this filter and for algo."
+                "drop_zero_variance_groups: task = the task reward, before DAPO's soft overlong penalty (verl's DAPO "
+                "recipe: algorithm.filter_groups.metric=acc, the score before its reward manager adds the penalty), "
+                "so an all-correct group whose lengths differ inside overlong.buffer is still dropped; training = the "
+                "reward the advantages see, penalty included (verl metric=reward / seq_final_reward). The same "
+                "unless overlong.buffer > 0.")
     refill_prompts: Optional[int] = opt(None, "Prompts drawn per refill round (rounds 2, 3, ...); null = the "
                                               "shortfall, B minus the groups kept so far (no surplus). A larger fixed "
                                               "number needs fewer rounds and discards more (verl gen_batch_size, "

@@ -67,7 +67,25 @@ class Config:
         self._validate_placement()
         if self.eval.every and self.data.task == "files" and not self.eval.files:
             raise ValueError("eval.every > 0 needs eval.files (held-out JSONL/parquet files)")
+        self._refuse_unused_options()
         return self
+
+    def _refuse_unused_options(self) -> None:
+        """An option set away from its default that the chosen configuration does not read is an error naming it
+        (``UNUSED_WHEN``), not a setting silently ignored (``data.dataset=gsm8k`` with ``data.task=arithmetic``
+        trained on arithmetic)."""
+        problems = []
+        for keys, unused, why in UNUSED_WHEN:
+            if not unused(self):
+                continue
+            for key in keys:
+                section, name = key.split(".")
+                value = getattr(getattr(self, section), name)
+                if value != _default(getattr(self, section), name):
+                    problems.append(f"{key}={value!r} ({why})")
+        if problems:
+            raise ValueError("options that this configuration does not use: " + "; ".join(problems) + ". Remove "
+                             "them, or change the option that makes them unused")
 
     def _validate_placement(self) -> None:
         """rollout.placement / train.max_staleness across sections (their help says why)."""
@@ -85,3 +103,44 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _default(section, name: str):
+    f = next(f for f in dataclasses.fields(section) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+_FILE_DATA = ("data.dataset", "data.split", "data.subset", "data.revision", "data.bad_rows", "data.dedupe",
+              "data.train_files", "data.preset", "data.prompt_field", "data.answer_field", "data.answer_format",
+              "data.id_field", "data.limit")
+_ARITHMETIC = ("data.arithmetic_train_size", "data.arithmetic_min_terms", "data.arithmetic_max_terms",
+               "data.arithmetic_max_operand", "data.arithmetic_ops", "data.arithmetic_eval_split",
+               "data.arithmetic_worked")
+
+# (options, when the configuration does not read them, why): Config._refuse_unused_options. An option of this table
+# set away from its default under its condition is an error naming it.
+UNUSED_WHEN = [
+    (_FILE_DATA, lambda c: c.data.task == "arithmetic", "data.task=arithmetic generates its prompts; data.task=files "
+                                                        "reads them"),
+    (_ARITHMETIC, lambda c: c.data.task != "arithmetic", "only data.task=arithmetic reads it"),
+    (("algo.r_q", "algo.r_o", "algo.mode", "algo.dppo_keep", "algo.keep_floor", "algo.keep_length_exponent",
+      "algo.history_ema"), lambda c: c.algo.pruner != "dppo", "only algo.pruner=dppo reads it"),
+    (("algo.cppo_rate", "algo.cppo_scope", "algo.cppo_allocation"), lambda c: c.algo.pruner != "cppo",
+     "only algo.pruner=cppo reads it"),
+    (("dynamic_sampling.max_rounds", "dynamic_sampling.refill_prompts"), lambda c: not c.dynamic_sampling.enable,
+     "dynamic_sampling.enable=false"),
+    (("dynamic_sampling.filter_metric",),
+     lambda c: not (c.dynamic_sampling.enable or c.algo.drop_zero_variance_groups),
+     "no zero-variance filter: dynamic_sampling.enable and algo.drop_zero_variance_groups are false"),
+    (("overlong.penalty",), lambda c: c.overlong.buffer == 0, "overlong.buffer=0: no soft overlong penalty"),
+    (("rollout.gpu_memory_utilization", "rollout.enforce_eager", "rollout.sleep_level",
+      "rollout.offload_train_state"), lambda c: c.rollout.engine != "vllm", "only rollout.engine=vllm reads it"),
+    (("rollout.batch_size",), lambda c: c.rollout.engine != "hf", "only rollout.engine=hf reads it"),
+    (("rollout.workers", "rollout.tp", "rollout.worker_timeout_s", "train.staleness_mode"),
+     lambda c: c.rollout.placement != "separate", "only rollout.placement=separate reads it"),
+    (("train.sft_batch_size", "train.sft_lr"), lambda c: c.train.sft_steps == 0, "train.sft_steps=0: no warm start"),
+    (("optim.min_lr",), lambda c: c.optim.scheduler == "constant", "optim.scheduler=constant"),
+    (("logging.wandb_project",), lambda c: c.logging.wandb == "off", "logging.wandb=off"),
+    (("parallel.cp_comm_type",), lambda c: c.parallel.cp == 1, "parallel.cp=1: no context parallelism"),
+    (("eval.data_dir",), lambda c: c.eval.suite is None, "no eval.suite"),
+]

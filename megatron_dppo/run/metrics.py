@@ -227,6 +227,15 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return records
 
 
+STEP_TOTALS = ("time/step", "time/step_cpu")  # totals over a step's phases (wall clock; CPU seconds of all ranks)
+
+
+def phase_keys(records: list[dict]) -> list[str]:
+    """The time/* keys of the phases of a step (generate, reward, train, ...), without the totals that sum them
+    (``STEP_TOTALS``): the bars of the time-per-phase panel stack to at most the step's time."""
+    return sorted({k for r in records for k in r if k.startswith("time/") and k not in STEP_TOTALS})
+
+
 def plot_reward_curve(metrics_path: str | Path, png_path: str | Path) -> Path | None:
     """Six panels from ``metrics.jsonl``: reward (before/after pruning, eval pass@1), kept fraction per level,
     effective sample size, the warm-start NLL, packing density, and time per phase. Returns the PNG path (None
@@ -283,7 +292,7 @@ def plot_reward_curve(metrics_path: str | Path, png_path: str | Path) -> Path | 
     ax.set_ylim(0, 1.05), ax.set_title("packing density"), ax.set_xlabel("RL step"), ax.grid(alpha=0.3)
 
     ax = axes[1][2]
-    phases = sorted({k for r in rl for k in r if k.startswith("time/") and k != "time/step"})
+    phases = phase_keys(rl)
     if rl and phases:
         steps = [r["step"] for r in rl]
         bottom = [0.0] * len(rl)

@@ -22,7 +22,7 @@ from megatron_dppo.data import Prompt
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.run.metrics import PhaseTimer
 from megatron_dppo.run.state import RolloutSide
-from megatron_dppo.train.rollouts import Rollout, generate, score, training_rewards
+from megatron_dppo.train.rollouts import Rollout, filter_rewards, generate, score
 from megatron_dppo.train.step_metrics import rollout_metrics
 
 logger = logging.getLogger("megatron_dppo.dynamic_sampling")
@@ -55,8 +55,9 @@ def keep_all(n: int) -> PruneResult:
 
 def refill_groups(side: RolloutSide, step: int, timer: PhaseTimer, first: Rollout) -> Refilled:
     """Dynamic sampling with refill from round 1's scored ``first`` rollout (the step's B drawn prompts): more rounds
-    of prompts from the sampler, generated and scored, until B groups have non-zero variance in the training reward
-    (``rollouts.training_rewards``) or dynamic_sampling.max_rounds are spent (a warning, and a smaller batch)."""
+    of prompts from the sampler, generated and scored, until B groups have non-zero reward variance
+    (``rollouts.filter_rewards``: the task reward by default) or dynamic_sampling.max_rounds are spent (a warning,
+    and a smaller batch)."""
     cfg = side.cfg
     rounds = [first]
 
@@ -68,9 +69,9 @@ def refill_groups(side: RolloutSide, step: int, timer: PhaseTimer, first: Rollou
         with timer("reward"):
             rollout.rewards = score(side.scorer, rollout, cfg.train.group_size)
         rounds.append(rollout)
-        return D.broadcast_object(training_rewards(cfg, rollout))
+        return D.broadcast_object(filter_rewards(cfg, rollout))
 
-    result = refill(D.broadcast_object(training_rewards(cfg, first)), draw_round, cfg.train.prompts_per_step,
+    result = refill(D.broadcast_object(filter_rewards(cfg, first)), draw_round, cfg.train.prompts_per_step,
                     cfg.dynamic_sampling.max_rounds, cfg.dynamic_sampling.refill_prompts)
     generated = concat_rollouts(rounds)
     if result.exhausted and D.is_main():

@@ -96,6 +96,13 @@ def score(scorer: Any, rollout: Rollout, group_size: int) -> torch.Tensor:
         if rollout.prompts else torch.zeros(0, group_size)
 
 
+def filter_rewards(cfg, rollout: Rollout) -> torch.Tensor:
+    """The rewards [Bk, G] whose spread decides whether a group has "one reward for all" (DAPO's dynamic sampling,
+    algo.drop_zero_variance_groups): the task reward, or with dynamic_sampling.filter_metric=training the reward
+    the advantages see (``training_rewards``)."""
+    return training_rewards(cfg, rollout) if cfg.dynamic_sampling.filter_metric == "training" else rollout.rewards
+
+
 def training_rewards(cfg, rollout: Rollout) -> torch.Tensor:
     """The rewards the advantages see [Bk, G]: the task reward plus, with overlong.buffer > 0, DAPO's soft overlong
     penalty of each completion's length (docs/algorithms.md, "Overlong completions"). The task reward alone stays in

@@ -18,7 +18,7 @@ from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, PruneResult, comb
 from megatron_dppo.data import Prompt
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.run.state import TrainSide
-from megatron_dppo.train.rollouts import Rollout, training_rewards
+from megatron_dppo.train.rollouts import Rollout, filter_rewards
 
 
 # ==============================================================================================================
@@ -64,7 +64,7 @@ def select_completions(side: TrainSide, prompt_cut: PruneResult, rollout: Rollou
             decided = PruneResult(keep=torch.ones(advantages.shape, dtype=torch.bool), weight=ones.float(),
                                   keep_prob=ones, candidate=torch.zeros(advantages.shape, dtype=torch.bool))
         if cfg.algo.drop_zero_variance_groups:
-            decided = _drop(decided, zero_variance_filter(training_rewards(side.cfg, rollout)).keep)
+            decided = _drop(decided, zero_variance_filter(filter_rewards(side.cfg, rollout)).keep)
         if cfg.overlong.filter:  # overlong filtering: truncated completions leave the loss (and D, see denominator)
             decided = _drop(decided, rollout.finished(advantages.shape[1]))
     decided = D.broadcast_object(decided)

@@ -217,3 +217,38 @@ def test_soft_penalty_shapes_the_training_reward_not_the_task_reward():
     assert torch.equal(shaped, rollout.rewards + overlong_penalty(lengths, 5, 2, 1.0))
     assert shaped[0].tolist() == [1.0, -1.0, 0.0] and shaped[2].tolist() == [0.5, 1.0, -1.0]
     assert training_rewards(_train_side(["algo.pruner=none"]).cfg, rollout) is rollout.rewards  # off: untouched
+
+
+def _all_correct_group_of_different_lengths():
+    """Group 0 all correct with lengths 2, 4, 5 (inside a buffer of 2 below L_max = 5: penalties 0, -0.5, -1), group 1
+    mixed, group 2 all wrong at one length: one reward for all in the task reward for groups 0 and 2, in the training
+    reward (task + soft overlong penalty) for group 2 only."""
+    from megatron_dppo.data import Prompt
+    from megatron_dppo.train.rollouts import Rollout
+
+    lengths = [[2, 4, 5], [2, 2, 3], [3, 3, 3]]
+    prompts = [Prompt(id=f"q{q}", token_ids=[1, 2, 3 + q], gold="0", text="") for q in range(3)]
+    return Rollout(prompts=prompts, completions=[[[7] * n for n in row] for row in lengths],
+                   texts=[["x"] * 3 for _ in range(3)],
+                   behaviour_logprobs=[[[-1.0] * n for n in row] for row in lengths],
+                   truncated=[[n == 5 for n in row] for row in lengths],
+                   rewards=torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("metric, kept_groups", [("task", {1}), ("training", {0, 1})])
+def test_the_zero_variance_filter_looks_at_the_task_reward_before_the_overlong_penalty(metric, kept_groups):
+    """As verl's DAPO recipe (filter_groups.metric=acc: the score before its reward manager adds the overlong
+    penalty), an all-correct group whose lengths differ inside the buffer has one task reward for all and is dropped
+    by algo.drop_zero_variance_groups (it was kept: the filter looked at task + penalty); with
+    dynamic_sampling.filter_metric=training it is kept, as verl's metric=reward keeps it. Dynamic sampling's refill
+    reads the same rewards (rollouts.filter_rewards)."""
+    from megatron_dppo.train.rollouts import filter_rewards, training_rewards
+
+    rollout = _all_correct_group_of_different_lengths()
+    side = _train_side(["algo.pruner=none", "algo.drop_zero_variance_groups=true", "overlong.buffer=2",
+                        f"dynamic_sampling.filter_metric={metric}"])
+    assert training_rewards(side.cfg, rollout)[0].tolist() == [1.0, 0.5, 0.0]  # the penalty does differ in group 0
+    expected = rollout.rewards if metric == "task" else training_rewards(side.cfg, rollout)
+    assert torch.equal(filter_rewards(side.cfg, rollout), expected)
+    batch = _step(side, rollout)
+    assert {q for q, _ in batch.origin} == kept_groups

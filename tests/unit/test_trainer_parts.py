@@ -3,7 +3,6 @@ loss presets with overrides, and the stop-signal handler."""
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import signal
@@ -145,3 +144,15 @@ def test_phase_timer_counts_cpu_seconds_of_work_not_of_waiting():
     # (process_time counts every thread of the process, so the busy phase's wall time is not a bound on it)
     assert timer.cpu_seconds >= 0.25
     assert timer.as_metrics()["time/step"] >= 0.3
+
+
+def test_the_time_per_phase_panel_stacks_the_phases_not_their_totals():
+    """time/step_cpu (the CPU seconds of the whole step) was stacked on top of the phases it sums, so every bar of
+    the dashboard's time panel was about twice the step; the panel stacks the phases only."""
+    from megatron_dppo.run.metrics import phase_keys
+
+    records = [{"step": s, "phase": "rl", "time/step": 1.0, "time/step_cpu": 1.9, "time/generate": 0.3,
+                "time/reward": 0.1, "time/train": 0.5, "time/weight_sync": 0.05} for s in range(3)]
+    phases = phase_keys(records)
+    assert phases == ["time/generate", "time/reward", "time/train", "time/weight_sync"]
+    assert all(sum(r[k] for k in phases) <= r["time/step"] for r in records)
