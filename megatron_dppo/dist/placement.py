@@ -265,7 +265,7 @@ class TrainerLink:
         admit (the checkpoint was written with another ``train.max_staleness`` or ``staleness_mode``) are dropped,
         and the workers generate those steps again from version ``rl_step`` on (``StalenessGate.resumable``)."""
         self.gate.floor = rl_step
-        saved = pickle.loads(in_flight) if in_flight else []
+        saved = _unpickle_in_flight(in_flight)
         self.restored = self.gate.resumable(saved, rl_step)
         if len(self.restored) < len(saved) and D.is_main():
             print(f"the checkpoint holds {len(saved)} batch(es) in flight (steps {saved[0].step}.."
@@ -288,6 +288,20 @@ class TrainerLink:
         if clean and self.roles.job_rank == 0:
             self._weights_sender().stop()
             self.batches.join(self.timeout_s)
+
+
+def _unpickle_in_flight(in_flight: bytes | None) -> list:
+    """A checkpoint's in-flight batches; none when it holds none, or when they were pickled by a megatron-dppo whose
+    classes have moved or changed since (then they are generated again, as for another bound: ``resume_at``)."""
+    if not in_flight:
+        return []
+    try:
+        return pickle.loads(in_flight)
+    except (ModuleNotFoundError, AttributeError, ImportError, TypeError) as err:
+        if D.is_main():
+            print(f"the checkpoint's batches in flight were written by another version of megatron-dppo and cannot "
+                  f"be read here ({type(err).__name__}: {err}): they are generated again", flush=True)
+        return []
 
 
 def connect_trainer(cfg) -> TrainerLink:

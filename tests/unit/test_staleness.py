@@ -151,3 +151,28 @@ def test_roles_from_the_launch():
     assert r.describe(1) == "rollout worker 1 (job rank 4)"
     with pytest.raises(ValueError, match="rollout.workers=2 with a job of 2 processes leaves no trainer"):
         roles(cfg, {**env, "RANK": "0", "WORLD_SIZE": "2"})
+
+
+def test_in_flight_batches_pickled_by_another_version_are_generated_again():
+    """A fixed-mode checkpoint written before the trainer's classes moved (megatron_dppo.rollout_side.DrawnBatch)
+    cannot be unpickled here: the batches are dropped and generated again, instead of the resume crashing."""
+    import pickle
+    import sys
+    import types
+
+    from megatron_dppo.dist.placement import _unpickle_in_flight
+
+    assert _unpickle_in_flight(pickle.dumps([1, 2])) == [1, 2]
+    old = types.ModuleType("megatron_dppo.rollout_side")  # where DrawnBatch lived before the packages
+
+    class DrawnBatch:
+        pass
+
+    DrawnBatch.__module__, DrawnBatch.__qualname__, old.DrawnBatch = old.__name__, "DrawnBatch", DrawnBatch
+    sys.modules[old.__name__] = old
+    try:
+        written = pickle.dumps([DrawnBatch()])
+    finally:
+        del sys.modules[old.__name__]
+    assert _unpickle_in_flight(written) == []
+    assert _unpickle_in_flight(None) == [] and _unpickle_in_flight(b"") == []
