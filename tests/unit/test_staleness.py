@@ -120,7 +120,7 @@ def test_separate_vllm_workers_form_workers_over_tp_engines_and_refuse_a_tp_that
     hf_config = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
                  "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 64}
     cfg = _config(rollout__placement="separate", train__max_staleness=1, rollout__engine="vllm", rollout__workers=3,
-                  train__output_dir=str(tmp_path))
+                  rollout__batch_size=64, train__output_dir=str(tmp_path))  # (batch_size: the HF engine's, unused)
     cfg.validate()
     assert rollout_tensor_parallel(cfg) == 1
     cfg.rollout.tp = 3
