@@ -246,13 +246,22 @@ class PromptPosterior:
             self._window.append(tuple(None if math.isnan(x) else x for x in
                                       (float(k[i]), float(n), float(energy[i]), float(mean_len[i]))))
 
+    def _reserve(self, rows: int) -> None:
+        """Room for ``rows`` prompts (capacity doubles: adding prompts costs amortised O(1) each)."""
+        if rows > self._state.shape[0]:
+            cap = max(rows, 2 * self._state.shape[0], 64)
+            state = torch.zeros(cap, *self._state.shape[1:], dtype=torch.float64)
+            t = torch.zeros(cap, dtype=torch.int64)
+            state[:self._state.shape[0]], t[:self._t.shape[0]] = self._state, self._t
+            self._state, self._t = state, t
+
     def _update_pass(self, ids, idx, k, n, energy, mean_len, step, prior, mbar, w0, is_binary) -> None:
         new = [i for i in ids if i not in self._row]
         if new:
-            start = self._state.shape[0]
+            start = len(self._row)
+            self._reserve(start + len(new))
             self._row.update({pid: start + j for j, pid in enumerate(new)})
-            self._state = torch.cat([self._state, torch.zeros(len(new), *self._state.shape[1:], dtype=torch.float64)])
-            self._t = torch.cat([self._t, torch.full((len(new),), step, dtype=torch.int64)])
+            self._t[start:start + len(new)] = step
         rows = torch.tensor([self._row[i] for i in ids])
         delta = (step - self._t[rows]).clamp(min=0).double()  # a group older than the last visit: no decay
         decay = self._lam[None, :] ** delta[:, None]  # [b, J]
@@ -354,8 +363,9 @@ class PromptPosterior:
 
     def state_dict(self) -> dict:
         ids = sorted(self._row, key=lambda i: self._row[i])
-        return {"format": self.FORMAT, **self._config(), "ids": ids, "t": self._t.tolist(),
-                "state": self._state.tolist(), "window": [list(g) for g in self._window],
+        n = len(ids)
+        return {"format": self.FORMAT, **self._config(), "ids": ids, "t": self._t[:n].tolist(),
+                "state": self._state[:n].tolist(), "window": [list(g) for g in self._window],
                 "score_binary": list(self._score_binary), "score_continuous": list(self._score_continuous),
                 "revisits": self._revisits, "binary": self._binary, "last_step": self._last_step}
 
