@@ -53,12 +53,27 @@ def machine() -> dict:
             "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
-def write_json(path: Path | None, report: dict) -> None:
+def write_json(path: Path | None, report: dict, digits: int | None = None) -> None:
+    """``digits``: round every float to that many significant digits and write without indentation (the large
+    reports committed under docs/benchmarks)."""
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=str))
+    if digits is None:
+        path.write_text(json.dumps(report, indent=1, default=str))
+    else:
+        path.write_text(json.dumps(_rounded(report, digits), default=str, separators=(",", ":")))
     print(f"\nwrote {path}")
+
+
+def _rounded(x, digits: int):
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}") if math.isfinite(x) else x
+    if isinstance(x, dict):
+        return {k: _rounded(v, digits) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v, digits) for v in x]
+    return x
 
 
 def quiet() -> None:

@@ -44,7 +44,7 @@ def train_overrides(out_dir: Path, steps: int, every: int) -> list[str]:
     return ["algo.pruner=none", f"train.output_dir={out_dir}", f"train.steps={steps}", "eval.every=0",
             f"checkpoint.every={every}", "checkpoint.keep_last=1000", "logging.plot=false",
             "logging.progress_bar=false", "logging.tensorboard=false", "logging.print_every=10",
-            "train.cpu_threads=1"]
+            "logging.audit_log=true", "train.cpu_threads=1"]
 
 
 def checkpoint_index(root: Path, sft_steps: int) -> dict[int, Path]:
@@ -102,7 +102,7 @@ def open_run(work: Path, config: Path = QUICKSTART):
     from megatron_dppo.run.setup import setup
 
     overrides = train_overrides(work / "analysis", 0, 0) + [
-        f"model.tokenizer={work / 'train' / 'tokenizer'}", "logging.jsonl=false"]
+        f"model.tokenizer={work / 'train' / 'tokenizer'}", "logging.jsonl=false", "logging.audit_log=false"]
     return setup(load_config(config, overrides), resume=False)
 
 
@@ -123,6 +123,8 @@ class StepData:
     seconds: dict = dataclasses.field(default_factory=dict)
     dapo: dict | None = None  # {"norms", "linearity", "full_norm"} of the dapo preset (token_mean)
     params: int = 0
+    coords: torch.Tensor | None = None  # [N, S] float32: every g_i on a fixed random subset of S coordinates
+    coord_index: torch.Tensor | None = None  # [S] which coordinates (for per-coordinate statistics: Adam)
 
 
 def rollout_step(run, B: int, G: int) -> tuple[StepData, object]:
@@ -161,9 +163,10 @@ def _one(batch, k: int):
                       denominator=batch.denominator)
 
 
-def per_sequence(run, batch, keep_units: bool) -> dict:
+def per_sequence(run, batch, keep_units: bool, coord_count: int = 0) -> dict:
     """Per-sequence gradients of ``batch`` (row-major (q, i) order) at the current weights: norms, the
-    linearity check and (``keep_units``) the Gram matrix."""
+    linearity check, (``keep_units``) the Gram matrix and (``coord_count``) every g_i on that many random
+    coordinates (seeded, sorted)."""
     from megatron_dppo.train.audit import step_gradient
     from megatron_dppo.train.stages import pack
 
@@ -179,11 +182,14 @@ def per_sequence(run, batch, keep_units: bool) -> dict:
     norms = torch.zeros(N, dtype=torch.float64)
     total = torch.zeros(P, dtype=torch.float64)
     zero_max = 0.0
+    coord_index = torch.randperm(P, generator=torch.Generator().manual_seed(0))[:coord_count].sort().values
+    Uc = torch.zeros(N, len(coord_index), dtype=torch.float32)
     t0 = time.perf_counter()
     for k in range(N):
         g = step_gradient(trainer.engine, pack(trainer, _one(batch, k))[0], D)
         norms[k] = float(g.double().norm())
         total += g.double()
+        Uc[k] = g[coord_index]
         if k in slot:
             if U is not None:
                 U[slot[k]] = g
@@ -196,6 +202,8 @@ def per_sequence(run, batch, keep_units: bool) -> dict:
     out = {"norms": norms, "linearity": float((total - g_full).norm() / g_full.norm()),
            "full_norm": float(g_full.norm()), "zero_adv_max_norm": zero_max, "params": P,
            "seconds": {"full_gradient": t_full, "per_sequence": t_seq, "per_sequence_each": t_seq / N}}
+    if coord_count:
+        out["coords"], out["coord_index"] = Uc, coord_index
     if U is not None:
         t0 = time.perf_counter()
         Mnz = torch.zeros(len(nonzero), len(nonzero), dtype=torch.float64)
@@ -211,7 +219,7 @@ def per_sequence(run, batch, keep_units: bool) -> dict:
     return out
 
 
-def collect(run, path: Path, B: int, G: int, dapo: bool = False) -> StepData:
+def collect(run, path: Path, B: int, G: int, dapo: bool = False, coord_count: int = 0) -> StepData:
     """Restore ``path``, roll out its next step, and the per-sequence gradients (grpo preset; dapo's norms too)."""
     from megatron_dppo.algo.losses import LOSS_PRESETS, sequence_token_weights
     from megatron_dppo.run.lifecycle import restore
@@ -223,8 +231,9 @@ def collect(run, path: Path, B: int, G: int, dapo: bool = False) -> StepData:
     push_weights(run)
     data, (prompts, prompt_cut, rollout, adv, total_cut, batch) = rollout_step(run, B, G)
     rollout_s = time.perf_counter() - t0
-    res = per_sequence(run, batch, keep_units=True)
+    res = per_sequence(run, batch, keep_units=True, coord_count=coord_count)
     data.gram, data.norms, data.linearity = res["gram"], res["norms"], res["linearity"]
+    data.coords, data.coord_index = res.get("coords"), res.get("coord_index")
     data.full_norm, data.zero_adv_max_norm, data.params = res["full_norm"], res["zero_adv_max_norm"], res["params"]
     data.seconds = {"restore_and_rollout": rollout_s, **res["seconds"]}
     if dapo:
@@ -325,6 +334,7 @@ class Ctx:
     K: int
     seed: int
     step: int
+    ids: list | None = None  # the batch's prompt ids (the prompt-level study reads the run's record by them)
 
     @property
     def B(self) -> int:

@@ -56,6 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+import _prompt_level as PL  # noqa: E402
 import _real_gradients as R  # noqa: E402
 
 import torch  # noqa: E402
@@ -271,17 +272,25 @@ def run_real(args) -> dict:
     paths, train_info = R.ensure_checkpoints(args.work_dir, args.steps)
     run = R.open_run(args.work_dir)
     summaries, rows = [], []
+    prompt_level = None
+    if args.prompt_level:
+        visits = PL.read_visits(args.work_dir / "train" / "audit.jsonl")
+        costs = PL.costs_of(args.work_dir, args.group, args.generation_share)
+        prompt_level = {"calibration": PL.calibration(visits, args.group), "targets": args.cost_fractions,
+                        "costs": {k: {**dataclasses.asdict(v), "generation_share": v.generation_share()}
+                                  for k, v in costs.items()}, "checkpoints": []}
     try:
         for step in args.steps:
             cache = args.work_dir / "analysis" / f"rl_step{step}_B{args.prompts}_G{args.group}.pt"
             data = R.StepData(**torch.load(cache, weights_only=False)) if cache.is_file() and not args.recompute \
                 else None
-            if data is None or (step == args.dapo_step and data.dapo is None):
+            if data is None or (step == args.dapo_step and data.dapo is None) or (args.coords and data.coords is None):
                 print(f"checkpoint RL step {step}: rollout and per-sequence gradients", file=sys.stderr, flush=True)
-                data = R.collect(run, paths[step], args.prompts, args.group, dapo=step == args.dapo_step)
+                data = R.collect(run, paths[step], args.prompts, args.group, dapo=step == args.dapo_step,
+                                 coord_count=args.coords)
                 torch.save(dataclasses.asdict(data), cache)
             ctx = R.Ctx(M=data.gram, A=data.advantages, L=data.lengths, h=data.history, rewards=data.rewards,
-                      norms=data.norms, K=args.draws, seed=args.seed, step=step)
+                      norms=data.norms, K=args.draws, seed=args.seed, step=step, ids=data.prompt_ids)
             zero_var = (data.rewards == data.rewards[:, :1]).all(1)
             s = {"rl_step": step, "checkpoint": str(paths[step]), "reward_mean": float(data.rewards.mean()),
                  "zero_variance_groups": float(zero_var.double().mean()),
@@ -297,8 +306,15 @@ def run_real(args) -> dict:
                              "seconds": data.dapo["seconds"],
                              "fit": R.fit_alpha(data.dapo["norms"], data.advantages, data.lengths, data.logprob)}
             t0 = time.perf_counter()
-            rows += analyse(ctx, args)
+            if not args.prompt_level_only:
+                rows += analyse(ctx, args)
             s["seconds"] = {**s["seconds"], "methods": time.perf_counter() - t0}
+            if prompt_level is not None:
+                t0 = time.perf_counter()
+                gamma = s["fit_grpo"]["coef_log_abs_A"]
+                prompt_level["checkpoints"].append({"rl_step": step, **PL.study(
+                    ctx, visits, gamma, costs, args.cost_fractions, args.cost_bisect)})
+                s["seconds"]["prompt_level"] = time.perf_counter() - t0
             summaries.append(s)
     finally:
         from megatron_dppo.run.setup import teardown
@@ -308,7 +324,7 @@ def run_real(args) -> dict:
     return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "machine": C.machine(), "git": {"commit": git("rev-parse", "HEAD"),
                                             "library_changes": git("status", "--short", "megatron_dppo")},
-            "training": train_info, "checkpoints": summaries, "results": rows,
+            "training": train_info, "checkpoints": summaries, "results": rows, "prompt_level": prompt_level,
             "seconds": time.perf_counter() - t_start}
 
 
@@ -521,17 +537,31 @@ def main(argv=None):
     real.add_argument("--dapo-step", type=int, default=100, help="checkpoint whose dapo-preset gradients are fitted")
     real.add_argument("--recompute", action="store_true", help="ignore the cached rollouts and Gram matrices")
     real.add_argument("--markdown", type=Path, default=None, help="also write the markdown tables here")
+    real.add_argument("--prompt-level", action="store_true",
+                      help="the prompt-level study (issue 34): posterior, screening, equal modelled step cost, "
+                           "calibration and Spearman of the prompt proxies (benchmarks/_prompt_level.py)")
+    real.add_argument("--prompt-level-only", action="store_true", help="--prompt-level without the tables above")
+    real.add_argument("--cost-fractions", type=float, nargs="+", default=[0.5, 0.7],
+                      help="modelled step-cost targets (x the unpruned step) of the prompt-level study")
+    real.add_argument("--generation-share", type=float, default=0.8,
+                      help="the modelled generation-dominated regime's share of generation in the step")
+    real.add_argument("--cost-bisect", type=int, default=12, help="bisection steps of each cost target")
+    real.add_argument("--coords", type=int, default=0,
+                      help="also keep every per-sequence gradient on this many random coordinates (for "
+                           "benchmarks/prompt_diagnosis.py's Adam model); recomputes caches without them")
     args = ap.parse_args(argv)
     if args.real:
         args.prompts, args.draws = args.prompts or 64, args.draws or 400
+        args.prompt_level = args.prompt_level or args.prompt_level_only
         rep = run_real(args)
-        text = markdown_real(rep)
+        text = PL.markdown(rep) if args.prompt_level_only else markdown_real(rep) + (
+            "\n\n" + PL.markdown(rep) if args.prompt_level else "")
         print(text)
         if args.markdown is not None:
             args.markdown.parent.mkdir(parents=True, exist_ok=True)
             args.markdown.write_text("# Gradient fidelity on a trained policy (`benchmarks/gradient_fidelity.py "
                                      "--real`)\n\n" + text + "\n")
-        C.write_json(args.out, rep)
+        C.write_json(args.out, rep, digits=4 if args.prompt_level_only else None)
         return
     args.prompts, args.draws = args.prompts or 8, args.draws or 32
     if args.quick:

@@ -56,7 +56,7 @@ def _tokenizer():
 
 
 def divergence(sampling: dict, stale: bool) -> dict:
-    """Sample G completions per prompt from W_b through stages.generate (sampling: rollout.* overrides), compute the
+    """Sample G completions per prompt from W_b through rollouts.generate (sampling: rollout.* overrides), compute the
     trainer's old log-probs at W_p (= W_b perturbed when ``stale``, else W_b) and return the stages' metrics and
     the independent per-token (log mu_b, log pi_p,T)."""
     from megatron_dppo.algo.losses import LossConfig, sequence_token_weights
@@ -68,7 +68,10 @@ def divergence(sampling: dict, stale: bool) -> dict:
     from megatron_dppo.packing import build_rank_micro_batches
     from megatron_dppo.rollout import HFRolloutEngine
     from megatron_dppo.rollout.handover import MemoryHandover
-    from megatron_dppo.stages import TrainBatch, correct_rollout_mismatch, generate, logprob_mismatch
+    from megatron_dppo.run.state import RolloutSide
+    from megatron_dppo.train.rollouts import generate
+    from megatron_dppo.train.stages import TrainBatch, correct_rollout_mismatch
+    from megatron_dppo.train.step_metrics import logprob_mismatch
 
     behaviour = _hf_model(0)
     proximal = _hf_model(1, noise=0.02, base=behaviour) if stale else behaviour
@@ -80,11 +83,11 @@ def divergence(sampling: dict, stale: bool) -> dict:
         engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=0.0), loss_cfg)
         load_hf_weights(engine.modules, arch, proximal.state_dict())
         rollout_engine = HFRolloutEngine(behaviour, eos_token_ids=[EOS])
-        run = SimpleNamespace(cfg=cfg, rollout=rollout_engine, tokenizer=_tokenizer(), eos_ids=[EOS],
-                              handover=MemoryHandover(rollout_engine, lambda: export_hf_weights(engine.modules, arch)),
-                              loss_cfg=loss_cfg)
+        side = RolloutSide(cfg=cfg, tokenizer=_tokenizer(), engine=rollout_engine, eos_ids=[EOS],
+                           handover=MemoryHandover(rollout_engine, lambda: export_hf_weights(engine.modules, arch)),
+                           scorer=None, train_prompts=[], sampler=None, pruner=None, history=None)
         prompts = [SimpleNamespace(id=f"q{q}", token_ids=p) for q, p in enumerate(PROMPTS)]
-        rollout = generate(run, prompts, G, step=0, temperature=cfg.rollout.temperature)
+        rollout = generate(side, prompts, G, step=0, temperature=cfg.rollout.temperature)
         token_ids, origin = [], []
         for row, prompt in enumerate(PROMPTS):
             for i, completion in enumerate(rollout.completions[row]):
@@ -99,7 +102,7 @@ def divergence(sampling: dict, stale: bool) -> dict:
         micro_batches = build_rank_micro_batches([list(range(0, n, 2)), list(range(1, n, 2))], token_ids,
                                                  batch.prompt_lengths, batch.advantages, batch.token_weights)
         engine.fill_logprobs(micro_batches, old=True)  # the proximal (trainer) log-probs, at T
-        metrics = correct_rollout_mismatch(run, rollout, [batch], [micro_batches])
+        metrics = correct_rollout_mismatch(loss_cfg, rollout, [batch], [micro_batches])
         metrics.update(logprob_mismatch(rollout, [batch], [micro_batches]))
     top_k, top_p = int(sampling.get("top_k", -1)), float(sampling.get("top_p", 1.0))
     mu = torch.cat([teacher_forced(behaviour, PROMPTS[r], rollout.completions[r][i], T, max(top_k, 0), top_p)
