@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from megatron_dppo.env.config import EnvConfig
-from megatron_dppo.env.protocol import Environment, MalformedStep, Step, Task, Turn, check_messages, check_step
+from megatron_dppo.env.protocol import Environment, MalformedStep, Task, Turn, check_messages, check_step
 from megatron_dppo.env.tokens import (
     ChatTokens,
     TokenDriftError,

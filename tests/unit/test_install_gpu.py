@@ -31,7 +31,7 @@ NO_META_PACKAGE = 'raise AssertionError("Could not find `transformer-engine`.")\
 def _wheel(folder: Path, name: str, files: dict[str, str], requires: list[str] = (), extras=()) -> None:
     """A minimal valid wheel ``name``-VERSION-py3-none-any.whl in ``folder``."""
     info = f"{name}-{VERSION}.dist-info"
-    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {VERSION}"]
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {VERSION}"]
     meta += [f"Provides-Extra: {e}" for e in extras] + [f"Requires-Dist: {r}" for r in requires]
     files = {**files, f"{info}/METADATA": "\n".join(meta) + "\n",
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
