@@ -19,8 +19,8 @@ training state comes back.
 GPU memory (allocated / reserved by PyTorch, free at the driver) is recorded after each phase as
 ``memory/<phase>_{allocated,reserved,free}_gib`` (``metrics``). Without CUDA the cache and memory calls do
 nothing and the engines' sleep/wake are no-ops, so the order is the same everywhere. Every push also counts what
-it moved: ``weight_sync/bytes`` and ``weight_sync/tensors``, summed over the pushes since the last
-``take_metrics`` (a LoRA run's pushes carry the adapters only, after the first: ``rollout/lora.py``).
+it moved: ``weight_sync/bytes`` and ``weight_sync/tensors`` of the last push (``metered``; a LoRA run's pushes carry
+the adapters only, after the first of the process: ``rollout/lora.py``).
 """
 from __future__ import annotations
 
@@ -84,11 +84,13 @@ class MemoryHandover:
         return count
 
     def metered(self, weights: WeightStream) -> WeightStream:
-        """``weights``, counted into ``weight_sync/bytes`` and ``weight_sync/tensors`` as they pass."""
+        """``weights``, counted as they pass into ``weight_sync/bytes`` and ``weight_sync/tensors``: the last push's
+        (a step's metrics then show the step's own push, whatever pushes came before it: the set-up's, a resumed
+        process's first, which carries a LoRA run's base)."""
+        self.metrics["weight_sync/bytes"] = self.metrics["weight_sync/tensors"] = 0.0
         for name, tensor in weights:
-            self.metrics["weight_sync/bytes"] = self.metrics.get("weight_sync/bytes", 0.0) + float(
-                tensor.numel() * tensor.element_size())
-            self.metrics["weight_sync/tensors"] = self.metrics.get("weight_sync/tensors", 0.0) + 1.0
+            self.metrics["weight_sync/bytes"] += float(tensor.numel() * tensor.element_size())
+            self.metrics["weight_sync/tensors"] += 1.0
             yield name, tensor
 
     def before_generation(self) -> None:

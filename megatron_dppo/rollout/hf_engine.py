@@ -39,7 +39,7 @@ from megatron_dppo.rollout.base import (
     WeightStream,
     validate_prompts,
 )
-from megatron_dppo.rollout.lora import HFAdapters, split_adapters
+from megatron_dppo.rollout.lora import HFAdapters, refuse_adapters, split_adapters
 
 logger = logging.getLogger("megatron_dppo.rollout")
 
@@ -232,17 +232,14 @@ class HFRolloutEngine:
 
         With LoRA the stream's adapter tensors (PEFT names, after the base ones) replace the adapters; a stream of
         adapters only leaves the base as it is (``require_all`` then concerns the adapters)."""
+        if self.adapters is None:
+            return self._load_base(refuse_adapters(weights), require_all)
         adapters: dict[str, torch.Tensor] = {}
         count = self._load_base(split_adapters(weights, adapters), require_all)
-        if adapters and self.adapters is None:
-            raise ValueError(f"LoRA adapter tensors ({next(iter(adapters))!r}, ...) for an engine built without "
-                             "lora (its adapter config)")
-        if self.adapters is not None:
-            if self.needs_base:
-                raise ValueError("LoRA adapters pushed before the base weights: the first push of a LoRA run "
-                                 "carries the base model")
-            count += self.adapters.load(adapters)
-        return count
+        if self.needs_base:
+            raise ValueError("LoRA adapters pushed before the base weights: the first push of a LoRA run carries the "
+                             "base model")
+        return count + self.adapters.load(adapters)
 
     def _load_base(self, weights: WeightStream, require_all: bool) -> int:
         from megatron_dppo.rollout.hf_layout import ParameterLayout

@@ -58,6 +58,15 @@ def split_adapters(weights: Iterable[tuple[str, Tensor]], adapters: dict[str, Te
             yield name, tensor
 
 
+def refuse_adapters(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """``weights``, raising ValueError at the first adapter tensor (an engine that serves no adapters)."""
+    for name, tensor in weights:
+        if is_adapter_weight(name):
+            raise ValueError(f"LoRA adapter tensor {name!r} for an engine built without lora (the run's adapter "
+                             "config)")
+        yield name, tensor
+
+
 def nbytes(weights: Iterable[tuple[str, Tensor]]) -> int:
     """Bytes of a list of weights."""
     return sum(t.numel() * t.element_size() for _, t in weights)

@@ -74,7 +74,7 @@ from megatron_dppo.rollout.base import (
     WeightStream,
     validate_prompts,
 )
-from megatron_dppo.rollout.lora import split_adapters, write_adapter_folder
+from megatron_dppo.rollout.lora import refuse_adapters, split_adapters, write_adapter_folder
 
 logger = logging.getLogger("megatron_dppo.rollout")
 
@@ -366,15 +366,13 @@ class VLLMRolloutEngine:
         served adapter; a stream of adapters only leaves the base as it is."""
         if "weights" in self._asleep:
             raise RuntimeError("VLLMRolloutEngine.load_weights() called while the weights sleep; wake_up(['weights'])")
+        if self.lora is None:
+            return self._reload(refuse_adapters(weights))
         adapters: dict[str, torch.Tensor] = {}
         base = split_adapters(weights, adapters)
-        first = next(base, None)
+        first = next(base, None)  # (a stream of adapters only: nothing for the base)
         count = self._reload(itertools.chain([first], base)) if first is not None else 0
-        if adapters and self.lora is None:
-            raise ValueError(f"LoRA adapter tensors ({next(iter(adapters))!r}, ...) for an engine built without lora")
-        if self.lora is not None:
-            count += self._swap_adapter(adapters)
-        return count
+        return count + self._swap_adapter(adapters)
 
     def _reload(self, weights: WeightStream) -> int:
         """The base weights into every worker (Worker.reload_weights, or the model's load_weights before 0.16)."""
