@@ -88,7 +88,7 @@ class WeightSyncExtension:
             raise RuntimeError(f"weight version {version} is not the one dppo_wait_weights returned ({held}): "
                                "call wait_weights first and load the version it returned")
         adapters: dict = {}
-        base = [item for item in split_adapters(pinned.weights, adapters)]
+        base = list(split_adapters(pinned.weights, adapters))
         if adapters and adapter_folder is None:
             raise ValueError(f"weight version {version} carries LoRA adapter tensors; this engine has no lora config")
         if adapter_folder is not None:

@@ -67,8 +67,8 @@ def check_lora_run(cfg: Config, arch: Any, parallel: Any, lora: LoraConfig | Non
 
     * adapters the model or layout cannot hold (``megatron.lora.check_lora_supported``: fc1 / fc2 on a
       Mixture-of-Experts model, q / k / v when tensor parallelism splits a query group);
-    * a base that is a converted Megatron checkpoint (model.path = model/ + hf/): a LoRA checkpoint names its base
-      by the SHA-256 of the HF folder's config.json and safetensors, which that folder does not have;
+    * a base without safetensors (a converted Megatron checkpoint, model.path = model/ + hf/): a LoRA checkpoint names
+      its base by the SHA-256 of the HF folder's config.json and safetensors;
     * a warm start (train.sft_steps) with a KL term: the warm start trains the adapters, so the base (the LoRA
       reference) is not the warmed-up policy that a full fine-tuning run's KL is measured against;
     * vLLM rollouts at a rank above the largest vLLM serves.
@@ -83,13 +83,11 @@ def check_lora_run(cfg: Config, arch: Any, parallel: Any, lora: LoraConfig | Non
         check_lora_supported(arch, parallel, lora)
     except ValueError as err:
         raise ValueError(f"model.lora.target_modules={list(lora.target_modules)}: {err}") from None
-    from megatron_dppo.run.build import is_converted_checkpoint
-
-    if model_dir is not None and model_dir.name == "hf" and is_converted_checkpoint(model_dir.parent):
-        raise ValueError(f"model.lora with model.path={cfg.model.path!r}, a converted Megatron checkpoint: LoRA "
-                         "needs the base as a Hugging Face folder with safetensors (its checksum names the base in "
-                         "every LoRA checkpoint); point model.path at the HF folder (or `megatron-dppo convert "
-                         "megatron-to-hf` it first)")
+    if model_dir is not None and not any(model_dir.glob("*.safetensors")):
+        raise ValueError(f"model.lora with model.path={cfg.model.path!r}, whose weights are not Hugging Face "
+                         "safetensors (a converted Megatron checkpoint?): LoRA needs the base as an HF folder with "
+                         "safetensors (their checksum names the base in every LoRA checkpoint); point model.path at "
+                         "the HF folder (or `megatron-dppo convert megatron-to-hf` it first)")
     if cfg.train.sft_steps > 0 and kl_coef > 0:
         raise ValueError(f"model.lora with train.sft_steps={cfg.train.sft_steps} and loss.kl_coef={kl_coef}: the "
                          "warm start trains the adapters, and the LoRA reference is the base, not the warmed-up "

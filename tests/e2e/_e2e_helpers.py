@@ -124,13 +124,14 @@ def latest_checkpoint(output_dir: Path) -> Path:
     return root / (root / "latest").read_text().strip()
 
 
-def tiny_base(folder: Path, seed: int = 0) -> Path:
-    """A pretrained stand-in for LoRA runs: the TINY_MODEL architecture with random weights as a Hugging Face folder
-    (config.json + safetensors), its vocabulary covering the trained sentencepiece tokenizer (512)."""
+def tiny_base(folder: Path, seed: int = 0, model: dict | None = None) -> Path:
+    """A pretrained stand-in for LoRA runs: the TINY_MODEL architecture (or ``model``) with random weights as a
+    Hugging Face folder (config.json + safetensors), its vocabulary covering the trained sentencepiece tokenizer
+    (512)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {k: v for k, v in TINY_MODEL.items() if k != "model_type"}
+    fields = {k: v for k, v in (model or TINY_MODEL).items() if k != "model_type"}
     config = AutoConfig.for_model("qwen2", vocab_size=512, **fields)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)

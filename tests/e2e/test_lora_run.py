@@ -8,7 +8,8 @@ pretrained stand-in base (``tiny_base``: a Hugging Face folder) and the grpo los
 * a crash after the step-2 checkpoint, then resume == the straight run, bit for bit (metrics, audit trail, adapters
   and their Adam state);
 * ``megatron-dppo convert megatron-to-peft`` / ``megatron-to-hf`` export the run: PEFT's own model on the base with
-  the exported adapter gives the merged export's logits, and the adapter tensors are the checkpoint's;
+  the exported adapter gives the merged export's logits, and the adapter tensors are the checkpoint's; the exported
+  adapter starts a new run (``model.lora.init``), whose policy at step 0 is then not the base (KL > 0);
 * separate placement (1 trainer + 1 HF rollout worker, max_staleness 0), whose versions after the first carry the
   adapters only, equals the colocated run bit for bit;
 * refused by name at start-up, before anything is written: LoRA with a warm start and a KL term.
@@ -96,6 +97,13 @@ def test_lora_run_trains_adapters_against_the_base_resumes_exactly_and_exports(t
         plain = AutoModelForCausalLM.from_pretrained(base).eval()(ids).logits
     torch.testing.assert_close(merged, with_adapter, rtol=0, atol=1e-5)
     assert (merged - plain).abs().max() > 1e-3  # the adapters were trained
+
+    # the exported adapter as the warm start of a new run (model.lora.init): its policy is not the base at step 0
+    warm = tmp_path / "warm"
+    cfg = lora_config(base, warm, train={"steps": 1}, logging={"audit_every": 0}, eval={"every": 0})
+    cfg["model"]["lora"] = {"init": str(tmp_path / "peft")}  # (rank, alpha, projections from the adapter)
+    run_cli(write_config(tmp_path / "warm.yaml", cfg))
+    assert _rl(read_metrics(warm))[0]["train/kl"] > 0
 
 
 @pytest.mark.slow

@@ -23,6 +23,14 @@ DENSE = ModelArch.from_hf_config(TINY_CONFIGS["qwen2"])
 MOE = ModelArch.from_hf_config(TINY_MOE_CONFIGS["qwen3_moe"])
 
 
+@pytest.fixture
+def hf_dir(tmp_path):
+    """A base folder as check_lora_run sees it (safetensors present; nothing is read)."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "model.safetensors").write_bytes(b"")
+    return tmp_path / "base"
+
+
 def _cfg(*overrides):
     return load_config(None, ["data.task=arithmetic", "model.path=/tmp", *overrides])
 
@@ -75,18 +83,18 @@ def test_init_adapter_fills_the_null_fields_and_must_agree_with_set_ones(tmp_pat
     (["model.lora.rank=1024", "rollout.engine=vllm"], DENSE, ParallelConfig(),
      r"model.lora.rank=1024 with rollout.engine=vllm: vLLM serves adapters up to rank 512"),
 ])
-def test_unsupported_combinations_are_refused_by_name(overrides, arch, parallel, pattern):
+def test_unsupported_combinations_are_refused_by_name(overrides, arch, parallel, pattern, hf_dir):
     cfg = _cfg("model.lora.rank=4", *overrides)
     with pytest.raises(ValueError, match=pattern):
-        check_lora_run(cfg, arch, parallel, lora_config(cfg, arch), Path("/tmp"), kl_coef=0.05)
-    check_lora_run(_cfg(), arch, parallel, None, Path("/tmp"), kl_coef=0.05)  # full fine-tuning: nothing refused
+        check_lora_run(cfg, arch, parallel, lora_config(cfg, arch), hf_dir, kl_coef=0.05)
+    check_lora_run(_cfg(), arch, parallel, None, hf_dir, kl_coef=0.05)  # full fine-tuning: nothing refused
 
 
-def test_supported_combinations_pass(tmp_path):
+def test_supported_combinations_pass(hf_dir):
     cfg = _cfg("model.lora.rank=4", "train.sft_steps=2")  # a warm start without KL: the adapters warm up
-    check_lora_run(cfg, DENSE, ParallelConfig(tp=2), lora_config(cfg, DENSE), Path("/tmp"), kl_coef=0.0)
+    check_lora_run(cfg, DENSE, ParallelConfig(tp=2), lora_config(cfg, DENSE), hf_dir, kl_coef=0.0)
     moe = _cfg("model.lora.rank=4", "model.moe_routing_replay=true")
-    check_lora_run(moe, MOE, ParallelConfig(), lora_config(moe, MOE), Path("/tmp"), kl_coef=0.05)
+    check_lora_run(moe, MOE, ParallelConfig(), lora_config(moe, MOE), hf_dir, kl_coef=0.05)
 
 
 def test_a_converted_megatron_checkpoint_as_base_is_refused(tmp_path):
@@ -96,5 +104,5 @@ def test_a_converted_megatron_checkpoint_as_base_is_refused(tmp_path):
     (converted / "model" / "metadata.json").write_text("{}")
     (converted / "hf" / "config.json").write_text("{}")
     cfg = _cfg("model.lora.rank=4", f"model.path={converted}")
-    with pytest.raises(ValueError, match="a converted Megatron checkpoint: LoRA needs the base as a Hugging Face"):
+    with pytest.raises(ValueError, match="not Hugging Face safetensors .a converted Megatron checkpoint"):
         check_lora_run(cfg, DENSE, ParallelConfig(), lora_config(cfg, DENSE), converted / "hf", kl_coef=0.0)
