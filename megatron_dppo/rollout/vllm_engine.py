@@ -236,11 +236,15 @@ def vllm_max_lora_rank(rank: int) -> int:
 
 
 def lora_scratch_dir() -> str:
-    """A private folder for the adapter versions (in memory, /dev/shm, where it exists)."""
+    """A private folder for the adapter versions (in memory, /dev/shm, where it exists), removed at exit."""
+    import atexit
+    import shutil
     import tempfile
 
     shm = Path("/dev/shm")
-    return tempfile.mkdtemp(prefix="dppo-lora-", dir=str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None)
+    folder = tempfile.mkdtemp(prefix="dppo-lora-", dir=str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 # The worker extension that receives versioned weights from a trainer (rollout.placement=separate).
