@@ -8,7 +8,8 @@ The checkpoint names its LoRA config and its base (folder and SHA-256 of the fol
 ``megatron.lora.LoraBase``). The merged export loads the base from that folder (or ``base``, which must have the same
 checksum), adds the adapters and streams the merged weights (``convert.peft.export_merged_hf_weights``); the HF
 config and tokenizer files come from the run's ``checkpoints/hf`` folder, as for a full run. Both run at any
-``tp``/``pp`` (``torchrun --nproc-per-node=TP*PP``; one plain process by default) and write atomically.
+``tp``/``pp`` (MoE: ``ep``/``etp``; ``torchrun --nproc-per-node=TP*PP``; one plain process by default) and write
+atomically.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _lora_config(meta: dict) -> Any:
     return LoraConfig(**fields)
 
 
-def _chunks_with_adapters(path: Path, meta: dict, tp: int, pp: int) -> tuple[list, Any, Any]:
+def _chunks_with_adapters(path: Path, meta: dict, tp: int, pp: int, ep: int, etp: int) -> tuple[list, Any, Any]:
     """This rank's model chunks at tp/pp, adapters attached and loaded from the checkpoint (base weights still the
     random initialisation)."""
     from megatron_dppo.convert.checkpoint import _arch_from_checkpoint_meta, _check_parallel, _init_parallel
@@ -56,7 +57,7 @@ def _chunks_with_adapters(path: Path, meta: dict, tp: int, pp: int) -> tuple[lis
 
     arch = _arch_from_checkpoint_meta(path)
     cfg = _lora_config(meta)
-    parallel = _check_parallel(arch, tp, pp)
+    parallel = _check_parallel(arch, tp, pp, ep=ep, etp=etp)
     check_lora_supported(arch, parallel, cfg)
     _init_parallel(parallel, arch)
     chunks = build_model_chunks(arch, parallel, torch.float32)
@@ -84,7 +85,7 @@ def _base_folder(meta: dict, base: str | os.PathLike | None, path: Path) -> Path
 
 
 def convert_lora_to_peft(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
-                         dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+                         ep: int = 1, etp: int = 1, dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """The adapters of a LoRA training checkpoint as a PEFT adapter folder (``PeftModel.from_pretrained(base,
     out_dir)`` loads it; ``base_model_name_or_path`` is the recorded base folder). Collective over tp*pp ranks."""
     from megatron_dppo.convert.checkpoint import _check_output
@@ -97,7 +98,7 @@ def convert_lora_to_peft(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike
     path, meta = found
     out_dir = Path(out_dir).absolute()
     _check_output(out_dir, overwrite)
-    chunks, _, cfg = _chunks_with_adapters(path, meta, tp, pp)
+    chunks, _, cfg = _chunks_with_adapters(path, meta, tp, pp, ep, etp)
     base = (meta.get("lora_base") or {}).get("path")
     written = export_peft_adapter(chunks, cfg, out_dir, base_model_name_or_path=base, dtype=dtype)
     D.barrier()
@@ -105,7 +106,7 @@ def convert_lora_to_peft(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike
 
 
 def convert_lora_to_merged_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, base=None, tp: int = 1,
-                              pp: int = 1, dtype: torch.dtype | None = None, hf_config=None,
+                              pp: int = 1, ep: int = 1, etp: int = 1, dtype: torch.dtype | None = None, hf_config=None,
                               overwrite: bool = False, max_shard_bytes: int = 5 * 1024 ** 3,
                               bucket_bytes: int = 256 * 1024 ** 2) -> Path:
     """The merged model of a LoRA training checkpoint (every adapted weight ``W + scaling * B @ A``) as an HF folder
@@ -129,7 +130,7 @@ def convert_lora_to_merged_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.Pat
         name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         dtype = getattr(torch, name) if isinstance(getattr(torch, str(name), None), torch.dtype) else torch.float32
 
-    chunks, arch, _ = _chunks_with_adapters(path, meta, tp, pp)
+    chunks, arch, _ = _chunks_with_adapters(path, meta, tp, pp, ep, etp)
     load_hf_folder(chunks, base_dir, arch)
 
     def body(tmp: Path) -> None:

@@ -110,7 +110,7 @@ def megatron_to_hf_main(argv: Sequence[str] | None = None) -> int:
 
     if lora_checkpoint(args.ckpt_dir) is not None:  # adapters only: merged into their base
         return _run(lambda: convert_lora_to_merged_hf(
-            args.ckpt_dir, args.out_dir, base=args.base, tp=args.tp, pp=args.pp,
+            args.ckpt_dir, args.out_dir, base=args.base, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
             dtype=DTYPES[args.dtype] if args.dtype else None, hf_config=args.hf_config, overwrite=args.overwrite,
             max_shard_bytes=int(args.max_shard_gb * 1024 ** 3)))
     if args.base is not None:
@@ -136,6 +136,6 @@ def megatron_to_peft_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from megatron_dppo.convert.lora_export import convert_lora_to_peft
 
-    return _run(lambda: convert_lora_to_peft(args.ckpt_dir, args.out_dir, tp=args.tp, pp=args.pp,
-                                             dtype=DTYPES[args.dtype] if args.dtype else None,
+    return _run(lambda: convert_lora_to_peft(args.ckpt_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
+                                             etp=args.etp, dtype=DTYPES[args.dtype] if args.dtype else None,
                                              overwrite=args.overwrite))
