@@ -3,7 +3,7 @@
     megatron-dppo train --config examples/quickstart.yaml [key.sub=value ...]
     megatron-dppo eval  --config FILE [key.sub=value ...]        # pass@1 / pass@k of the latest checkpoint
     megatron-dppo bench --config FILE [--steps N] [key=value ...] # time per phase and tokens/s, no checkpoints
-    megatron-dppo convert {hf-to-megatron,megatron-to-hf,gguf-to-hf} ...   # delegates to the convert tools
+    megatron-dppo convert {hf-to-megatron,megatron-to-hf,megatron-to-peft,gguf-to-hf} ...  # the convert tools
     megatron-dppo data prepare NAME|SUITE ... --out DIR [--source NAME=SRC]  # Hub datasets -> files + manifest
     megatron-dppo data list                                       # the named datasets and suites
     megatron-dppo train --help-config                             # every option, its type, default and meaning
@@ -94,6 +94,7 @@ def _load(args):
 CONVERT_TOOLS = {  # name -> (module, function); each tool owns its arguments: `megatron-dppo convert NAME --help`
     "hf-to-megatron": ("megatron_dppo.convert.tools", "hf_to_megatron_main"),
     "megatron-to-hf": ("megatron_dppo.convert.tools", "megatron_to_hf_main"),
+    "megatron-to-peft": ("megatron_dppo.convert.tools", "megatron_to_peft_main"),
     "gguf-to-hf": ("megatron_dppo.convert.gguf", "main"),
 }
 

@@ -32,6 +32,13 @@ def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _optional_section(tp: Any) -> type | None:
+    """The section class of an optional section (``Optional[LoraSection]``: null = off), else None."""
+    if _is_optional(tp) and _is_dataclass_type(_strip_optional(tp)):
+        return _strip_optional(tp)
+    return None
+
+
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -41,8 +48,9 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     out: list[str] = []
     for f in dataclasses.fields(cls):
         tp = _hints(cls)[f.name]
-        if _is_dataclass_type(tp):
-            out.extend(all_keys(tp, prefix + f.name + "."))
+        section = tp if _is_dataclass_type(tp) else _optional_section(tp)
+        if section is not None:
+            out.extend(all_keys(section, prefix + f.name + "."))
         else:
             out.append(prefix + f.name)
     return out
@@ -161,8 +169,21 @@ def _apply(section: Any, data: dict, prefix: str) -> None:
         tp = hints[k]
         if _is_dataclass_type(tp):
             _apply(getattr(section, k), v if v is not None else {}, key + ".")
+        elif _optional_section(tp) is not None:
+            _apply_optional_section(section, k, v, tp, key)
         else:
             setattr(section, k, coerce(key, v, tp))
+
+
+def _apply_optional_section(parent: Any, name: str, value: Any, tp: Any, key: str) -> None:
+    """An optional section from a value: null (or "null") turns it off, a mapping turns it on (defaults for the
+    keys it does not name) and overwrites the keys it names."""
+    if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+        setattr(parent, name, None)
+        return
+    if getattr(parent, name) is None:
+        setattr(parent, name, _optional_section(tp)())
+    _apply(getattr(parent, name), value, key + ".")
 
 
 def set_option(cfg: Config, key: str, value: Any) -> None:
@@ -178,10 +199,15 @@ def set_option(cfg: Config, key: str, value: Any) -> None:
             if i == len(parts) - 1:
                 if _is_dataclass_type(tp):
                     _apply(getattr(obj, part), value, key + ".")
+                elif _optional_section(tp) is not None:
+                    _apply_optional_section(obj, part, value, tp, key)
                 else:
                     setattr(obj, part, coerce(key, value, tp))
                 return
-            if not _is_dataclass_type(tp) and not (tp is dict or get_origin(tp) is dict):
+            if _optional_section(tp) is not None and getattr(obj, part) is None:  # model.lora.rank=8: turned on
+                setattr(obj, part, _optional_section(tp)())
+            if not _is_dataclass_type(tp) and _optional_section(tp) is None and not (
+                    tp is dict or get_origin(tp) is dict):
                 raise ValueError(f"{'.'.join(parts[:i + 1])} is a {_type_name(tp)} option, it has no sub-key "
                                  f"{'.'.join(parts[i + 1:])!r}")
             obj = getattr(obj, part)
@@ -244,6 +270,11 @@ def describe(cls: type = Config, prefix: str = "") -> str:
         if _is_dataclass_type(tp):
             lines.append(f"\n[{prefix}{f.name}]  {(tp.__doc__ or '').strip().splitlines()[0]}")
             lines.append(describe(tp, prefix + f.name + "."))
+        elif _optional_section(tp) is not None:
+            section = _optional_section(tp)
+            lines.append(f"\n[{prefix}{f.name}]  (default null: off) {f.metadata.get('help', '')}\n  "
+                         f"{(section.__doc__ or '').strip().splitlines()[0]}")
+            lines.append(describe(section, prefix + f.name + "."))
         else:
             default = getattr(defaults, f.name)
             lines.append(f"  {prefix}{f.name}: {_type_name(tp)} = {default!r}\n      {f.metadata.get('help', '')}")

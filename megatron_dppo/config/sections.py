@@ -14,6 +14,46 @@ from megatron_dppo.config.fields import _check, opt
 # --------------------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------------------
+# LoRA target names (megatron.lora.VALID_TARGETS; tests/unit/test_config.py checks that the two agree)
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "q", "k", "v", "gate", "up")
+
+
+@dataclass
+class LoraSection:
+    """LoRA: train low-rank adapters on the frozen pretrained model (docs/lora.md); the reference is the base."""
+
+    rank: Optional[int] = opt(None, "r of every adapter; null = 16, or the rank of the adapter in model.lora.init.")
+    alpha: Optional[float] = opt(None, "The adapter update is alpha / rank * B @ A (alpha / sqrt(rank) with "
+                                       "use_rslora); null = 2 * rank, or the alpha of model.lora.init's adapter.")
+    dropout: float = opt(0.0, "Dropout on the adapters' input in training forwards (PEFT's lora_dropout); the "
+                              "old-policy, reference and rollout forwards never drop.")
+    target_modules: Optional[list[str]] = opt(
+        None, "Layers that get adapters: qkv (q, k, v: one adapter per HF projection), proj (attention output, "
+              "o_proj), fc1 (gate, up), fc2 (down_proj), or single projections q, k, v, gate, up. null = "
+              "[qkv, proj, fc1, fc2] ([qkv, proj] on Mixture-of-Experts models, whose experts are not adapted), "
+              "or the projections of model.lora.init's adapter.")
+    use_rslora: Optional[bool] = opt(None, "Rank-stabilized scaling alpha / sqrt(rank) (PEFT's use_rslora); null "
+                                           "= false, or model.lora.init's.")
+    seed: int = opt(0, "Seed of the adapters' initialisation (A uniform in +-1/sqrt(in), B = 0: the run starts at "
+                       "the base model exactly); the same adapters at every TP/PP layout.")
+    init: Optional[str] = opt(None, "A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, "
+                                    "e.g. trained with peft, or written by `megatron-dppo convert megatron-to-peft`)"
+                                    " to start from instead of a fresh adapter: a warm start. Its rank, alpha, "
+                                    "projections and use_rslora are used; set ones must agree.")
+
+    def validate(self) -> None:
+        _check(self.rank is None or self.rank >= 1, "model.lora.rank", self.rank, "null or an integer >= 1")
+        _check(self.alpha is None or (math.isfinite(self.alpha) and self.alpha > 0), "model.lora.alpha",
+               self.alpha, "null or a finite number > 0")
+        _check(0.0 <= self.dropout < 1.0, "model.lora.dropout", self.dropout, "a number in [0, 1)")
+        if self.target_modules is not None:
+            bad = [t for t in self.target_modules if t not in LORA_TARGETS]
+            _check(bool(self.target_modules) and not bad, "model.lora.target_modules", self.target_modules,
+                   f"null or a non-empty list of {list(LORA_TARGETS)}" + (f" (unknown: {bad})" if bad else ""))
+        _check(self.init is None or Path(self.init).is_dir(), "model.lora.init", self.init,
+               "null or an existing PEFT adapter folder")
+
+
 @dataclass
 class ModelConfig:
     """The policy model (one of the HF families llama | qwen2 | qwen3 | qwen3_moe | mixtral) and its tokenizer."""
@@ -50,6 +90,9 @@ class ModelConfig:
                                           "recorded for each token (by the old-log-prob pass, which then always "
                                           "runs) instead of routing again, so a policy update cannot flip a "
                                           "token's experts between the pass that scored it and the update.")
+    lora: Optional[LoraSection] = opt(None, "LoRA (docs/lora.md): a section of adapter options (model.lora.rank=16 "
+                                            "on the command line turns it on with the other defaults); null = "
+                                            "full fine-tuning of every weight.")
 
     def validate(self) -> None:
         if self.path is None:
@@ -60,6 +103,11 @@ class ModelConfig:
                    "llama, qwen2, qwen3, qwen3_moe or mixtral")
         _check(self.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, ">= 0")
         _check(self.tokenizer_vocab_size >= 64, "model.tokenizer_vocab_size", self.tokenizer_vocab_size, ">= 64")
+        if self.lora is not None:
+            if self.path is None:
+                raise ValueError("model.lora is set but model.path is null: LoRA adapts pretrained weights; set "
+                                 "model.path, or model.lora=null to train every weight")
+            self.lora.validate()
 
 
 @dataclass

@@ -319,8 +319,9 @@ def _not_lora(path: Path) -> Path:
     meta = path / "megatron_dppo.json"
     if meta.is_file() and json.loads(meta.read_text()).get("lora") is not None:
         raise ValueError(f"{path} is a LoRA training checkpoint (adapters and their optimizer state, no base "
-                         "weights); export its adapters with convert.peft.export_peft_adapter, or the merged model "
-                         "with convert.peft.export_merged_hf_weights, from an engine that loaded it")
+                         "weights); export the merged model with convert.lora_export.convert_lora_to_merged_hf "
+                         "(`megatron-dppo convert megatron-to-hf` does), the adapters with convert_lora_to_peft "
+                         "(`megatron-dppo convert megatron-to-peft`)")
     return path
 
 

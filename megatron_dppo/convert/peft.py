@@ -16,6 +16,9 @@ the projections present in the weights decide what is adapted.
 
 ``export_merged_hf_weights``: the HF weights of the merged model ``W + scaling * B @ A`` (a stream, as
 ``export_hf_weights``), e.g. for a rollout engine without LoRA support or a standalone fine-tuned model.
+
+``export_rollout_weights``: what a LoRA run pushes to a rollout engine (``rollout.lora``): the base's HF weights
+when the engine has none yet, then the adapter tensors under their PEFT names.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from megatron_dppo.megatron.lora import BASE_LINEAR, PROJECTIONS, LoraConfig, full_lora_tensors, load_full_lora_tensors, merged
+from megatron_dppo.megatron.lora import (BASE_LINEAR, PROJECTIONS, LoraConfig, full_lora_tensors,
+                                        load_full_lora_tensors, merged)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -156,3 +160,22 @@ def export_merged_hf_weights(chunks: Sequence[nn.Module], arch: Any, **kwargs) -
 
     with merged(chunks):
         yield from export_hf_weights(chunks, arch, **kwargs)
+
+
+def export_adapter_weights(chunks: Sequence[nn.Module], dtype: torch.dtype | None = None
+                           ) -> Iterator[tuple[str, Tensor]]:
+    """The full adapter tensors under their PEFT names (``peft_name``), on every rank. Collective (gathers over TP,
+    collects over PP: ``lora.full_lora_tensors``)."""
+    for (layer, proj, which), t in full_lora_tensors(chunks).items():
+        yield peft_name(layer, proj, which), t if dtype is None else t.to(dtype)
+
+
+def export_rollout_weights(chunks: Sequence[nn.Module], arch: Any, *, base: bool, bucket_bytes: int = 256 << 20,
+                           dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    """A LoRA run's weight push (``rollout.lora``): the base model's HF weights first when ``base`` (the engine has
+    none yet; adapters excluded, as ``export_hf_weights`` always does), then every adapter tensor. Collective."""
+    from megatron_dppo.convert.weights import export_hf_weights
+
+    if base:
+        yield from export_hf_weights(chunks, arch, bucket_bytes, dtype=dtype)
+    yield from export_adapter_weights(chunks, dtype)

@@ -2,6 +2,8 @@
 
     python tools/convert_hf_to_megatron.py HF_DIR OUT_DIR [--tp 2 --pp 1]       (torchrun --nproc-per-node=TP*PP)
     python tools/convert_megatron_to_hf.py CKPT_DIR OUT_DIR [--tp 1 --pp 1] [--dtype bfloat16]
+        (a LoRA run's checkpoint: the merged model on its base, [--base HF_DIR]; ``convert.lora_export``)
+    megatron-dppo convert megatron-to-peft CKPT_DIR OUT_DIR [--tp 1 --pp 1]     (a LoRA run's adapters, PEFT format)
     (Mixture-of-Experts: also --ep / --etp; then --nproc-per-node=lcm(TP, EP*ETP)*PP)
     python -m megatron_dppo.convert.gguf [GGUF] OUT_DIR                         (default: SmolLM2-135M-Instruct)
 
@@ -99,10 +101,41 @@ def megatron_to_hf_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hf-config", default=None,
                         help="config.json (or its folder, with tokenizer files) when CKPT_DIR has no hf/ folder")
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="size of each safetensors file")
+    parser.add_argument("--base", default=None,
+                        help="LoRA runs: the base HF folder the adapters are merged into (default: the folder the "
+                             "checkpoint records; its checksum must match)")
     args = parser.parse_args(argv)
     from megatron_dppo.convert.checkpoint import convert_megatron_to_hf
+    from megatron_dppo.convert.lora_export import convert_lora_to_merged_hf, lora_checkpoint
 
+    if lora_checkpoint(args.ckpt_dir) is not None:  # adapters only: merged into their base
+        return _run(lambda: convert_lora_to_merged_hf(
+            args.ckpt_dir, args.out_dir, base=args.base, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+            dtype=DTYPES[args.dtype] if args.dtype else None, hf_config=args.hf_config, overwrite=args.overwrite,
+            max_shard_bytes=int(args.max_shard_gb * 1024 ** 3)))
+    if args.base is not None:
+        parser.error("--base is for LoRA checkpoints; this checkpoint holds all weights")
     return _run(lambda: convert_megatron_to_hf(
         args.ckpt_dir, args.out_dir, tp=args.tp, pp=args.pp,
         dtype=DTYPES[args.dtype] if args.dtype else None, hf_config=args.hf_config, overwrite=args.overwrite,
         max_shard_bytes=int(args.max_shard_gb * 1024 ** 3), ep=args.ep, etp=args.etp))
+
+
+def megatron_to_peft_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="convert_megatron_to_peft",
+        description="LoRA training checkpoint (a run with model.lora) -> PEFT adapter folder (adapter_config.json + "
+                    "adapter_model.safetensors) that peft.PeftModel.from_pretrained(base, OUT_DIR) and vLLM's "
+                    "LoRARequest load. Runs at --tp/--pp (default 1).")
+    parser.add_argument("ckpt_dir", help="the run's checkpoint root (<output_dir>/checkpoints: the latest step) or "
+                                         "a step folder")
+    parser.add_argument("out_dir", help="output adapter folder (created atomically)")
+    _parallel_args(parser)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="written dtype (default: the adapters' own, float32 on CPU)")
+    args = parser.parse_args(argv)
+    from megatron_dppo.convert.lora_export import convert_lora_to_peft
+
+    return _run(lambda: convert_lora_to_peft(args.ckpt_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
+                                             etp=args.etp, dtype=DTYPES[args.dtype] if args.dtype else None,
+                                             overwrite=args.overwrite))

@@ -144,6 +144,7 @@ class TrainerLink:
         self.sender = self.batches = None
         self.last_wait_s = 0.0
         self.early: collections.deque = collections.deque()  # batches that came before an awaited evaluation
+        self.versions_sent = 0  # weight versions this process sent, on every trainer rank (LoRA: the first: base)
         if r.job_rank == 0:
             self._store, self._bucket_bytes = store, cfg.rollout.weight_bucket_mb << 20
             # k >= 1: the workers need version t + 1 only for a later batch, so the trainer's next step need not
@@ -157,6 +158,7 @@ class TrainerLink:
         """Every trainer rank iterates the (collective) export; the main rank sends it, stamped ``version``. A
         worker that takes no bucket within ``rollout.worker_timeout_s`` (hung) or has died fails every trainer
         rank, naming the workers (background sends: at the next send)."""
+        self.versions_sent += 1
         if self.roles.job_rank != 0:
             for _ in stream:
                 pass

@@ -486,6 +486,25 @@ def _load_adapters(module, state: dict, path) -> None:
         raise ValueError(f"{path}: adapter tensors missing {missing[:4]} / unexpected {unexpected[:4]}")
 
 
+@torch.no_grad()
+def load_adapters(chunks, path: str | os.PathLike) -> dict:
+    """Collective: the adapters of a LoRA training checkpoint (a step folder, or the latest under a root) into bare
+    model chunks built with the checkpoint's LoRA config (``megatron.lora.add_lora_adapters``), at any TP/PP
+    layout; no optimizer, no RNG (the export tools: ``convert.lora_export``). Returns the checkpoint's metadata."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(D.broadcast_object(str(resolve_checkpoint(path))))
+    meta = read_checkpoint_meta(path)
+    if meta.get("lora") is None:
+        raise ValueError(f"{path}: not a LoRA checkpoint (it holds all weights)")
+    sd = {"lora": {str(i): {k: v for k, v in m.sharded_state_dict().items() if is_lora_param(k)}
+                   for i, m in enumerate(chunks)}}
+    state = dist_checkpointing.load(sd, str(path))
+    for i, module in enumerate(chunks):
+        _load_adapters(module, state["lora"][str(i)], path)
+    return meta
+
+
 def find_resume_checkpoint(root: str | os.PathLike, verify: str = "hash") -> Path | None:
     """Collective: the checkpoint to resume from under ``root`` (``checkpoint_files.find_checkpoint``: repairs
     an interrupted save, verifies the manifest, falls back to the newest usable one with a warning)."""

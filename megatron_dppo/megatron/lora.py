@@ -511,7 +511,7 @@ class LoraBase:
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> "LoraBase":
-        return cls(str(folder), base_checksum(folder))
+        return cls(str(Path(folder).absolute()), base_checksum(folder))
 
 
 __all__ = ["LoraConfig", "LoraBase", "LoraAdapter", "TARGET_GROUPS", "PROJECTIONS", "BASE_LINEAR",

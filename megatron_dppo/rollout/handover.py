@@ -18,7 +18,9 @@ training state comes back.
 
 GPU memory (allocated / reserved by PyTorch, free at the driver) is recorded after each phase as
 ``memory/<phase>_{allocated,reserved,free}_gib`` (``metrics``). Without CUDA the cache and memory calls do
-nothing and the engines' sleep/wake are no-ops, so the order is the same everywhere.
+nothing and the engines' sleep/wake are no-ops, so the order is the same everywhere. Every push also counts what
+it moved: ``weight_sync/bytes`` and ``weight_sync/tensors`` of the last push (``metered``; a LoRA run's pushes carry
+the adapters only, after the first of the process: ``rollout/lora.py``).
 """
 from __future__ import annotations
 
@@ -77,9 +79,19 @@ class MemoryHandover:
         self.empty_cache()
         self._record("before_push")
         self.rollout.wake_up(["weights"])
-        count = self.rollout.load_weights(self.weights())
+        count = self.rollout.load_weights(self.metered(self.weights()))
         self._record("weights_pushed")
         return count
+
+    def metered(self, weights: WeightStream) -> WeightStream:
+        """``weights``, counted as they pass into ``weight_sync/bytes`` and ``weight_sync/tensors``: the last push's
+        (a step's metrics then show the step's own push, whatever pushes came before it: the set-up's, a resumed
+        process's first, which carries a LoRA run's base)."""
+        self.metrics["weight_sync/bytes"] = self.metrics["weight_sync/tensors"] = 0.0
+        for name, tensor in weights:
+            self.metrics["weight_sync/bytes"] += float(tensor.numel() * tensor.element_size())
+            self.metrics["weight_sync/tensors"] += 1.0
+            yield name, tensor
 
     def before_generation(self) -> None:
         """(push if the weights were discarded) -> (offload the training state) -> wake the KV cache."""

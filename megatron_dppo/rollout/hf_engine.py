@@ -17,6 +17,10 @@ it (the global torch RNG is saved and restored), so the same call on the same en
 
 Weights: ``load_weights`` copies HF-named tensors into the model (cast to its dtype), strictly: an unknown name or
 a wrong shape raises ValueError, and by default every parameter must be covered by the stream.
+
+LoRA (``lora=adapter_config``, ``rollout/lora.py``): the model computes ``W x + scaling * B (A x)`` on its adapted
+projections. A push then carries the base once (the first) and afterwards only the adapter tensors (PEFT names),
+which replace the adapters as a whole; adapters before any base weights are refused (``needs_base``).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from megatron_dppo.rollout.base import (
     WeightStream,
     validate_prompts,
 )
+from megatron_dppo.rollout.lora import HFAdapters, refuse_adapters, split_adapters
 
 logger = logging.getLogger("megatron_dppo.rollout")
 
@@ -85,10 +90,12 @@ class HFRolloutEngine:
         eos_token_ids: token ids that end a completion; default: the model config's / generation config's EOS.
         pad_token_id: id used for left padding (masked, never attended); default: config pad id, else first EOS.
         max_batch_size: rows (prompt x sample) per ``generate`` call.
+        lora: the adapter_config.json dict of a LoRA run (``convert.peft.peft_config``): the model gets unmerged
+            adapters (``rollout.lora.HFAdapters``), filled by the adapter tensors of ``load_weights``.
     """
 
     def __init__(self, model, *, eos_token_ids: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-                 max_batch_size: int = 64):
+                 max_batch_size: int = 64, lora: dict | None = None):
         from transformers import GenerationConfig
 
         self.model = model.eval()
@@ -113,6 +120,9 @@ class HFRolloutEngine:
                                                         pad_token_id=self.pad_token_id)
         self._device = next(model.parameters()).device
         self._asleep = False
+        self.adapters = HFAdapters(self.model, lora) if lora is not None else None
+        # False: the model holds the weights to serve; from_pretrained(load_weights=False): True until a complete push
+        self.needs_base = False
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, load_weights: bool = False, dtype: torch.dtype = torch.float32,
@@ -132,7 +142,9 @@ class HFRolloutEngine:
         else:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        return cls(model.to(default_device() if device is None else device), **kwargs)
+        engine = cls(model.to(default_device() if device is None else device), **kwargs)
+        engine.needs_base = not load_weights
+        return engine
 
     # ------------------------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[CompletionGroup]:
@@ -212,7 +224,20 @@ class HFRolloutEngine:
         Names are checkpoint names (``hf_layout``: per-expert tensors go into transformers 5's fused expert
         parameters). Raises ValueError on an unknown name or a shape mismatch, and (``require_all``) when some
         parameter got no tensor or only part of one (a fused expert parameter must receive every expert). A tied
-        output layer is covered by its embedding. On error the model may be partly updated."""
+        output layer is covered by its embedding. On error the model may be partly updated.
+
+        With LoRA the stream's adapter tensors (PEFT names, after the base ones) replace the adapters; a stream of
+        adapters only leaves the base as it is (``require_all`` then concerns the adapters)."""
+        if self.adapters is None:
+            return self._load_base(refuse_adapters(weights), require_all)
+        adapters: dict[str, torch.Tensor] = {}
+        count = self._load_base(split_adapters(weights, adapters), require_all)
+        if self.needs_base:
+            raise ValueError("LoRA adapters pushed before the base weights: the first push of a LoRA run carries the "
+                             "base model")
+        return count + self.adapters.load(adapters)
+
+    def _load_base(self, weights: WeightStream, require_all: bool) -> int:
         from megatron_dppo.rollout.hf_layout import ParameterLayout
 
         layout = ParameterLayout(self.model)
@@ -231,11 +256,14 @@ class HFRolloutEngine:
                 target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
                 filled.setdefault(id(param), {})[name] = target.numel()
                 count += 1
+        if count == 0 and self.adapters is not None:  # a LoRA push of the adapters only: the base stays
+            return 0
         if require_all:
             missing = [n for n, p in self.model.named_parameters()
                        if sum(filled.get(id(p), {}).values()) < p.numel()]
             if missing:
                 raise ValueError(f"the weight stream did not cover {len(missing)} parameters, e.g. {missing[:3]}")
+            self.needs_base = False
         return count
 
     def sleep(self) -> None:

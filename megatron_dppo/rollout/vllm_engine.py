@@ -38,6 +38,15 @@ Stop tokens. The engine runs without a tokenizer (``skip_tokenizer_init``; promp
 never needed), so the EOS ids are read from the model's config.json / generation_config.json and passed as
 ``stop_token_ids`` together with the caller's. Token ids include the stop token.
 
+LoRA (``lora=adapter_config``, a LoRA run; ``rollout/lora.py``). vLLM serves the base with its LoRA kernels
+(``enable_lora``, ``max_lora_rank`` the smallest of vLLM's allowed ranks that holds ``r``, one adapter slot). A push
+carries the base weights when the engine has none (``needs_base``: built with dummy weights, or after a level-2
+sleep discarded them), then the adapter tensors; those are written as a PEFT adapter folder (megabytes, in
+``/dev/shm`` where it exists) and loaded as a new ``LoRARequest`` with a fresh id, the previous adapter is removed
+from vLLM (``LLMEngine.remove_lora``) and its folder deleted, and every later ``generate`` passes the new request.
+vLLM 0.32 loads adapters from a folder only (``LoRARequest.lora_path``; in-memory loading needs its internals), so
+the folder is the public interface. Rollout workers (``weight_sync``) write the folder inside the worker extension.
+
 Sleep mode (GPU only): ``sleep()`` offloads (level 1) or discards (level 2, the default: the trainer pushes
 weights before every generation) weights and drops the KV cache; ``wake_up(["weights"])`` before a weight push
 and ``wake_up(["kv_cache"])`` after it keep peak memory low (``wake_up()`` restores both; the order around a push
@@ -79,6 +88,7 @@ from megatron_dppo.rollout.base import (
     WeightStream,
     validate_prompts,
 )
+from megatron_dppo.rollout.lora import refuse_adapters, split_adapters, write_adapter_folder
 
 logger = logging.getLogger("megatron_dppo.rollout")
 
@@ -300,6 +310,30 @@ def _ranks_of_the_default_group(tensor_parallel_size: int):
                 os.environ[key] = value
 
 
+# vLLM 0.32's LoRAConfig.max_lora_rank takes one of these (its MaxLoRARanks literal)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds adapters of ``rank``."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
+
+
+def lora_scratch_dir() -> str:
+    """A private folder for the adapter versions (in memory, /dev/shm, where it exists), removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    shm = Path("/dev/shm")
+    folder = tempfile.mkdtemp(prefix="dppo-lora-", dir=str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 # The worker extension that receives versioned weights from a trainer (rollout.placement=separate).
 WEIGHT_SYNC_EXTENSION = "megatron_dppo.rollout.vllm_weight_sync.WeightSyncExtension"
 
@@ -330,13 +364,15 @@ class VLLMRolloutEngine:
         weight_sync: install the weight-sync worker extension (``rollout/vllm_weight_sync.py``): the engine then
             receives versioned weights from a trainer's process group (``join_weight_group``, ``wait_weights``,
             ``load_received``) besides ``load_weights``.
+        lora: the adapter_config.json dict of a LoRA run (``convert.peft.peft_config``): vLLM serves the pushed
+            adapters over the base (module docstring).
         **llm_kwargs: passed to ``vllm.LLM`` (e.g. max_model_len, enforce_eager, max_num_seqs).
     """
 
     def __init__(self, model_path: str | Path, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  load_format: str = "dummy", gpu_memory_utilization: float = 0.5,
                  enable_sleep_mode: bool | None = None, sleep_level: int = 2, seed: int = 0,
-                 weight_sync: bool = False, **llm_kwargs: Any):
+                 weight_sync: bool = False, lora: dict | None = None, **llm_kwargs: Any):
         vllm = import_vllm()
         self.model_path = str(model_path)
         if not (Path(model_path) / "config.json").is_file():
@@ -361,12 +397,19 @@ class VLLMRolloutEngine:
         self.weight_sync = weight_sync
         if weight_sync:
             kwargs["worker_extension_cls"] = WEIGHT_SYNC_EXTENSION
+        self.lora = lora
+        if lora is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(int(lora["r"])), max_loras=1)
         kwargs.update(llm_kwargs)
         self.weight_push = weight_push_api(str(getattr(vllm, "__version__", "dev")))
         with _ranks_of_the_default_group(tensor_parallel_size):
             self.llm = vllm.LLM(**kwargs)
         self._asleep: set[str] = set()  # parts put to sleep and not yet woken
         self._weights_incomplete = False  # a weight push failed midway
+        self._dummy_base = load_format == "dummy"  # random weights until the first complete push
+        self._lora_ids = itertools.count(1)
+        self._lora_request: Any = None  # the adapter generate() uses (LoRA)
+        self._lora_dir = lora_scratch_dir() if lora is not None else None
 
     def _sized_memory(self, requested: float, tensor_parallel_size: int, dtype: str, max_model_len) -> float:
         """``vllm_memory_utilization`` for this GPU now (the module docstring, "Memory")."""
@@ -396,7 +439,10 @@ class VLLMRolloutEngine:
             for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.lora is not None and self._lora_request is None:
+            raise RuntimeError("a LoRA engine generates with an adapter: push the weights (with the adapter "
+                               "tensors) first")
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
         groups = []
         for ids, output in zip(prompt_token_ids, outputs):
             group = CompletionGroup(list(ids))
@@ -414,9 +460,20 @@ class VLLMRolloutEngine:
 
         A bad first tensor raises ValueError before vLLM is touched. An error later in the stream (a bad name or
         shape, or the exporter failing) leaves vLLM's weights half reloaded: the engine then refuses to generate
-        until a complete load_weights() succeeds."""
+        until a complete load_weights() succeeds. LoRA: the adapter tensors at the end of the stream become the
+        served adapter; a stream of adapters only leaves the base as it is."""
         if "weights" in self._asleep:
             raise RuntimeError("VLLMRolloutEngine.load_weights() called while the weights sleep; wake_up(['weights'])")
+        if self.lora is None:
+            return self._reload(refuse_adapters(weights))
+        adapters: dict[str, torch.Tensor] = {}
+        base = split_adapters(weights, adapters)
+        first = next(base, None)  # (a stream of adapters only: nothing for the base)
+        count = self._reload(itertools.chain([first], base)) if first is not None else 0
+        return count + self._swap_adapter(adapters)
+
+    def _reload(self, weights: WeightStream) -> int:
+        """The base weights into every worker (Worker.reload_weights, or the model's load_weights before 0.16)."""
         counter = [0]
         stream: Any = with_tied_output(checked_weights(weights, self._expected, self.model_path, counter),
                                        self._tied)
@@ -428,9 +485,44 @@ class VLLMRolloutEngine:
                                     kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
         else:
             self.llm.collective_rpc(_load_into_model, args=(stream,))
-        self._weights_incomplete = False
+        self._weights_incomplete = self._dummy_base = False
         self.llm.reset_prefix_cache()
         return counter[0]
+
+    @property
+    def needs_base(self) -> bool:
+        """True while the engine holds no real base weights: built with dummy weights, after a level-2 sleep, or
+        after a push that failed midway (a LoRA push then carries the base again)."""
+        return self._dummy_base or self._weights_incomplete
+
+    def _swap_adapter(self, adapters: dict[str, torch.Tensor]) -> int:
+        """Serve ``adapters`` (PEFT names): written as an adapter folder, then ``_activate_adapter``."""
+        if not adapters:
+            raise ValueError("a LoRA weight push carries the adapter tensors; this one has none")
+        if self.needs_base:
+            raise ValueError("LoRA adapters pushed before the base weights: the first push of a LoRA run carries "
+                             "the base model")
+        lora_id = next(self._lora_ids)
+        folder = write_adapter_folder(adapters, self.lora, Path(self._lora_dir) / f"adapter-{lora_id}")
+        self._activate_adapter(folder, lora_id)
+        return len(adapters)
+
+    def _activate_adapter(self, folder: Path, lora_id: int) -> None:
+        """Load the adapter folder as LoRA ``lora_id`` and make it the one generate() uses; the previous adapter
+        leaves vLLM and its folder is deleted."""
+        import shutil
+
+        from vllm.lora.request import LoRARequest
+
+        previous, self._lora_request = self._lora_request, None
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        request = LoRARequest(f"dppo-{lora_id}", lora_id, str(folder))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter {folder}")
+        self._lora_request = request
+        self.llm.reset_prefix_cache()
 
     # ------------------------------------------------------------------------------------------------------------
     # Versioned weights from a trainer (weight_sync=True; rollout/vllm_weight_sync.py runs inside each worker)
@@ -466,11 +558,21 @@ class VLLMRolloutEngine:
         if "weights" in self._asleep:
             raise RuntimeError("VLLMRolloutEngine.load_received() called while the weights sleep; "
                                "wake_up(['weights'])")
-        self._weights_incomplete = True
-        counts = self.llm.collective_rpc("dppo_load_weights", args=(int(version),))
-        self._weights_incomplete = False
+        folder = None
+        if self.lora is not None:
+            lora_id = next(self._lora_ids)
+            folder = str(Path(self._lora_dir) / f"adapter-{lora_id}")
+        complete, self._weights_incomplete = not self._weights_incomplete, True
+        loaded = self.llm.collective_rpc("dppo_load_weights", args=(int(version), folder, self.lora))[0]
+        self._weights_incomplete = not (complete or loaded["base"])
+        self._dummy_base = self._dummy_base and not loaded["base"]
+        if self.lora is not None:
+            if self.needs_base:
+                raise ValueError(f"weight version {version} carries LoRA adapters only, and this engine has no base "
+                                 "weights yet: the first version a rollout worker loads carries the base model")
+            self._activate_adapter(Path(folder), lora_id)
         self.llm.reset_prefix_cache()
-        return int(counts[0])
+        return int(loaded["tensors"])
 
     def weights_arrived(self) -> list[int]:
         """Every version number the (first) worker received, in arrival order."""

@@ -22,7 +22,8 @@ Unlike NeMo-RL's synchronous receive, the trainer never has to call the workers.
 version >= a minimum has arrived, pins it, and returns its number and the sender's ``extra`` (prompt history,
 sampler position, RL step). ``dppo_load_weights`` loads the pinned version into the model through
 ``Worker.reload_weights`` (vLLM >= 0.16; the model's own ``load_weights`` before), the path
-``VLLMRolloutEngine.load_weights`` takes, after checking each name and shape against the HF architecture. The
+``VLLMRolloutEngine.load_weights`` takes, after checking each name and shape against the HF architecture; in a LoRA
+run it writes the version's adapter tensors as an adapter folder, which the engine loads as a ``LoRARequest``. The
 weight tensors never pass through ``collective_rpc``.
 
 With ``distributed_executor_backend="external_launcher"`` (what ``VLLMRolloutEngine`` uses) the worker lives in
@@ -37,6 +38,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_dppo.dist.transfer import WeightReceiver, WeightVersion, process_group
+from megatron_dppo.rollout.lora import split_adapters, write_adapter_folder
 from megatron_dppo.rollout.vllm_engine import (
     _load_into_model,
     checked_weights,
@@ -75,18 +77,31 @@ class WeightSyncExtension:
         self._dppo_pinned = newest
         return {"version": newest.version, "extra": newest.extra}
 
-    def dppo_load_weights(self, version: int) -> int:
-        """Load the pinned version (it must be ``version``) into the model; returns the tensor count."""
+    def dppo_load_weights(self, version: int, adapter_folder: str | None = None,
+                          adapter_config: dict | None = None) -> dict[str, Any]:
+        """Load the pinned version (it must be ``version``) into the model; returns {"tensors": count, "base":
+        whether it carried base weights}. LoRA (``rollout/lora.py``): the version's adapter tensors are written as a
+        PEFT folder at ``adapter_folder`` (with ``adapter_config``), which the engine then loads as a LoRARequest."""
         pinned = self._dppo_pinned
         if pinned is None or pinned.version != version:
             held = None if pinned is None else pinned.version
             raise RuntimeError(f"weight version {version} is not the one dppo_wait_weights returned ({held}): "
                                "call wait_weights first and load the version it returned")
+        adapters: dict = {}
+        base = list(split_adapters(pinned.weights, adapters))
+        if adapters and adapter_folder is None:
+            raise ValueError(f"weight version {version} carries LoRA adapter tensors; this engine has no lora config")
+        if adapter_folder is not None:
+            if not adapters:
+                raise ValueError(f"weight version {version} carries no LoRA adapter tensors (a LoRA run's do)")
+            write_adapter_folder(adapters, adapter_config, adapter_folder)
+        if not base:
+            return {"tensors": len(adapters), "base": False}
         model_path = self.model_config.model
         if self._dppo_expected is None:
             self._dppo_expected = expected_hf_weights(model_path)
         counter = [0]
-        stream = with_tied_output(checked_weights(iter(pinned.weights), self._dppo_expected, model_path, counter),
+        stream = with_tied_output(checked_weights(iter(base), self._dppo_expected, model_path, counter),
                                   ties_embeddings(model_path))
         import vllm
 
@@ -94,7 +109,7 @@ class WeightSyncExtension:
             self.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
         else:
             _load_into_model(self, stream)
-        return counter[0]
+        return {"tensors": counter[0] + len(adapters), "base": True}
 
     def dppo_weights_arrived(self) -> list[int]:
         """Every version number received, in arrival order."""

@@ -172,10 +172,12 @@ def build_hf_config(cfg: Config, tokenizer, model_dir: Path | None) -> dict:
     return hf
 
 
-def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenizer):
+def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenizer, lora=None):
     """The rollout engine over an HF directory (a config-only folder for from-scratch models; weights are
-    always pushed from the Megatron policy before the first rollout)."""
+    always pushed from the Megatron policy before the first rollout). ``lora``: the run's ``LoraConfig`` (the
+    engine serves the pushed adapters, ``rollout/lora.py``)."""
     from megatron_dppo.rollout import create_engine
+    from megatron_dppo.run.lora import rollout_adapter_config
 
     directory = model_dir
     if directory is None or cfg.model.hf_config:
@@ -187,7 +189,7 @@ def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenize
     if cfg.rollout.engine == "hf":
         return create_engine("hf", directory, load_weights=False, dtype=torch_dtype(cfg.model.dtype),
                              eos_token_ids=eos_ids(tokenizer, hf_config), pad_token_id=tokenizer.pad_token_id,
-                             max_batch_size=cfg.rollout.batch_size)
+                             max_batch_size=cfg.rollout.batch_size, lora=rollout_adapter_config(lora))
     tp, separate = rollout_tensor_parallel(cfg), cfg.rollout.placement == "separate"
     heads = int(hf_config.get("num_attention_heads", tp))
     if separate and heads % tp:
@@ -197,7 +199,7 @@ def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenize
     return create_engine("vllm", directory, tensor_parallel_size=tp, dtype=cfg.model.dtype,
                          load_format="dummy", gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                          seed=cfg.train.seed, enforce_eager=cfg.rollout.enforce_eager,
-                         sleep_level=cfg.rollout.sleep_level, weight_sync=separate,
+                         sleep_level=cfg.rollout.sleep_level, weight_sync=separate, lora=rollout_adapter_config(lora),
                          enable_sleep_mode=None if not separate else False)  # (a worker shares its GPU with nothing)
 
 
@@ -394,17 +396,19 @@ def build_pruner(cfg: Config, loss_cfg: LossConfig):
 
 
 def build_handover(cfg: Config, engine, rollout, arch):
-    """The GPU memory handover of this run (``rollout.handover``): weights pushed as a streaming export; with
+    """The GPU memory handover of this run (``rollout.handover``): weights pushed as a streaming export (LoRA: the
+    base only while the engine has none, then the adapters: ``run.lora.rollout_weights``); with
     ``rollout.offload_train_state`` (vLLM on CUDA) the training state leaves the GPU while vLLM generates.
     ``engine`` None (a rollout worker): nothing to push from."""
-    from megatron_dppo.convert import export_hf_weights
     from megatron_dppo.rollout.handover import MemoryHandover
+    from megatron_dppo.run.lora import rollout_weights
 
     if engine is None:
         return MemoryHandover(rollout, lambda: iter(()))
 
     def weights():
-        return export_hf_weights(engine.model_chunks, arch, cfg.rollout.weight_bucket_mb << 20)
+        base = rollout is None or getattr(rollout, "needs_base", True)
+        return rollout_weights(engine, arch, cfg.rollout.weight_bucket_mb << 20, base=base)
 
     if cfg.rollout.offload_train_state and cfg.rollout.engine == "vllm" and torch.cuda.is_available():
         from megatron_dppo.megatron.offload import engine_offloader

@@ -33,6 +33,7 @@ from megatron_dppo.run.build import (
 )
 from megatron_dppo.run.console import print_banner
 from megatron_dppo.run.lifecycle import find_resume_checkpoint, lock_output_dir, restore
+from megatron_dppo.run.lora import check_lora_run, lora_config, rollout_weights, start_adapters
 from megatron_dppo.run.metrics import MetricsSink
 from megatron_dppo.run.state import RolloutSide, Run, TrainSide
 
@@ -68,6 +69,8 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
                          "group); use parallel.pp=1 or rollout.engine=hf")
 
     loss_cfg, estimator = build_loss(cfg)
+    lora = lora_config(cfg, arch)  # model.lora (None: every weight trains); run/lora.py
+    check_lora_run(cfg, arch, parallel, lora, model_dir, loss_cfg.kl_coef)
     train_prompts, sft_pairs = load_train_prompts(cfg, tokenizer, arch)
     if cfg.train.sft_steps and not sft_pairs:
         raise ValueError("train.sft_steps > 0 needs gold completions: only data.task=arithmetic provides them "
@@ -82,9 +85,9 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         lr=cfg.optim.lr, min_lr=0.0, lr_schedule="constant", warmup_steps=0, weight_decay=cfg.optim.weight_decay,
         adam_beta1=cfg.optim.adam_beta1, adam_beta2=cfg.optim.adam_beta2, adam_eps=cfg.optim.adam_eps,
         clip_grad=cfg.optim.grad_clip, use_distributed_optimizer=cfg.optim.distributed_optimizer), loss_cfg,
-        dtype=torch_dtype(cfg.model.dtype), attention_backend=cfg.model.attention_backend,
+        dtype=torch_dtype(cfg.model.dtype), attention_backend=cfg.model.attention_backend, lora=lora,
         **moe_options(cfg, arch))
-    rollout = build_rollout(cfg, hf_config, model_dir, tokenizer) if link is None else None  # (separate: workers)
+    rollout = build_rollout(cfg, hf_config, model_dir, tokenizer, lora) if link is None else None  # (separate: workers)
     pruner = build_pruner(cfg, loss_cfg)
     rollout_side = RolloutSide(
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, engine, rollout, arch),
@@ -99,11 +102,14 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     run = Run(cfg=cfg, info=info, hf_config=hf_config, arch=arch, rollout_side=rollout_side, train_side=train_side,
               sink=sink, sft_pairs=sft_pairs, lock=lock, link=link)
 
-    # 3. state: a checkpoint, or pretrained weights, or the fresh initialization
+    # 3. state: a checkpoint, or pretrained weights, or the fresh initialization (LoRA: the frozen base always comes
+    #    from model.path, a checkpoint holds the adapters only; a fresh start may take model.lora.init's adapter)
+    if model_dir is not None and cfg.model.path is not None and (found is None or lora is not None):
+        load_pretrained(run, model_dir)
+    if lora is not None:
+        start_adapters(engine, cfg, model_dir, fresh=found is None)
     if found is not None:
         restore(run, found)
-    elif model_dir is not None and cfg.model.path is not None:
-        load_pretrained(run, model_dir)
 
     # 4. outputs (checkpoints/hf: config + tokenizer, so `megatron-dppo convert megatron-to-hf` exports a run)
     if D.is_main():
@@ -143,7 +149,7 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
     prompts, _ = load_train_prompts(cfg, tokenizer, arch)
     eval_sets = load_eval_sets(cfg, tokenizer, arch) if cfg.eval.every else {}
     eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward, step_budget=False) for name in eval_sets}
-    rollout = build_rollout(cfg, hf_config, model_dir, tokenizer)
+    rollout = build_rollout(cfg, hf_config, model_dir, tokenizer, lora_config(cfg, arch))
     return RolloutSide(
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, None, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=prompts,
@@ -216,16 +222,16 @@ def push_weights(run: Run, version: int | None = None) -> int:
     evaluated before its checkpoint was written."""
     if run.link is None:
         return run.rollout_side.handover.push()
-    from megatron_dppo.convert import export_hf_weights
-
     version = run.rl_step if version is None else version
     new = version > run.rl_step  # an update's version; else the restored or warmed-up policy the RL phase starts from
     due = eval_due(run.cfg, version) if new else bool(run.cfg.eval.every) and version == 0
     side = run.rollout_side
     start, sampler = run.link.worker_start(run.rl_step, side.sampler.state_dict())
     extra = {"history": side.history.state_dict(), "rl_step": start, "sampler": sampler, "eval": due}
-    stream = export_hf_weights(run.train_side.engine.model_chunks, run.arch, run.cfg.rollout.weight_bucket_mb << 20)
-    return run.link.send_weights(stream, version, extra)
+    # (LoRA: the base goes with this process's first version only; the workers keep it, later versions are adapters)
+    stream = rollout_weights(run.train_side.engine, run.arch, run.cfg.rollout.weight_bucket_mb << 20,
+                             base=run.link.versions_sent == 0)
+    return run.link.send_weights(side.handover.metered(stream), version, extra)
 
 
 def eval_due(cfg: Config, version: int) -> bool:

@@ -131,3 +131,52 @@ def test_adapter_for_a_subset_of_layers_is_refused(tmp_path):
     save_file({k: v for k, v in weights.items() if ".layers.3." not in k}, str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="every layer"):
         read_peft_adapter(tmp_path, 4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The rollout side: the HF engine with pushed adapters (rollout/lora.py, convert.peft.export_rollout_weights)
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["qwen2_untied", "llama_tied"])
+def test_hf_rollout_engine_with_pushed_adapters_computes_peft_and_our_logits(name, tmp_path):
+    """The first push carries the base and the adapters, later ones the adapters only (their parameters' bytes);
+    the engine's unmerged adapters give PEFT's logits and the Megatron policy's, before and after the adapters
+    change; adapters before a base, a missing adapter and adapters for a LoRA-less engine are refused."""
+    from megatron_dppo.convert.peft import export_rollout_weights, peft_config
+    from megatron_dppo.rollout import HFRolloutEngine
+    from megatron_dppo.rollout.lora import nbytes
+
+    cfg = L.LoraConfig(rank=4, alpha=8.0, target_modules=("qkv", "proj", "fc1", "fc2"))
+    build_hf_model(name).save_pretrained(tmp_path / "hf")
+    engine = HFRolloutEngine.from_pretrained(tmp_path / "hf", load_weights=False, lora=peft_config(cfg))
+    ids = tokens()
+    with single_process_world():
+        hf, arch, chunks = _our_model(name, cfg)
+        _random_adapters(chunks)
+        ours = megatron_logits(chunks, ids)
+        assert engine.needs_base
+        with pytest.raises(ValueError, match="LoRA adapters pushed before the base weights"):
+            engine.load_weights(export_rollout_weights(chunks, arch, base=False))
+        first = list(export_rollout_weights(chunks, arch, base=True))
+        assert engine.load_weights(iter(first)) == len(first) and not engine.needs_base
+        folder = export_peft_adapter(chunks, cfg, tmp_path / "adapter")
+        _random_adapters(chunks, seed=4)
+        ours_after = megatron_logits(chunks, ids)
+        adapters_only = list(export_rollout_weights(chunks, arch, base=False))
+        adapter_bytes = 4 * sum(p.numel() for p in L.lora_parameters(chunks))
+    assert len(adapters_only) == 2 * 7 * arch.num_layers and nbytes(adapters_only) == adapter_bytes
+    with torch.no_grad():
+        got = engine.model(ids).logits
+        with_peft = peft.PeftModel.from_pretrained(hf, folder).eval()(ids).logits
+    assert (got - with_peft).abs().max().item() < LOGITS_ATOL and (got - ours).abs().max().item() < LOGITS_ATOL
+    base_before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.load_weights(iter(adapters_only))
+    with torch.no_grad():
+        got_after = engine.model(ids).logits
+    assert (got_after - ours_after).abs().max().item() < LOGITS_ATOL
+    assert (got_after - got).abs().max().item() > 100 * LOGITS_ATOL  # the new adapters are served (negative case)
+    assert all(torch.equal(v, base_before[k]) for k, v in engine.model.state_dict().items())  # the base stayed
+    with pytest.raises(ValueError, match="missing"):
+        engine.load_weights(iter(adapters_only[1:]))
+    plain = HFRolloutEngine.from_pretrained(tmp_path / "hf", load_weights=True)
+    with pytest.raises(ValueError, match="engine built without lora"):
+        plain.load_weights(iter(adapters_only))

@@ -138,3 +138,17 @@ def _flatten(obj, prefix: str = "") -> dict:
 def latest_checkpoint(output_dir: Path) -> Path:
     root = output_dir / "checkpoints"
     return root / (root / "latest").read_text().strip()
+
+
+def tiny_base(folder: Path, seed: int = 0, model: dict | None = None) -> Path:
+    """A pretrained stand-in for LoRA runs: the TINY_MODEL architecture (or ``model``) with random weights as a
+    Hugging Face folder (config.json + safetensors), its vocabulary covering the trained sentencepiece tokenizer
+    (512)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in (model or TINY_MODEL).items() if k != "model_type"}
+    config = AutoConfig.for_model("qwen2", vocab_size=512, **fields)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder

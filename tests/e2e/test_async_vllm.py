@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from _e2e_helpers import REPO, TINY_MODEL, env, free_port, read_metrics, tiny_config, write_config
+from _e2e_helpers import REPO, TINY_MODEL, env, free_port, read_metrics, tiny_base, tiny_config, write_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.multiproc]
 if importlib.util.find_spec("vllm") is None:
@@ -134,3 +134,25 @@ def test_vllm_rollout_worker_in_fixed_staleness_mode(tmp_path):
     worker = json.loads((out / "rollout_worker.json").read_text())
     assert [(b["step"], b["version"]) for b in worker["batches"]] == [(0, 0), (1, 0), (2, 1), (3, 2)]
     assert [e["version"] for e in worker["evals"]] == [0, 2, 4]
+
+
+def test_vllm_rollout_worker_serves_the_trainers_lora_adapters(tmp_path):
+    """model.lora with a vLLM rollout worker: version 0 carries the base and the adapters, every later version the
+    adapters only, which the weight-sync extension writes as an adapter folder and the engine serves as a new
+    LoRARequest. At max_staleness 0 the engine's log-probs equal the trainer's to float32 noise at every step, which
+    holds only if vLLM generated with exactly the trained adapters on exactly the base."""
+    out = tmp_path / "run"
+    base = tiny_base(tmp_path / "base", model=MODEL)
+    cfg = write_config(tmp_path / "lora.yaml", tiny_config(
+        out, model={"path": str(base), "hf_config": {}, "lora": {"rank": 4}},
+        rollout={"engine": "vllm", "max_new_tokens": 4, "enforce_eager": True}, eval={"every": 0},
+        checkpoint={"every": 0}, loss={"preset": "grpo", "kl_coef": 0.05}, train={"steps": 3, "sft_steps": 0}))
+    _train(cfg, out, "train.max_staleness=0")
+
+    rl = [r for r in read_metrics(out) if r.get("phase") == "rl"]
+    assert [r["step"] for r in rl] == [0, 1, 2]
+    assert rl[0]["train/kl"] == 0.0 and rl[-1]["train/kl"] > 0  # the adapters moved the policy off the base
+    diffs = [r["rollout/logprob_abs_diff"] for r in rl]
+    assert max(diffs) < FLOAT32_NOISE, diffs
+    adapter_bytes = 2 * 4 * 4 * (256 + 256 + 256 + 256 + 256 + 256 + 256)  # layers x r x fp32 x (in + out)
+    assert all(r["weight_sync/bytes"] == adapter_bytes for r in rl), [r["weight_sync/bytes"] for r in rl]

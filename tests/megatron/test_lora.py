@@ -247,10 +247,35 @@ def test_reference_logprobs_with_adapters_off_equal_the_base_models(world):
         assert torch.equal(r, b)
 
 
+def test_gradient_audit_measures_the_adapters_gradient(world):
+    """The pruning audit (train/audit.py) on a LoRA engine: its gradient is the adapters' (the parameters that
+    train), the same vector the update uses (its norm is the step's grad norm), and it leaves nothing behind."""
+    from megatron_dppo.algo.losses import loss_denominator
+    from megatron_dppo.megatron import lora as L
+    from megatron_dppo.train.audit import pruning_audit, step_gradient
+
+    arch = F.tiny_arch("qwen2", num_layers=2)
+    engine, loss = _engine(arch, _lora(), clip_grad=1e9)
+    data = F.make_sequences(seed=6)
+    denominator = loss_denominator(loss.aggregation, data["B"], data["G"])
+    batches = F.rank_micro_batches(data, loss, 0, 1, 1)
+    engine.fill_logprobs(batches)
+    grad = step_gradient(engine, batches, denominator)
+    assert grad.numel() == sum(p.numel() for p in L.lora_parameters(engine.modules))
+    before = [p.detach().clone() for p in engine.modules[0].parameters()]
+    repacked = F.rank_micro_batches(data, loss, 0, 1, 1, capacity=40)
+    engine.fill_logprobs(repacked)
+    same = pruning_audit(engine, batches, repacked, denominator)
+    assert same.cosine == pytest.approx(1.0, abs=1e-6) and same.full_grad_norm > 0
+    assert all(torch.equal(p, q) for p, q in zip(engine.modules[0].parameters(), before))
+    metrics = engine.train_step(batches, denominator)
+    assert metrics["grad_norm"] == pytest.approx(same.full_grad_norm, rel=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Parallel layouts (subprocesses, gloo)
 # ----------------------------------------------------------------------------------------------------------
-def lora_layout_worker(tp: int = 1, pp: int = 1, sp: bool = False, distributed_optimizer: bool = False):
+def lora_layout_worker(tp: int = 1, pp: int = 1, sp: bool = False, distributed_optimizer: bool = False, cp: int = 1):
     """The same base, adapters and global batch at any layout: log-probs (policy, reference), one step's metrics
     and the full adapter tensors at construction and after the step."""
     from megatron.core import parallel_state
@@ -262,7 +287,7 @@ def lora_layout_worker(tp: int = 1, pp: int = 1, sp: bool = False, distributed_o
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine, _pad_multiple
 
     arch = F.tiny_arch("qwen2", num_layers=2)  # q/k/v biases, tied embeddings (PP: the last stage's copy)
-    parallel = ParallelConfig(tp=tp, pp=pp, sp=sp)
+    parallel = ParallelConfig(tp=tp, pp=pp, sp=sp, cp=cp)
     initialize_parallel(parallel, F.SEED, arch)
     loss = LossConfig(kl_coef=0.05, kl_estimator="k3")
     # adam_eps well above the gradients' rounding noise: a first Adam step moves an entry by ~lr * g / |g|, which
@@ -301,15 +326,16 @@ def _gathered(results):
 
 
 LAYOUTS = {"tp2": (2, dict(tp=2)), "tp2_sp": (2, dict(tp=2, sp=True)), "pp2": (2, dict(pp=2)),
-           "dp2_distributed_optimizer": (2, dict(distributed_optimizer=True))}
+           "dp2_distributed_optimizer": (2, dict(distributed_optimizer=True)), "cp2": (2, dict(cp=2))}
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_equals_single_process(single_process, layout):
     """Initial adapters, policy and reference log-probs, loss, grad norm and the updated adapters of TP2 (A
-    replicated, B split / A split, B replicated), TP2+SP (partial gradients all-reduced), PP2 and DP2 with the
-    DistributedOptimizer == one process."""
+    replicated, B split / A split, B replicated), TP2+SP (partial gradients all-reduced), PP2, DP2 with the
+    DistributedOptimizer and CP2 (each rank adapts its part of every sequence; DDP sums over DP x CP) == one
+    process."""
     world_size, kwargs = LAYOUTS[layout]
     results = run_distributed(lora_layout_worker, world_size, kwargs=kwargs, timeout=420)
     ref = single_process

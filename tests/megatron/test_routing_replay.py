@@ -29,14 +29,15 @@ def _arch(family: str = "qwen3_moe", **hf_changes):
     return ModelArch.from_hf_config(dict(TINY_MOE_CONFIGS[family], **hf_changes))
 
 
-def _engine(replay: bool, family: str = "qwen3_moe", parallel=None, lr: float = 1e-2, hf_changes=None):
+def _engine(replay: bool, family: str = "qwen3_moe", parallel=None, lr: float = 1e-2, hf_changes=None, lora=None,
+            loss=None):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     seed_everything(SEED)
     return PolicyEngine(_arch(family, **(hf_changes or {})), parallel or ParallelConfig(),
-                        OptimConfig(lr=lr, clip_grad=0.0), LossConfig(), moe_routing_replay=replay)
+                        OptimConfig(lr=lr, clip_grad=0.0), loss or LossConfig(), moe_routing_replay=replay, lora=lora)
 
 
 def _batches(pad_multiple: int = 1, groups=((9, 5, 12), (7, 3, 8, 6)), seed: int = 0):
@@ -102,17 +103,27 @@ def _scramble_router(engine, generator_seed: int = 7):
             w.copy_(w[torch.randperm(w.shape[0], generator=g)] + 0.5 * torch.randn(w.shape, generator=g))
 
 
-def replay_case(replay: bool, family: str = "qwen3_moe", parallel=None, batches=None, hf_changes=None):
-    """Record (old pass), move the router, train one step (hooks on the routers). Returns the fraction of
-    recorded (token, layer, k) choices the train forward did NOT dispatch to, the engine's flip metric, and the
-    number of replayed choices compared."""
+def _scramble_adapters(engine, generator_seed: int = 7):
+    """A LoRA 'policy update' (the router is frozen): large attention adapters move every router's input."""
+    from megatron_dppo.megatron import lora as L
+
+    g = torch.Generator().manual_seed(generator_seed)
+    with torch.no_grad():
+        for p in L.lora_parameters(engine.modules):
+            p.copy_(2.0 * torch.randn(p.shape, generator=g))
+
+
+def replay_case(replay: bool, family: str = "qwen3_moe", parallel=None, batches=None, hf_changes=None, lora=None):
+    """Record (old pass), move the router (LoRA: its input, through the attention adapters), train one step (hooks
+    on the routers). Returns the fraction of recorded (token, layer, k) choices the train forward did NOT dispatch
+    to, the engine's flip metric, and the number of replayed choices compared."""
     from megatron_dppo.megatron.routing_replay import moe_routers
 
-    engine = _engine(replay, family, parallel, hf_changes=hf_changes)
+    engine = _engine(replay, family, parallel, hf_changes=hf_changes, lora=lora)
     batches = batches if batches is not None else _batches(pad_multiple=2 if parallel and parallel.sp else 1)
     engine.fill_logprobs(batches)
     assert all(b.routed_experts is not None for b in batches)
-    _scramble_router(engine)
+    (_scramble_adapters if lora is not None else _scramble_router)(engine)
     hooks = _ChosenExperts(engine)
     try:
         metrics = engine.train_step(batches, denominator=4.0)
@@ -147,6 +158,26 @@ def test_replay_uses_the_recorded_experts_after_the_router_moved(world, family):
     assert off["missed"] > 0  # the constructed case does flip without replay ...
     assert off["flip_rate"] == pytest.approx(off["missed"] / off["choices"], abs=0)  # ... and the metric says so
     assert on["flip_rate"] > 0  # with replay: how often the router's own top-k disagreed (and was overridden)
+
+
+def test_replay_with_lora_adapters_on_attention(world):
+    """LoRA on an MoE model (attention adapters, frozen routers and experts): the adapters' update moves the routers'
+    inputs, replay still dispatches to the recorded experts, and the reference (adapters off) routes freely: its
+    log-probs are the base model's."""
+    from megatron_dppo.algo.losses import LossConfig
+    from megatron_dppo.megatron.lora import LoraConfig
+
+    lora = LoraConfig(rank=4, target_modules=("qkv", "proj"))
+    on, off = replay_case(True, lora=lora), replay_case(False, lora=lora)
+    assert on["choices"] > 0 and on["missed"] == 0 and off["missed"] > 0 and on["flip_rate"] > 0
+    kl = LossConfig(kl_coef=0.1)
+    engine, base = _engine(True, lora=lora, loss=kl), _engine(False, loss=kl)
+    _scramble_adapters(engine)
+    batches = _batches()
+    engine.fill_logprobs(batches)  # old (recorded routes) and reference (adapters off) passes
+    for b, ref in zip(batches, base.compute_logprobs(_batches(), "policy")):
+        assert torch.equal(b.ref_logprobs, ref)
+        assert (b.old_logprobs - ref).abs().max() > 1e-3
 
 
 # ----------------------------------------------------------------------------------------------------------

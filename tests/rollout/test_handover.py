@@ -3,6 +3,7 @@ vLLM cannot run these transitions here (the vllm-cpu job covers the real adapter
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_dppo.rollout.handover import MemoryHandover
 
@@ -33,7 +34,7 @@ def _handover(log, offload=True, level=2):
         return {f"memory/{phase}_allocated_gib": 1.0}
 
     kwargs = dict(offload=lambda: log.append(("offload",)), onload=lambda: log.append(("onload",))) if offload else {}
-    return MemoryHandover(RecordingEngine(log, level), lambda: iter([("w", 0)] * 3),
+    return MemoryHandover(RecordingEngine(log, level), lambda: iter([("w", torch.zeros(2, 5))] * 3),
                           empty_cache=lambda: log.append(("empty_cache",)), memory=memory, **kwargs)
 
 
@@ -53,7 +54,20 @@ def test_push_then_generate_then_train_in_verl_order():
     phases = [c[1] for c in log if c[0] == "memory"]
     assert phases == ["before_push", "weights_pushed", "train_offloaded", "rollout_awake", "rollout_asleep",
                       "train_onloaded"]
-    assert set(h.take_metrics()) == {f"memory/{p}_allocated_gib" for p in phases} and h.take_metrics() == {}
+    metrics = h.take_metrics()
+    assert set(metrics) == {f"memory/{p}_allocated_gib" for p in phases} | {"weight_sync/bytes", "weight_sync/tensors"}
+    assert (metrics["weight_sync/bytes"], metrics["weight_sync/tensors"]) == (3 * 10 * 4, 3) and h.take_metrics() == {}
+
+
+def test_pushed_bytes_are_the_last_push_s():
+    """A step's metrics show its own push, not the sum with an earlier one (a LoRA run's first push carries the
+    base; a resumed process pushes it again before its first step)."""
+    sizes = iter([100, 7])
+    h = MemoryHandover(RecordingEngine([]), lambda: iter([("w", torch.zeros(next(sizes)))]),
+                       empty_cache=lambda: None, memory=lambda phase: {})
+    h.push()
+    h.push()
+    assert h.take_metrics() == {"weight_sync/bytes": 28.0, "weight_sync/tensors": 1.0}
 
 
 def test_discarded_weights_are_pushed_again_before_generating():

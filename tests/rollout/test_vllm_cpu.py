@@ -248,3 +248,66 @@ def test_tied_embeddings_without_lm_head_in_the_stream(tmp_path):
     assert engine.load_weights(exported) == len(exported)
     assert _max_logprob_error(new_model, engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=8, seed=0))) \
         < 1e-4
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTER_CONFIG = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8.0, "lora_dropout": 0.0,
+                  "use_rslora": False, "target_modules": LORA_TARGETS, "bias": "none", "fan_in_fan_out": False,
+                  "init_lora_weights": True, "inference_mode": True, "modules_to_save": None, "use_dora": False}
+
+
+def _adapter_tensors(model, seed):
+    """Non-zero A and B of every projection, under PEFT's names (what a LoRA run's push carries)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS:
+            out[f"base_model.model.{name}.lora_A.weight"] = torch.randn(4, module.in_features, generator=g) / \
+                module.in_features ** 0.5
+            out[f"base_model.model.{name}.lora_B.weight"] = 0.5 * torch.randn(module.out_features, 4, generator=g)
+    return out
+
+
+def _with_adapters(path, adapters):
+    """The transformers model of ``path`` with ``adapters`` applied unmerged (rollout.lora.HFAdapters, which
+    tests/convert/test_peft.py checks against PEFT itself)."""
+    from megatron_dppo.rollout.lora import HFAdapters
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    HFAdapters(model, ADAPTER_CONFIG).load(adapters)
+    return model
+
+
+def test_lora_adapters_are_served_and_swapped_by_version(model_dirs):
+    """A LoRA engine (rollout/vllm_engine.py): the first push carries base + adapters, later pushes the adapters only;
+    each becomes a new LoRARequest and the previous one leaves vLLM (and its folder the disk); the samples follow
+    the transformers model with the same adapters; adapters before any base weights, and adapter tensors for an
+    engine without lora, are refused."""
+    from megatron_dppo.rollout import SamplingParams
+    from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
+
+    first, second = model_dirs
+    engine = VLLMRolloutEngine(first, lora=ADAPTER_CONFIG, **dict(ENGINE_KWARGS, load_format="dummy"))
+    sampling = SamplingParams(max_new_tokens=8, seed=0)
+    base = AutoModelForCausalLM.from_pretrained(second)
+    v1, v2 = _adapter_tensors(base, 1), _adapter_tensors(base, 2)
+    assert engine.needs_base
+    with pytest.raises(ValueError, match="LoRA adapters pushed before the base weights"):
+        engine.load_weights(v1.items())
+    with pytest.raises(RuntimeError, match="generates with an adapter"):
+        engine.generate(PROMPTS, 1, sampling)
+    assert engine.load_weights([*base.state_dict().items(), *v1.items()]) == len(base.state_dict()) + len(v1)
+    assert not engine.needs_base
+    first_request = engine._lora_request
+    got = engine.generate(PROMPTS, 3, sampling)
+    assert _max_logprob_error(_with_adapters(second, v1), got) < 1e-4
+    assert _max_logprob_error(base, got) > 1e-2  # the adapter is served (negative case)
+
+    assert engine.load_weights(v2.items()) == len(v2)  # adapters only: the base stays
+    assert engine.llm.llm_engine.list_loras() == {engine._lora_request.lora_int_id} != {first_request.lora_int_id}
+    assert not Path(first_request.lora_path).exists()
+    assert _max_logprob_error(_with_adapters(second, v2), engine.generate(PROMPTS, 3, sampling)) < 1e-4
+
+    plain = VLLMRolloutEngine(first, **ENGINE_KWARGS)
+    with pytest.raises(ValueError, match="engine built without lora"):
+        plain.load_weights(v1.items())

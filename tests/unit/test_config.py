@@ -124,9 +124,56 @@ def test_every_option_is_documented():
 
 def _help(key):
     import dataclasses
-    section, name = key.split(".")
-    cls = type(getattr(Config(), section))
+    import typing
+
+    *sections, name = key.split(".")
+    cls = Config
+    for section in sections:  # (an optional section, e.g. model.lora: Optional[LoraSection])
+        tp = typing.get_type_hints(cls)[section]
+        cls = tp if dataclasses.is_dataclass(tp) else next(a for a in typing.get_args(tp) if a is not type(None))
     return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
+
+
+LORA = ["model.path=/tmp"]  # (model.lora needs pretrained weights; the folder is not read at load time)
+
+
+def test_lora_section_is_off_by_default_on_from_yaml_or_one_key_and_off_again(tmp_path):
+    from megatron_dppo.config.sections import LoraSection
+
+    assert _load(*LORA).model.lora is None
+    assert _load(*LORA, "model.lora.rank=8").model.lora == LoraSection(rank=8)  # one key turns it on
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {path: /tmp, lora: {rank: 4, alpha: 8, target_modules: [qkv, fc2]}}\n")
+    cfg = load_config(f, [*ARITH, "model.lora.dropout=0.1"])
+    assert cfg.model.lora == LoraSection(rank=4, alpha=8.0, dropout=0.1, target_modules=["qkv", "fc2"])
+    assert load_config(f, [*ARITH, "model.lora=null"]).model.lora is None
+    assert _load(*LORA, "model.lora={rank: 2}").model.lora.rank == 2
+    again = tmp_path / "again.yaml"  # --print-config's YAML loads back to the same config
+    again.write_text(cfg.to_yaml())
+    assert load_config(again).model.lora == cfg.model.lora
+    assert "model.lora.rank" in all_keys() and "[model.lora]" in describe()
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("model.lora.rank=0", r"model.lora.rank=0 is invalid: expected null or an integer >= 1"),
+    ("model.lora.alpha=-1", r"model.lora.alpha=-1.0 is invalid"),
+    ("model.lora.dropout=1", r"model.lora.dropout=1.0 is invalid: expected a number in \[0, 1\)"),
+    ("model.lora.target_modules=[qkv,q_proj]", r"unknown: \['q_proj'\]"),
+    ("model.lora.init=/nonexistent/adapter", r"model.lora.init='/nonexistent/adapter' is invalid"),
+    ("model.lora.rnk=3", r"unknown config key 'model.lora.rnk'; did you mean model.lora.rank"),
+])
+def test_lora_section_errors_name_the_bad_value(override, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _load(*LORA, override)
+
+
+def test_lora_needs_pretrained_weights_and_names_its_targets_as_the_engine_does():
+    from megatron_dppo.config.sections import LORA_TARGETS
+    from megatron_dppo.megatron.lora import VALID_TARGETS
+
+    with pytest.raises(ValueError, match="model.lora is set but model.path is null"):
+        _load("model.lora.rank=4")
+    assert LORA_TARGETS == VALID_TARGETS
 
 
 def test_coerce_rejects_wrong_types():
