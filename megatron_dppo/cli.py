@@ -119,7 +119,12 @@ def _convert(argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "convert":  # the tools own their arguments: a leading option (--help) escapes REMAINDER
+        args.args = unknown + list(args.args)
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if args.command == "convert":
             return _convert(list(args.args))
