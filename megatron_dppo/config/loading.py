@@ -256,9 +256,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except yaml.YAMLError as err:
             raise ValueError(f"config file {str(p)!r} is not valid YAML: {err}") from err
         _apply(cfg, data, "")
+    overridden = set()
     for text in overrides:
-        set_option(cfg, *parse_override(text))
-    return cfg.validate() if validate else cfg
+        key, value = parse_override(text)
+        set_option(cfg, key, value)
+        overridden.add(key)
+    return cfg.validate(overridden) if validate else cfg
 
 
 def describe(cls: type = Config, prefix: str = "") -> str:

@@ -4,6 +4,7 @@ once, in its field's ``help`` where its section is defined."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,8 +38,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def validate(self) -> "Config":
-        """Check every section, then the rules that span sections. Returns self."""
+    def validate(self, overridden: Collection[str] = ()) -> "Config":
+        """Check every section, then the rules that span sections. Returns self. ``overridden``: the keys set on
+        the command line, over a YAML file (``_refuse_unused_options`` says what they change)."""
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
         _check(self.packing.capacity > self.rollout.max_new_tokens, "packing.capacity", self.packing.capacity,
@@ -67,18 +69,22 @@ class Config:
         self._validate_placement()
         if self.eval.every and self.data.task == "files" and not self.eval.files:
             raise ValueError("eval.every > 0 needs eval.files (held-out JSONL/parquet files)")
-        self._refuse_unused_options()
+        self._refuse_unused_options(frozenset(overridden))
         return self
 
-    def _refuse_unused_options(self) -> None:
+    def _refuse_unused_options(self, overridden: frozenset[str]) -> None:
         """An option set away from its default that the chosen configuration does not read is an error naming it
         (``UNUSED_WHEN``), not a setting silently ignored (``data.dataset=gsm8k`` with ``data.task=arithmetic``
-        trained on arithmetic)."""
+        trained on arithmetic). When the choice itself was changed on the command line (``--config
+        examples/qwen3-4b-math.yaml rollout.engine=hf``), the file's options for the old choice are quiet (the
+        override switched them off) and only options also given on the command line are refused."""
         problems = []
-        for keys, unused, why in UNUSED_WHEN:
+        for keys, selector, unused, why in UNUSED_WHEN:
             if not unused(self):
                 continue
             for key in keys:
+                if selector in overridden and key not in overridden:
+                    continue
                 section, name = key.split(".")
                 value = getattr(getattr(self, section), name)
                 if value != _default(getattr(self, section), name):
@@ -117,24 +123,26 @@ _ARITHMETIC = ("data.arithmetic_train_size", "data.arithmetic_min_terms", "data.
                "data.arithmetic_max_operand", "data.arithmetic_ops", "data.arithmetic_eval_split",
                "data.arithmetic_worked")
 
-# (options, when the configuration reads something else in their place, why): Config._refuse_unused_options. An
-# option of this table set away from its default under its condition is an error naming it: the configuration picked
+# (options, the option that chooses, when the configuration reads something else in their place, why):
+# Config._refuse_unused_options. An option of this table set away from its default under its condition is an error
+# naming it (unless the choosing option was changed on the command line and it was not): the configuration picked
 # another data source, pruner, engine or placement than the one the option belongs to, so the option suggests a run
 # other than the one that would happen (data.dataset=gsm8k with data.task=arithmetic trained on arithmetic). The
 # parameters of a feature turned off by its own switch (train.sft_steps=0, dynamic_sampling.enable=false,
 # overlong.buffer=0, algo.pruner=none, optim.scheduler=constant, logging.wandb=off, parallel.cp=1) are not refused,
 # so that one override turns a feature off in a config that tunes it.
 UNUSED_WHEN = [
-    (_FILE_DATA, lambda c: c.data.task == "arithmetic", "data.task=arithmetic generates its prompts; data.task=files "
-                                                        "reads them"),
-    (_ARITHMETIC, lambda c: c.data.task != "arithmetic", "only data.task=arithmetic reads it"),
+    (_FILE_DATA, "data.task", lambda c: c.data.task == "arithmetic",
+     "data.task=arithmetic generates its prompts; data.task=files reads them"),
+    (_ARITHMETIC, "data.task", lambda c: c.data.task != "arithmetic", "only data.task=arithmetic reads it"),
     (("algo.r_q", "algo.r_o", "algo.mode", "algo.dppo_keep", "algo.keep_floor", "algo.keep_length_exponent",
-      "algo.history_ema"), lambda c: c.algo.pruner == "cppo", "only algo.pruner=dppo reads it"),
-    (("algo.cppo_rate", "algo.cppo_scope", "algo.cppo_allocation"), lambda c: c.algo.pruner == "dppo",
+      "algo.history_ema"), "algo.pruner", lambda c: c.algo.pruner == "cppo", "only algo.pruner=dppo reads it"),
+    (("algo.cppo_rate", "algo.cppo_scope", "algo.cppo_allocation"), "algo.pruner", lambda c: c.algo.pruner == "dppo",
      "only algo.pruner=cppo reads it"),
     (("rollout.gpu_memory_utilization", "rollout.enforce_eager", "rollout.sleep_level",
-      "rollout.offload_train_state"), lambda c: c.rollout.engine != "vllm", "only rollout.engine=vllm reads it"),
-    (("rollout.batch_size",), lambda c: c.rollout.engine != "hf", "only rollout.engine=hf reads it"),
-    (("rollout.workers", "rollout.tp", "rollout.worker_timeout_s", "train.staleness_mode"),
+      "rollout.offload_train_state"), "rollout.engine", lambda c: c.rollout.engine != "vllm",
+     "only rollout.engine=vllm reads it"),
+    (("rollout.batch_size",), "rollout.engine", lambda c: c.rollout.engine != "hf", "only rollout.engine=hf reads it"),
+    (("rollout.workers", "rollout.tp", "rollout.worker_timeout_s", "train.staleness_mode"), "rollout.placement",
      lambda c: c.rollout.placement != "separate", "only rollout.placement=separate reads it"),
 ]

@@ -218,7 +218,8 @@ def test_the_unused_option_rules_name_real_options_and_defaults_pass():
     from megatron_dppo.config.root import UNUSED_WHEN
 
     keys = set(all_keys())
-    for options, _unused, _why in UNUSED_WHEN:
+    for options, selector, _unused, _why in UNUSED_WHEN:
+        assert selector in keys, selector
         assert set(options) <= keys, set(options) - keys
     _load()  # every option at its default: nothing refused, whatever the conditions
     # a feature turned off by its own switch keeps its tuning quietly: one override turns it off
@@ -228,3 +229,20 @@ def test_the_unused_option_rules_name_real_options_and_defaults_pass():
     assert files.data.dataset == "gsm8k"  # used there
     with pytest.raises(ValueError, match="data.arithmetic_max_operand=5 \\(only data.task=arithmetic reads it\\)"):
         load_config(None, ["data.task=files", "data.dataset=gsm8k", "data.arithmetic_max_operand=5", ARITH[1]])
+
+
+def test_a_choice_changed_on_the_command_line_quiets_the_files_options_for_the_old_choice(tmp_path):
+    """``--config examples/qwen3-4b-math.yaml rollout.engine=hf`` is how a user switches engines: the file's vLLM
+    tuning is switched off by the override, not refused. An option given on the command line beside it is still
+    refused, and so is a file that contradicts itself."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  hf_config: {model_type: qwen2}\ndata:\n  task: arithmetic\n"
+                    "  arithmetic_max_operand: 5\nrollout:\n  engine: vllm\n  gpu_memory_utilization: 0.8\n")
+    cfg = load_config(path, ["data.task=files", "data.dataset=gsm8k", "rollout.engine=hf"])
+    assert (cfg.data.task, cfg.rollout.engine) == ("files", "hf")
+    with pytest.raises(ValueError, match=r"data.arithmetic_max_operand=7 \(only data.task=arithmetic reads it\)"):
+        load_config(path, ["data.task=files", "data.dataset=gsm8k", "data.arithmetic_max_operand=7"])
+    path.write_text("model:\n  hf_config: {model_type: qwen2}\ndata:\n  task: files\n  dataset: gsm8k\n"
+                    "  arithmetic_max_operand: 5\n")
+    with pytest.raises(ValueError, match=r"data.arithmetic_max_operand=5 \(only data.task=arithmetic reads it\)"):
+        load_config(path)
