@@ -123,10 +123,13 @@ def test_every_option_is_documented():
 
 
 def _help(key):
+    """The help of ``key``, in its section (a nested section such as reward.model too)."""
     import dataclasses
-    section, name = key.split(".")
-    cls = type(getattr(Config(), section))
-    return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
+    *path, name = key.split(".")
+    section = Config()
+    for part in path:
+        section = getattr(section, part)
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(type(section)) if f.name == name)
 
 
 def test_coerce_rejects_wrong_types():
