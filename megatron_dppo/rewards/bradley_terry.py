@@ -48,7 +48,8 @@ class BTConfig:
 
 
 def small_classifier_config(vocab_size: int, max_positions: int, tokenizer: Any, bt: BTConfig) -> dict:
-    """config.json of a small Qwen2 sequence classifier with one label."""
+    """config.json of a small Qwen2 sequence classifier with one label. ``vocab_size``: the policy's embedding
+    rows (it may sample any of them, including rows past the tokenizer's last token)."""
     return dict(model_type="qwen2", architectures=["Qwen2ForSequenceClassification"], num_labels=1,
                 vocab_size=vocab_size, hidden_size=bt.hidden_size, intermediate_size=bt.intermediate_size,
                 num_hidden_layers=bt.num_layers, num_attention_heads=bt.num_heads,

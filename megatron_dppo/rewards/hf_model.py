@@ -9,6 +9,7 @@ their order or the padding (to float rounding of the matmul shapes: <= 1e-5 in f
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -139,8 +140,19 @@ def last_token_scores(model: Any, inputs: Sequence[Sequence[int]], device: torch
     return model.score(hidden[torch.arange(ids.shape[0], device=ids.device), last])[:, 0]
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """The reward model's tokenizer from its folder (offline)."""
-    from transformers import AutoTokenizer
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The reward model's tokenizer from its folder (offline), of the class its tokenizer_config.json names.
+
+    A generic tokenizer (``tokenizer.json`` alone, e.g. ``megatron-dppo rm train``'s SentencePiece one) is loaded as
+    that class: ``AutoTokenizer`` would pick the class of the folder's model_type (Qwen2Tokenizer for a Qwen2
+    classifier), which re-tokenizes with Qwen2's own pre-tokenizer and drops the user-defined pieces."""
+    import transformers
+
+    config = Path(path) / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if name in GENERIC_TOKENIZER_CLASSES and hasattr(transformers, name):
+        return getattr(transformers, name).from_pretrained(str(path), local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -111,11 +111,12 @@ class RewardModel:
         name: how errors and logs name the model (its folder).
         timeout_s: wall-clock limit of one ``score`` call (None = none); past it the call fails.
         max_length: the reward model's context in tokens.
+        vocab_size: the rows of its embedding (an input id past them is an error naming it).
     """
 
     def __init__(self, engine: Any, tokenizer: Any, policy_tokenizer: Any = None, *, kind: str = "classifier",
                  template: str = "auto", judge: JudgeOptions | None = None, name: str = "reward model",
-                 timeout_s: float | None = None, max_length: int | None = None):
+                 timeout_s: float | None = None, max_length: int | None = None, vocab_size: int | None = None):
         if kind not in KINDS:
             raise ValueError(f"reward.model.kind={kind!r} is invalid: expected one of {KINDS}")
         if timeout_s is not None and not 0 < timeout_s < math.inf:
@@ -125,7 +126,7 @@ class RewardModel:
         self.judge = judge or JudgeOptions()
         resolved = resolve_template(template, tokenizer, policy_tokenizer) if kind == "classifier" else "text"
         self.template = resolved
-        self.inputs = InputBuilder(resolved, tokenizer, max_length)
+        self.inputs = InputBuilder(resolved, tokenizer, max_length, vocab_size)
         self._judge_ids: list[int] = []
         if kind == "judge" and self.judge.mode == "yes_prob":
             self._judge_ids = [single_token_id(tokenizer, t) for t in self.judge.tokens]

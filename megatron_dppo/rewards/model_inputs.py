@@ -45,14 +45,21 @@ class Sample:
 
 
 def same_tokenizer(a: Any, b: Any) -> bool:
-    """Whether two tokenizers map every string to the same ids: the same vocabulary and special tokens."""
+    """Whether two tokenizers map every string to the same ids: the same vocabulary and special tokens, and (fast
+    tokenizers) the same pipeline (normalizer, pre-tokenizer, model): one vocabulary read by two pipelines can
+    split a text differently. Strict on purpose: a false "differ" only costs a re-render."""
     if a is b:
         return True
     if a is None or b is None:
         return False
     specials = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
-    return (len(a) == len(b) and all(getattr(a, s, None) == getattr(b, s, None) for s in specials)
-            and a.get_vocab() == b.get_vocab())
+    if len(a) != len(b) or any(getattr(a, s, None) != getattr(b, s, None) for s in specials) \
+            or a.get_vocab() != b.get_vocab():
+        return False
+    pipelines = [getattr(t, "backend_tokenizer", None) for t in (a, b)]
+    if all(p is not None for p in pipelines):
+        return pipelines[0].to_str() == pipelines[1].to_str()
+    return True
 
 
 def resolve_template(template: str, rm_tokenizer: Any, policy_tokenizer: Any) -> str:
@@ -78,14 +85,16 @@ class InputBuilder:
     """Token ids of the reward model's input for each :class:`Sample` (module docstring).
 
     ``template``: tokens | chat | text (resolved, see ``resolve_template``); ``tokenizer``: the reward model's;
-    ``max_length``: the reward model's context (longer inputs are an error naming the sample)."""
+    ``max_length``: the reward model's context; ``vocab_size``: its embedding rows (a longer input, or an id past
+    the rows, e.g. a policy token the reward model's vocabulary lacks, is an error naming it)."""
 
-    def __init__(self, template: str, tokenizer: Any, max_length: int | None = None):
+    def __init__(self, template: str, tokenizer: Any, max_length: int | None = None, vocab_size: int | None = None):
         if template not in ("tokens", "chat", "text"):
             raise ValueError(f"InputBuilder needs a resolved template (tokens, chat or text), got {template!r}")
         self.template = template
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self.vocab_size = vocab_size
 
     def classifier_input(self, s: Sample) -> list[int]:
         if self.template == "tokens":
@@ -120,6 +129,10 @@ class InputBuilder:
         if self.max_length is not None and len(ids) > self.max_length:
             raise ValueError(f"a reward model input has {len(ids)} tokens, more than the reward model's context of "
                              f"{self.max_length} (max_position_embeddings)")
+        if self.vocab_size is not None and max(ids) >= self.vocab_size:
+            raise ValueError(f"a reward model input holds token id {max(ids)}, past the reward model's "
+                             f"{self.vocab_size} embedding rows (the policy's vocabulary is larger than the reward "
+                             "model's: give it vocab_size >= the policy's, or use template=chat/text)")
         return ids
 
 

@@ -35,7 +35,8 @@ def build_reward_model(cfg: Config, policy_tokenizer: Any, *, shard: tuple[int, 
     if not (path / "config.json").is_file():
         raise ValueError(f"reward.model.path {str(path)!r} is not a Hugging Face model folder (no config.json)")
     tokenizer = load_tokenizer(path)
-    max_length = int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 0) or 0) or None
+    hf = json.loads((path / "config.json").read_text())
+    max_length = int(hf.get("max_position_embeddings", 0) or 0) or None
     if m.engine == "hf":
         from megatron_dppo.rewards.hf_model import HFRewardEngine
 
@@ -51,7 +52,8 @@ def build_reward_model(cfg: Config, policy_tokenizer: Any, *, shard: tuple[int, 
                          tokens=tuple(m.judge_tokens), max_new_tokens=m.judge_max_new_tokens,
                          temperature=m.judge_temperature, pattern=m.judge_pattern, unparsed_score=m.unparsed_score)
     return RewardModel(engine, tokenizer, policy_tokenizer, kind=m.kind, template=m.template, judge=judge,
-                       name=str(path), timeout_s=m.timeout_s, max_length=max_length)
+                       name=str(path), timeout_s=m.timeout_s, max_length=max_length,
+                       vocab_size=int(hf.get("vocab_size", 0) or 0) or None)
 
 
 def megatron_reward_engine(cfg: Config, path: Path):
@@ -130,8 +132,9 @@ def train_reward_model(cfg: Config, out: str | Path, *, pairs_file: str | None =
     train_pairs = [(encode(r, "chosen"), encode(r, "rejected")) for r in train_rows]
     heldout_pairs = [(encode(r, "chosen"), encode(r, "rejected")) for r in heldout_rows]
     longest = max(len(x) for pair in train_pairs + heldout_pairs for x in pair)
-    context = int(build_hf_config(work, tokenizer, resolve_model_dir(work)).get("max_position_embeddings", 0) or 0)
-    hf_config = small_classifier_config(len(tokenizer), max(context, longest), tokenizer, bt)
+    policy = build_hf_config(work, tokenizer, resolve_model_dir(work))
+    context = int(policy.get("max_position_embeddings", 0) or 0)
+    hf_config = small_classifier_config(int(policy["vocab_size"]), max(context, longest), tokenizer, bt)
     meta = {"source": source, "template": template, "prompt_template": cfg.data.template}
     return train_bradley_terry(train_pairs, hf_config, out, tokenizer, bt=bt, heldout=heldout_pairs, meta=meta,
                                log_every=log_every)
