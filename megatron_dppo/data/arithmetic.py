@@ -144,9 +144,9 @@ def preference_pairs(task: ArithmeticTask, n: int, split: str = "train", *, pref
     """``n`` preference pairs {"prompt", "chosen", "rejected"} (completion texts) over problems ``start ..`` of
     ``split``, a pure function of (task, split, index, seed).
 
-    ``prefer="correct"``: the gold answer is chosen over a wrong one: off by one to three, off by ten, a random
-    number, a digit dropped or repeated, the answer of a neighbouring problem, or an empty answer (the mistakes a
-    small policy makes). ``prefer="longer"``: of two answers, right or wrong at random, the longer text is chosen
+    ``prefer="correct"``: the gold answer is chosen over a wrong one: off by one to three (half of them: a small
+    policy's usual mistake, and the hardest to tell), off by ten, a random number, a digit dropped or repeated, or
+    an empty answer. ``prefer="longer"``: of two answers, right or wrong at random, the longer text is chosen
     whatever its correctness: a deliberately length-biased reward model (the reward-hacking alarm's test)."""
     if prefer not in PREFERENCES:
         raise ValueError(f"prefer={prefer!r} is invalid: expected one of {PREFERENCES}")
@@ -171,7 +171,7 @@ def _wrong_answer(task: ArithmeticTask, gold: str, rng: random.Random) -> str:
     """A plausible wrong completion for ``gold`` (never equal to it)."""
     value = int(gold.split(",")[-1]) if gold.lstrip("-").replace(",", "").replace("-", "").isdigit() else 0
     for _ in range(100):
-        kind = rng.randrange(6)
+        kind = rng.choices(range(6), weights=(5, 1, 1, 1, 1, 1))[0]  # near misses are a policy's usual mistake
         if kind == 0:
             text = str(value + rng.choice([-3, -2, -1, 1, 2, 3]))
         elif kind == 1:
