@@ -246,12 +246,12 @@ class PolicyEngine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        device_type = ensure_device_backend()
-        if not parallel_state.model_parallel_is_initialized():
-            raise RuntimeError("model-parallel state is not initialized; call parallel.initialize_parallel first")
         if arch.num_labels is not None:
             raise ValueError(f"the policy must be a causal LM; this config describes a sequence classifier with "
                              f"{arch.num_labels} label(s) (a reward model? use it as reward.model.path)")
+        device_type = ensure_device_backend()
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("model-parallel state is not initialized; call parallel.initialize_parallel first")
         self.arch = arch
         self.parallel = parallel
         self.optim_cfg = optim or OptimConfig()
