@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test test-all test-slow test-vllm bench-trl clean
+.PHONY: venv demo test test-all test-slow test-vllm peers bench-trl clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,14 @@ test-all: venv
 
 test-vllm: venv
 	bash .ci/vllm.sh
+
+# The peers of the parity tests (tests/unit/test_reward_model_peers.py; skipped without them): TRL 1.16 and verl
+# 0.9.1 without its dependencies (Ray, vLLM, ...). verl's wheel also installs a top-level `tests` package, which
+# would shadow this repository's tests.* modules (the e2e runs import rewards as "tests.e2e._rewards:..."): removed.
+peers: venv
+	$(BIN)/pip install --quiet "trl==1.16.*"
+	$(BIN)/pip install --quiet --no-deps verl==0.9.1
+	rm -rf "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests"
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-trl build *.egg-info

@@ -76,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     rmt.add_argument("--template", default="tokens", choices=["tokens", "chat", "text"],
                      help="the input rendering the run will score with (reward.model.template; tokens = the "
                           "policy's ids, what template=auto picks for a model trained here)")
-    rmt.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    rmt.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     rmt.add_argument("--batch-size", type=int, default=64, help="pairs per step")
-    rmt.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    rmt.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
     rmt.add_argument("--hidden", type=int, default=64, help="hidden size of the Qwen2 classifier")
     rmt.add_argument("--layers", type=int, default=2, help="its layers")
     rmt.add_argument("--seed", type=int, default=0, help="initialization and batch order")
@@ -94,7 +94,8 @@ def _rm(args) -> int:
                   steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     record = train_reward_model(cfg, args.out, pairs_file=args.pairs, prefer=args.prefer, num_pairs=args.num_pairs,
                                 heldout=args.heldout, template=args.template, bt=bt, log_every=max(1, args.steps // 5))
-    print(f"reward model: {args.out} ({record['pairs']} pairs, {record['seconds']:.1f} s); pairwise accuracy: "
+    print(f"reward model: {args.out} ({record['pairs']} pairs, {record['seconds']:.1f} s, {record['cpu_seconds']:.1f} "
+          f"CPU s); pairwise accuracy: "
           f"train {record['train_accuracy']:.3f}, held-out {record['heldout_accuracy']:.3f} "
           f"({record['heldout_pairs']} pairs)", flush=True)
     return 0

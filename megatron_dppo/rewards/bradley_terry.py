@@ -11,8 +11,11 @@ the last token of the input, as ``hf_model.HFRewardEngine`` reads it. The result
 (config.json with ``architectures: [...ForSequenceClassification]``, safetensors, the tokenizer) and
 ``reward_model.json`` (what it was trained on, its held-out pairwise accuracy).
 
-Sized to train in seconds on a CPU (a 2-layer Qwen2 of width 64 on a few thousand arithmetic pairs); the
-tool is for examples, tests and small tasks, not a replacement for a reward-model trainer at scale.
+Sized for a CPU: a 2-layer Qwen2 of width 64, 2000 steps of 64 pairs on 4000 arithmetic pairs, about a minute of
+one core (``cpu_seconds`` in reward_model.json). Telling a correct answer from a near miss (off by one or two) is
+what takes the steps: at 300 steps the model ranks the gold answer above gold +- 2 only 57-77% of the time (it
+learns the answer's parity first); at 2000, 97%. The tool is for examples, tests and small tasks, not a
+replacement for a reward-model trainer at scale.
 """
 from __future__ import annotations
 
@@ -39,9 +42,9 @@ class BTConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 128
-    steps: int = 300
+    steps: int = 2000
     batch_size: int = 64
-    lr: float = 3e-3
+    lr: float = 2e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
     seed: int = 0
@@ -86,7 +89,7 @@ def train_bradley_terry(pairs: Sequence[Pair], hf_config: dict, out_dir: str | P
     for name in ("steps", "batch_size"):
         if getattr(bt, name) < 1:
             raise ValueError(f"rm train: {name}={getattr(bt, name)} must be >= 1")
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(bt.seed)
     config = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
     config.architectures = hf_config.get("architectures")
@@ -112,7 +115,8 @@ def train_bradley_terry(pairs: Sequence[Pair], hf_config: dict, out_dir: str | P
     record = {"pairs": len(pairs), "heldout_pairs": len(heldout), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
               "train_accuracy": pairwise_accuracy(model, list(pairs)[:2000]),
               "heldout_accuracy": pairwise_accuracy(model, list(heldout)),
-              "seconds": time.perf_counter() - start, "config": asdict(bt), **(meta or {})}
+              "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start,
+              "config": asdict(bt), **(meta or {})}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
