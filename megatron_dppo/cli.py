@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     rmt.add_argument("--pairs", default=None, help="JSONL preference pairs {prompt, chosen, rejected} (texts); the "
                                                    "last 10%% are held out. Default: generated from the arithmetic "
                                                    "task (data.task=arithmetic)")
-    rmt.add_argument("--prefer", default="correct", choices=["correct", "longer"],
-                     help="generated pairs: the correct answer over a wrong one, or (a deliberately length-biased "
-                          "model) the longer answer whatever its correctness")
+    rmt.add_argument("--prefer", default="correct", choices=["correct", "closer", "longer"],
+                     help="generated pairs: the correct answer over a wrong one; closer: also the nearer of two "
+                          "wrong numbers (graded); longer: the longer answer whatever its correctness (a "
+                          "deliberately length-biased model)")
     rmt.add_argument("--num-pairs", type=int, default=4000, help="generated training pairs")
     rmt.add_argument("--heldout", type=int, default=500, help="generated held-out pairs (test split)")
     rmt.add_argument("--template", default="tokens", choices=["tokens", "chat", "text"],
@@ -159,9 +160,9 @@ def _convert(argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from megatron_dppo.rewards.model import RewardModelError  # noqa: PLC0415
-
     args = build_parser().parse_args(argv)
+    from megatron_dppo.rewards.model import RewardModelError  # noqa: PLC0415 - (after --help: imports torch)
+
     try:
         if args.command == "convert":
             return _convert(list(args.args))

@@ -99,7 +99,9 @@ class PromptHistory:
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != self.FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a PromptHistory state (format {got!r}, expected {self.FORMAT!r})")
+            raise ValueError(f"not a {type(self).__name__} state (format {got!r}, expected {self.FORMAT!r}; "
+                             "algo.history_score picks the score, and a checkpoint keeps the score it was written "
+                             "with)")
         ids, scores = _normalize_ids(state["ids"]), [float(s) for s in state["scores"]]
         if len(ids) != len(scores):
             raise ValueError(f"PromptHistory state has {len(ids)} ids but {len(scores)} scores")

@@ -136,7 +136,7 @@ class ArithmeticTask:
 # ----------------------------------------------------------------------------------------------------------------
 # Preference pairs for a small reward model (``megatron-dppo rm train``)
 # ----------------------------------------------------------------------------------------------------------------
-PREFERENCES = ("correct", "longer")
+PREFERENCES = ("correct", "closer", "longer")
 
 
 def preference_pairs(task: ArithmeticTask, n: int, split: str = "train", *, prefer: str = "correct",
@@ -146,7 +146,9 @@ def preference_pairs(task: ArithmeticTask, n: int, split: str = "train", *, pref
 
     ``prefer="correct"``: the gold answer is chosen over a wrong one: off by one to three (half of them: a small
     policy's usual mistake, and the hardest to tell), off by ten, a random number, a digit dropped or repeated, or
-    an empty answer. ``prefer="longer"``: of two answers, right or wrong at random, the longer text is chosen
+    an empty answer. ``prefer="closer"``: half of them so, the other half two wrong numbers with the one nearer the
+    gold chosen (graded preferences: a model trained on them ranks wrong answers by their distance too, so a group
+    of wrong answers still points towards the right one). ``prefer="longer"``: of two answers, right or wrong at random, the longer text is chosen
     whatever its correctness: a deliberately length-biased reward model (the reward-hacking alarm's test)."""
     if prefer not in PREFERENCES:
         raise ValueError(f"prefer={prefer!r} is invalid: expected one of {PREFERENCES}")
@@ -158,6 +160,9 @@ def preference_pairs(task: ArithmeticTask, n: int, split: str = "train", *, pref
         if prefer == "correct":
             pairs.append({"prompt": record.prompt, "chosen": gold, "rejected": _wrong_answer(task, gold, rng)})
             continue
+        if prefer == "closer":
+            pairs.append(_closer_pair(task, record.prompt, gold, rng))
+            continue
         a = gold if rng.random() < 0.5 else _wrong_answer(task, gold, rng)
         b = a + "".join(str(rng.randint(0, 9)) for _ in range(rng.randint(1, 3)))
         short = a if rng.random() < 0.5 else a[: max(1, len(a) - 1)]
@@ -165,6 +170,19 @@ def preference_pairs(task: ArithmeticTask, n: int, split: str = "train", *, pref
             short = a[:1]
         pairs.append({"prompt": record.prompt, "chosen": b, "rejected": short})
     return pairs
+
+
+def _closer_pair(task: ArithmeticTask, prompt: str, gold: str, rng: random.Random) -> dict:
+    """Half the time gold over a wrong answer; otherwise two wrong numbers, the one nearer the gold chosen."""
+    if rng.random() < 0.5 or "," in gold:
+        return {"prompt": prompt, "chosen": gold, "rejected": _wrong_answer(task, gold, rng)}
+    value = int(gold)
+    for _ in range(100):
+        a, b = (value + rng.choice([-1, 1]) * rng.randint(1, 2 * task.max_operand) for _ in range(2))
+        if abs(a - value) != abs(b - value):
+            near, far = (a, b) if abs(a - value) < abs(b - value) else (b, a)
+            return {"prompt": prompt, "chosen": str(near), "rejected": str(far)}
+    return {"prompt": prompt, "chosen": gold, "rejected": _wrong_answer(task, gold, rng)}
 
 
 def _wrong_answer(task: ArithmeticTask, gold: str, rng: random.Random) -> str:

@@ -89,3 +89,21 @@ def test_vllm_judge_logprobs_equal_a_direct_forward_and_verdicts_follow_the_seed
     assert (logp - ref).abs().max() <= 1e-4
     first = engine.generate(INPUTS, 5, 1.0, seed=7)
     assert first == engine.generate(INPUTS, 5, 1.0, seed=7) and all(1 <= len(r) <= 5 for r in first)
+
+
+def test_a_vllm_policy_and_a_vllm_reward_model_share_one_process(tmp_path, classifier):
+    """Colocated: the rollout engine and the reward model are two vLLM engines of one process. The reward model,
+    built after the policy has generated, scores as the HF engine does, and the policy generates the same after."""
+    from megatron_dppo.rewards.hf_model import HFRewardEngine
+    from megatron_dppo.rewards.vllm_model import VLLMRewardEngine
+    from megatron_dppo.rollout.base import SamplingParams
+    from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
+
+    policy = VLLMRolloutEngine(_save(tmp_path / "policy", "judge", seed=3), load_format="auto", **ENGINE_KWARGS)
+    sampling = SamplingParams(max_new_tokens=4, seed=1)
+    before = policy.generate(INPUTS[:2], 2, sampling)
+    rm = VLLMRewardEngine(classifier, "classifier", **ENGINE_KWARGS)
+    assert (rm.classify(INPUTS) - HFRewardEngine(classifier).classify(INPUTS)).abs().max() <= 1e-5
+    after = policy.generate(INPUTS[:2], 2, sampling)
+    assert [[c.token_ids for c in g.completions] for g in before] == [[c.token_ids for c in g.completions]
+                                                                      for g in after]
