@@ -68,10 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     rmt.add_argument("--pairs", default=None, help="JSONL preference pairs {prompt, chosen, rejected} (texts); the "
                                                    "last 10%% are held out. Default: generated from the arithmetic "
                                                    "task (data.task=arithmetic)")
-    rmt.add_argument("--prefer", default="correct", choices=["correct", "closer", "longer"],
-                     help="generated pairs: the correct answer over a wrong one; closer: also the nearer of two "
-                          "wrong numbers (graded); longer: the longer answer whatever its correctness (a "
-                          "deliberately length-biased model)")
+    rmt.add_argument("--prefer", default="closer", choices=["closer", "correct", "longer"],
+                     help="generated pairs: closer = the correct answer over a wrong one, and the nearer of two "
+                          "wrong numbers (graded; what RL on the model needs, docs/reward_models.md); correct = "
+                          "only the correct answer over a wrong one; longer = the longer answer whatever its "
+                          "correctness (a deliberately length-biased model)")
     rmt.add_argument("--num-pairs", type=int, default=4000, help="generated training pairs")
     rmt.add_argument("--heldout", type=int, default=500, help="generated held-out pairs (test split)")
     rmt.add_argument("--template", default="tokens", choices=["tokens", "chat", "text"],

@@ -7,7 +7,7 @@ process groups must exist). None when ``reward.model.path`` is null.
 
 ``train_reward_model(cfg, out, ...)``: a small Bradley-Terry reward model (``rewards.bradley_terry``) on preference
 pairs: from a JSONL file ({"prompt", "chosen", "rejected"} texts), or generated from the arithmetic task
-(``data.arithmetic.preference_pairs``: correct over wrong answers, or a deliberately length-biased set). It uses
+(``data.arithmetic.preference_pairs``: graded, correct over wrong only, or a deliberately length-biased set). It uses
 the run's tokenizer (a ``train-sentencepiece`` tokenizer is trained exactly as the run trains it, so the run's
 ``template=auto`` reuses the policy's ids) and the run's prompt template, so what it trains on is what the run
 scores.
@@ -84,7 +84,7 @@ def megatron_reward_engine(cfg: Config, path: Path):
 # ================================================================================================================
 # megatron-dppo rm train
 # ================================================================================================================
-def train_reward_model(cfg: Config, out: str | Path, *, pairs_file: str | None = None, prefer: str = "correct",
+def train_reward_model(cfg: Config, out: str | Path, *, pairs_file: str | None = None, prefer: str = "closer",
                        num_pairs: int = 4000, heldout: int = 500, template: str = "tokens", bt=None,
                        log_every: int = 0) -> dict:
     """Train a small Bradley-Terry reward model for the run ``cfg`` describes and save it to ``out`` (module
