@@ -11,12 +11,28 @@ model under TP2 and PP2 (tests/megatron/test_reward_engine.py).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from megatron_dppo.packing.thd import build_thd_batch, thd_pad_multiple
+
+
+@contextlib.contextmanager
+def random_state_kept():
+    """torch's CPU and CUDA generators and Megatron's model-parallel RNG tracker as they were before the block:
+    building a model draws its random initialization from them, and a reward model built before the policy would
+    otherwise change the policy's initialization and every sampling seed after it."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    states = tracker.get_states()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    tracker.set_states(states)
 
 
 class MegatronRewardEngine:
@@ -39,7 +55,8 @@ class MegatronRewardEngine:
         if parallel.cp > 1 or parallel.vpp is not None:
             raise ValueError("the Megatron reward model runs with parallel.cp=1 and without virtual pipeline stages")
         self.arch, self.parallel, self.batch_tokens = arch, parallel, int(batch_tokens)
-        self.model_chunks = build_model_chunks(arch, parallel, dtype)
+        with random_state_kept():  # its random init (replaced by the loaded weights) must not move the run's RNG
+            self.model_chunks = build_model_chunks(arch, parallel, dtype)
         for chunk in self.model_chunks:
             chunk.eval()
             for p in chunk.parameters():

@@ -111,8 +111,8 @@ def test_the_megatron_reward_model_scores_a_run_as_the_hf_one(tmp_path):
     """reward.model.engine=megatron under parallel.tp=2 (the classifier sharded like the policy, its two TP ranks
     one data-parallel replica) scores the first batch as engine=hf does (the same policy, prompts and seeds)."""
     tiny = write_config(tmp_path / "tiny.yaml", tiny_config(tmp_path / "unused", eval={"every": 0}))
-    rm = tmp_path / "rm"
-    rm_train(tiny, rm, "--steps", "30", "--num-pairs", "200", "--heldout", "20", "--hidden", "32")
+    rm = tmp_path / "rm"  # (parallel.tp=2 pads the policy's vocabulary to 128 rows: the model's embedding too)
+    rm_train(tiny, rm, "--steps", "30", "--num-pairs", "200", "--heldout", "20", "--hidden", "32", "parallel.tp=2")
     first = {}
     for engine in ("hf", "megatron"):
         out = tmp_path / engine

@@ -1,6 +1,7 @@
 """The Megatron reward model (issue 33): a Qwen2 sequence classifier served with the policy engine's code scores
 exactly as transformers does, in one process and under TP2, TP2 + sequence parallelism and PP2 (gloo, CPU); its
-weights come through the policy's conversion rules (``score.weight`` <-> the replicated score head)."""
+weights come through the policy's conversion rules (``score.weight`` <-> the replicated score head); building it
+leaves the run's random state untouched."""
 from __future__ import annotations
 
 import json
@@ -54,9 +55,18 @@ def _worker(folder: str, tp: int, pp: int, sp: bool, batch_tokens: int):
     initialize_parallel(parallel, seed=3, arch=arch)
     checkpoint = HFCheckpoint(folder)
     validate_hf_tensors(checkpoint.shapes, arch)
+    from megatron.core import tensor_parallel
+
+    from megatron_dppo.megatron.model import build_model_chunks
+
+    before = (torch.get_rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states())
     engine = MegatronRewardEngine(arch, parallel, dtype=torch.float32, batch_tokens=batch_tokens)
+    rng_kept = torch.equal(before[0], torch.get_rng_state())
+    build_model_chunks(arch, parallel, torch.float32)  # (what the engine builds, without the guard)
+    rng_moved = not torch.equal(before[0], torch.get_rng_state())
     load_hf_weights(engine.model_chunks, arch, checkpoint.get)
-    return {"scores": engine.classify(inputs()), "shard": engine.shard(), "pp_rank": ps.get_pipeline_model_parallel_rank()}
+    return {"scores": engine.classify(inputs()), "shard": engine.shard(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "rng_kept": rng_kept, "rng_moved": rng_moved}
 
 
 @pytest.mark.parametrize("tp, pp, sp", [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)])
@@ -72,6 +82,9 @@ def test_megatron_reward_model_equals_transformers(tmp_path, tp, pp, sp):
         print(f"tp={tp} pp={pp} sp={sp} rank of stage {r['pp_rank']}: max |score diff| = {diff:.2e}")
         assert diff < ATOL
         assert r["shard"] == (0, 1)  # one data-parallel replica: it scores every group
+        # building it leaves the run's random state as it was (a bare build would move it: the policy built after
+        # it would be initialized differently, found by tests/e2e/test_reward_model_run.py)
+        assert r["rng_kept"] and r["rng_moved"]
 
 
 def test_the_policy_engine_refuses_a_classifier_and_a_classifier_has_no_lm_head():
