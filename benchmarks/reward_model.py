@@ -170,7 +170,7 @@ def main(argv=None):
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    rm_dir = args.rm or work / "rm"
+    rm_dir = args.rm or work / "reward_model"
     record = json.loads((rm_dir / "reward_model.json").read_text()) if args.rm else train_rm(args, rm_dir)
     print(f"reward model {rm_dir}: held-out pairwise accuracy {record['heldout_accuracy']:.3f}", flush=True)
     warm = work / "warm"
