@@ -6,6 +6,7 @@
     megatron-dppo convert {hf-to-megatron,megatron-to-hf,megatron-to-peft,gguf-to-hf} ...  # the convert tools
     megatron-dppo data prepare NAME|SUITE ... --out DIR [--source NAME=SRC]  # Hub datasets -> files + manifest
     megatron-dppo data list                                       # the named datasets and suites
+    megatron-dppo rm train --config FILE --out DIR [--pairs F.jsonl] # a small Bradley-Terry reward model
     megatron-dppo train --help-config                             # every option, its type, default and meaning
 
 Multi-process runs use any launcher (``torchrun --nproc-per-node 2 -m megatron_dppo.cli train ...``, ``srun``,
@@ -57,7 +58,49 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--revision", default=None, help="Hub revision (branch, tag, commit) of the Hub sources")
     prep.add_argument("--limit", type=int, default=None, help="write at most this many rows per file")
     data_sub.add_parser("list", help="the named datasets (Hub id, roles, reward) and the evaluation suites")
+    rm = sub.add_parser("rm", help="reward models: train a small Bradley-Terry one on preference pairs")
+    rm_sub = rm.add_subparsers(dest="rm_command", required=True)
+    rmt = rm_sub.add_parser("train", help="a small sequence-classifier reward model (seconds on a CPU) for the run "
+                                          "the config describes: its tokenizer and prompt template; use the folder "
+                                          "as reward.model.path")
+    _config_args(rmt)
+    rmt.add_argument("--out", required=True, help="the reward model's folder (HF format + reward_model.json)")
+    rmt.add_argument("--pairs", default=None, help="JSONL preference pairs {prompt, chosen, rejected} (texts); the "
+                                                   "last 10%% are held out. Default: generated from the arithmetic "
+                                                   "task (data.task=arithmetic)")
+    rmt.add_argument("--prefer", default="closer", choices=["closer", "correct", "longer"],
+                     help="generated pairs: closer = the correct answer over a wrong one, and the nearer of two "
+                          "wrong numbers (graded; what RL on the model needs, docs/reward_models.md); correct = "
+                          "only the correct answer over a wrong one; longer = the longer answer whatever its "
+                          "correctness (a deliberately length-biased model)")
+    rmt.add_argument("--num-pairs", type=int, default=4000, help="generated training pairs")
+    rmt.add_argument("--heldout", type=int, default=500, help="generated held-out pairs (test split)")
+    rmt.add_argument("--template", default="tokens", choices=["tokens", "chat", "text"],
+                     help="the input rendering the run will score with (reward.model.template; tokens = the "
+                          "policy's ids, what template=auto picks for a model trained here)")
+    rmt.add_argument("--steps", type=int, default=2000, help="optimizer steps")
+    rmt.add_argument("--batch-size", type=int, default=64, help="pairs per step")
+    rmt.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
+    rmt.add_argument("--hidden", type=int, default=64, help="hidden size of the Qwen2 classifier")
+    rmt.add_argument("--layers", type=int, default=2, help="its layers")
+    rmt.add_argument("--seed", type=int, default=0, help="initialization and batch order")
     return parser
+
+
+def _rm(args) -> int:
+    from megatron_dppo.rewards.bradley_terry import BTConfig  # noqa: PLC0415
+    from megatron_dppo.run.reward_model import train_reward_model  # noqa: PLC0415
+
+    cfg = _load(args)
+    bt = BTConfig(hidden_size=args.hidden, num_layers=args.layers, intermediate_size=2 * args.hidden,
+                  steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    record = train_reward_model(cfg, args.out, pairs_file=args.pairs, prefer=args.prefer, num_pairs=args.num_pairs,
+                                heldout=args.heldout, template=args.template, bt=bt, log_every=max(1, args.steps // 5))
+    print(f"reward model: {args.out} ({record['pairs']} pairs, {record['seconds']:.1f} s, {record['cpu_seconds']:.1f} "
+          f"CPU s); pairwise accuracy: "
+          f"train {record['train_accuracy']:.3f}, held-out {record['heldout_accuracy']:.3f} "
+          f"({record['heldout_pairs']} pairs)", flush=True)
+    return 0
 
 
 def _data(args) -> int:
@@ -125,11 +168,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.args = unknown + list(args.args)
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    from megatron_dppo.rewards.model import RewardModelError  # noqa: PLC0415 - (after --help: imports torch)
+
     try:
         if args.command == "convert":
             return _convert(list(args.args))
         if args.command == "data":
             return _data(args)
+        if args.command == "rm":
+            return _rm(args)
         cfg = _load(args)
         from megatron_dppo.train import loop  # noqa: PLC0415 - imports torch/Megatron
         from megatron_dppo.train.evaluation import evaluate_checkpoint  # noqa: PLC0415
@@ -149,6 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
             print(f"error: {err}", file=sys.stderr)
         return 2
+    except RewardModelError as err:  # a failing reward model (reward.model.on_error=stop): one line, every rank
+        if os.environ.get("MEGATRON_DPPO_DEBUG"):
+            raise
+        if os.environ.get("RANK", "0") == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
+            print(f"error: {err}", file=sys.stderr)
+        return 1
     except OSError as err:  # a full disk (checkpoint.CheckpointDiskFullError names the file system): one line
         import errno  # noqa: PLC0415
 

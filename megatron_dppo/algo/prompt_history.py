@@ -1,5 +1,21 @@
-"""Prompt history for DPPO's prompt level: h_q = mean |A| of the prompt's last group (or an EMA over visits),
-NaN for a prompt never seen (docs/algorithms.md, "DPPO"). Checkpointable as plain Python types."""
+"""Prompt history for DPPO's prompt level: a score h_q per prompt from its last group (or an EMA over visits), NaN
+for a prompt never seen (docs/algorithms.md, "DPPO"). Checkpointable as plain Python types.
+
+Two scores (``algo.history_score``, ``make_history``):
+
+``mean_abs_adv`` (:class:`PromptHistory`)  h_q = mean |A| of the group: the paper's. With GRPO's std-normalized
+    advantages it is scale-free: 0 for a group with one reward for all, and otherwise about 0.7-0.9 whatever the
+    rewards' spread, so under continuous rewards (a reward model's scores: no group is exactly flat) every seen
+    prompt gets nearly the same score and the prompt level cannot tell the informative prompts apart.
+``reward_std`` (:class:`RewardSpreadHistory`)  h_q = the standard deviation of the group's raw training rewards:
+    0 for a flat group as before, and under continuous rewards the scale of the group's signal (the advantages'
+    size before normalization). Chosen by ``algo.history_score=auto`` when a reward model is set
+    (docs/reward_models.md, "Pruning under continuous rewards", and benchmarks/history_score.py).
+
+Both are states with the same interface, ``update(ids, advantages, rewards)``, ``scores(ids)``, ``state_dict()``,
+``load_state_dict()``: another per-prompt state (e.g. a posterior over the pass rate) can take their place.
+A checkpoint of one score refuses to load into the other (its ``FORMAT``).
+"""
 
 from __future__ import annotations
 
@@ -49,22 +65,22 @@ class PromptHistory:
     def __contains__(self, prompt_id: object) -> bool:
         return prompt_id in self._scores
 
-    def update(self, ids: Sequence[PromptId] | Tensor, advantages: Tensor) -> None:
-        """Record mean_i |A_qi| of each full group; advantages [len(ids), G]."""
+    def update(self, ids: Sequence[PromptId] | Tensor, advantages: Tensor, rewards: Tensor | None = None) -> None:
+        """Record the score of each full group: advantages [len(ids), G]; rewards [len(ids), G], the raw training
+        rewards (unused here: mean |A| reads the advantages)."""
         ids = _normalize_ids(ids)
-        advantages = check_float_tensor("advantages", advantages, min_dim=2)
-        if advantages.dim() != 2 or advantages.shape[0] != len(ids):
-            raise ValueError(
-                f"advantages must have shape [{len(ids)}, G] for {len(ids)} ids, got {tuple(advantages.shape)}"
-            )
-        check_finite("advantages", advantages)
-        new = advantages.detach().double().abs().mean(dim=1).tolist()
+        new = self.group_scores(_checked_groups("advantages", advantages, len(ids)),
+                                None if rewards is None else _checked_groups("rewards", rewards, len(ids)))
         for prompt_id, value in zip(ids, new):
             old = self._scores.get(prompt_id)
             if old is None or self.ema_alpha is None:
                 self._scores[prompt_id] = float(value)
             else:
                 self._scores[prompt_id] = self.ema_alpha * float(value) + (1.0 - self.ema_alpha) * old
+
+    def group_scores(self, advantages: Tensor, rewards: Tensor | None) -> list[float]:
+        """The new score of each group: mean_i |A_qi|."""
+        return advantages.detach().double().abs().mean(dim=1).tolist()
 
     def scores(self, ids: Sequence[PromptId] | Tensor) -> Tensor:
         """h for each id (float64), NaN for prompts never seen."""
@@ -83,8 +99,40 @@ class PromptHistory:
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != self.FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a PromptHistory state (format {got!r}, expected {self.FORMAT!r})")
+            raise ValueError(f"not a {type(self).__name__} state (format {got!r}, expected {self.FORMAT!r}; "
+                             "algo.history_score picks the score, and a checkpoint keeps the score it was written "
+                             "with)")
         ids, scores = _normalize_ids(state["ids"]), [float(s) for s in state["scores"]]
         if len(ids) != len(scores):
             raise ValueError(f"PromptHistory state has {len(ids)} ids but {len(scores)} scores")
         self._scores = dict(zip(ids, scores))
+
+
+class RewardSpreadHistory(PromptHistory):
+    """Per prompt id: h = the standard deviation (over the G completions, population form) of the raw training
+    rewards of its last group, or an EMA over visits; see the module docstring. ``update`` needs ``rewards``."""
+
+    FORMAT = "megatron_dppo.RewardSpreadHistory/1"
+
+    def group_scores(self, advantages: Tensor, rewards: Tensor | None) -> list[float]:
+        if rewards is None:
+            raise ValueError("RewardSpreadHistory.update needs the group's raw rewards (rewards=[B, G])")
+        return rewards.detach().double().std(dim=1, unbiased=False).tolist()
+
+
+HISTORY_SCORES = {"mean_abs_adv": PromptHistory, "reward_std": RewardSpreadHistory}
+
+
+def make_history(score: str, ema_alpha: float | None = None) -> PromptHistory:
+    """The prompt history of ``score`` (mean_abs_adv | reward_std)."""
+    if score not in HISTORY_SCORES:
+        raise ValueError(f"history score {score!r} is invalid: expected one of {sorted(HISTORY_SCORES)}")
+    return HISTORY_SCORES[score](ema_alpha)
+
+
+def _checked_groups(name: str, values: Tensor, n: int) -> Tensor:
+    values = check_float_tensor(name, values, min_dim=2)
+    if values.dim() != 2 or values.shape[0] != n:
+        raise ValueError(f"{name} must have shape [{n}, G] for {n} ids, got {tuple(values.shape)}")
+    check_finite(name, values)
+    return values

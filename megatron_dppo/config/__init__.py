@@ -23,6 +23,7 @@ from megatron_dppo.config.sections import (
     PackingConfig,
     ParallelConfig,
     RewardConfig,
+    RewardModelConfig,
     RolloutConfig,
     TrainConfig,
 )
@@ -30,6 +31,6 @@ from megatron_dppo.config.sections import (
 __all__ = [
     "LOSS_PRESET_NAMES", "AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "DynamicSamplingConfig",
     "EvalConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig", "OverlongConfig", "PackingConfig",
-    "ParallelConfig", "RewardConfig", "RolloutConfig", "TrainConfig", "all_keys", "coerce", "describe",
+    "ParallelConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "TrainConfig", "all_keys", "coerce", "describe",
     "load_config", "parse_override", "set_option",
 ]

@@ -96,6 +96,10 @@ class Config:
     def _validate_placement(self) -> None:
         """rollout.placement / train.max_staleness across sections (their help says why)."""
         r, k = self.rollout, self.train.max_staleness
+        if self.reward.model.path is not None and self.reward.model.engine == "megatron":
+            _check(r.placement == "colocated", "reward.model.engine", "megatron",
+                   "hf or vllm with rollout.placement=separate (the rollout workers score and hold no Megatron "
+                   "engine); the Megatron reward model runs in the trainer's processes under parallel.tp/pp")
         if r.placement == "colocated":
             _check(k == 0, "train.max_staleness", k, "0 with rollout.placement=colocated (one process generates "
                    "and trains in turn: nothing to overlap); use rollout.placement=separate for k >= 1")

@@ -4,7 +4,7 @@ re-exports every section; the data, dynamic-sampling and overlong sections have 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -143,6 +143,81 @@ class ParallelConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A learned reward model scored beside the rule reward (docs/reward_models.md). The rule reward (reward.fn)
+    is always computed too: it enters the training reward with reward.model.rule_weight and the agreement metrics
+    (reward/rule_*, reward/rule_model_tau) either way."""
+
+    path: Optional[str] = opt(None, "The reward model: a Hugging Face folder (offline). null = no reward model "
+                                    "(rule rewards only). `megatron-dppo rm train` makes a small one.")
+    kind: Literal["classifier", "judge"] = opt(
+        "classifier", "classifier: a 1-label sequence classifier (*ForSequenceClassification), its logit at the "
+                      "last token is the score; judge: a causal LM asked judge_template about the completion "
+                      "(judge_mode).")
+    engine: Literal["hf", "vllm", "megatron"] = opt(
+        "hf", "hf: transformers in the rollout-side process (any device); vllm: a vLLM engine (pooling for "
+              "classifiers, generate for judges); megatron: a classifier under the policy's parallel.tp/pp with "
+              "the policy engine's code (trainer processes only: not with rollout.placement=separate).")
+    template: Literal["auto", "tokens", "chat", "text"] = opt(
+        "auto", "Classifier input: tokens = the policy's prompt and completion ids verbatim (the tokenizers must "
+                "match); chat = decode, then the reward model's chat template over [user: prompt, assistant: "
+                "completion]; text = prompt text + completion text; auto = tokens when the tokenizers match, else "
+                "chat when the reward model has a chat template, else text.")
+    weight: float = opt(1.0, "Weight of the model's score in the training reward: r = weight * model + "
+                             "rule_weight * rule.")
+    rule_weight: float = opt(0.0, "Weight of the rule reward (reward.fn) in the training reward (0 = train on "
+                                  "the model alone; the rule reward is still computed for the metrics).")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "Parameter/compute dtype of the reward model.")
+    batch_size: int = opt(32, "Inputs per forward pass (engine=hf).")
+    timeout_s: Optional[float] = opt(600.0, "Wall-clock limit of scoring one batch on one rank; past it scoring "
+                                            "fails (reward.model.on_error). null = none.")
+    on_error: Literal["stop", "zero"] = opt(
+        "stop", "When the reward model raises, times out or returns a non-finite score: stop = the run stops with "
+                "one error naming the model and the batch; zero = the batch's groups score 0 and are counted in "
+                "reward/model_failed (a rule reward that fails always costs only its sample a 0).")
+    judge_mode: Literal["yes_prob", "verdict"] = opt(
+        "yes_prob", "kind=judge: yes_prob = p(yes | yes or no) of the first answer token, one forward pass; "
+                    "verdict = a sampled reply (judge_max_new_tokens) whose last number (judge_pattern) is the "
+                    "score.")
+    judge_template: Optional[str] = opt(None, "kind=judge: the question, with {prompt} and {completion} (and with "
+                                              "judge_group {group}, the numbered completions, and {index}); null = "
+                                              "a built-in yes/no question.")
+    judge_group: bool = opt(False, "kind=judge: the question shows the whole group of completions (a completion's "
+                                   "score may depend on its group; allowed, scoring precedes the advantages).")
+    judge_tokens: list[str] = opt(["yes", "no"], "kind=judge, judge_mode=yes_prob: the two answer strings, one token "
+                                            "each in the judge's tokenizer (quote them in YAML: [\"Yes\", \"No\"]).")
+    judge_max_new_tokens: int = opt(16, "kind=judge, judge_mode=verdict: reply length limit.")
+    judge_temperature: float = opt(1.0, "kind=judge, judge_mode=verdict: sampling temperature.")
+    judge_pattern: str = opt(r"-?\d+(?:\.\d+)?", "kind=judge, judge_mode=verdict: regular expression of the score; "
+                                                  "its last match in the reply is the score.")
+    unparsed_score: float = opt(0.0, "kind=judge, judge_mode=verdict: the score of a reply without a match "
+                                     "(counted in reward/model_unparsed).")
+    gpu_memory_utilization: float = opt(0.2, "engine=vllm on GPU: the fraction of GPU memory its engine may take.")
+    alarm_tau: float = opt(0.0, "Reward-hacking alarm: a warning, and reward/agreement_alarm = 1, when the mean "
+                                "within-group Kendall tau between the rule and the model rewards "
+                                "(reward/rule_model_tau) is below this.")
+
+    def validate(self) -> None:
+        if self.path is None:
+            return
+        _check(math.isfinite(self.weight) and math.isfinite(self.rule_weight) and (self.weight or self.rule_weight),
+               "reward.model.weight", (self.weight, self.rule_weight),
+               "finite weight and rule_weight, not both 0")
+        _check(self.batch_size >= 1, "reward.model.batch_size", self.batch_size, ">= 1")
+        _check(self.timeout_s is None or 0 < self.timeout_s < math.inf, "reward.model.timeout_s", self.timeout_s,
+               "null or a finite number of seconds > 0")
+        _check(len(self.judge_tokens) == 2 and all(isinstance(t, str) and t for t in self.judge_tokens),
+               "reward.model.judge_tokens", self.judge_tokens, "two non-empty strings [yes, no]")
+        _check(self.judge_max_new_tokens >= 1, "reward.model.judge_max_new_tokens", self.judge_max_new_tokens, ">= 1")
+        _check(self.judge_temperature > 0, "reward.model.judge_temperature", self.judge_temperature, "> 0")
+        _check(not (self.engine == "megatron" and self.kind != "classifier"), "reward.model.engine", self.engine,
+               "hf or vllm with reward.model.kind=judge (the Megatron engine serves classifiers)")
+        _check(0 < self.gpu_memory_utilization <= 1, "reward.model.gpu_memory_utilization",
+               self.gpu_memory_utilization, "in (0, 1]")
+        _check(-1 <= self.alarm_tau <= 1, "reward.model.alarm_tau", self.alarm_tau, "in [-1, 1]")
+
+
+@dataclass
 class RewardConfig:
     """Reward of a completion against the gold answer. A reward function that raises, hangs or returns NaN costs
     that sample a zero reward and a logged warning, never the run."""
@@ -162,8 +237,11 @@ class RewardConfig:
                "reward.timeout_s. Every rank scores its own share of the step in parallel over reward.num_workers "
                "workers. Evaluation is not budgeted (every sample is scored, each within reward.timeout_s). "
                "null = no budget (a step may then take up to samples x timeout_s / (ranks x workers)).")
+    model: RewardModelConfig = field(default_factory=RewardModelConfig,
+                                     metadata={"help": "A learned reward model (its options)."})
 
     def validate(self) -> None:
+        self.model.validate()
         _check(isinstance(self.fn, (str, dict)) and bool(self.fn), "reward.fn", self.fn,
                "a reward name, an import path 'pkg.module:fn', or a mapping {name: weight}")
         if isinstance(self.fn, dict):
@@ -280,6 +358,12 @@ class AlgoConfig:
                                            "for long completions. docs/benchmarks.md, \"Variance-optimal pruning\".")
     history_ema: Optional[float] = opt(None, "DPPO prompt history: EMA factor for the mean-|A| score across "
                                              "visits; null = the last visit's score.")
+    history_score: Literal["auto", "mean_abs_adv", "reward_std"] = opt(
+        "auto", "DPPO prompt history score h_q: mean_abs_adv = mean |A| of the prompt's last group (the paper's); "
+                "reward_std = the standard deviation of the group's raw training rewards, which keeps its scale "
+                "when std-normalized advantages lose it (continuous reward-model scores); auto = reward_std when "
+                "reward.model.path is set, else mean_abs_adv. docs/reward_models.md, \"Pruning under continuous "
+                "rewards\".")
     cppo_rate: float = opt(0.5, "CPPO pruning rate P in [0, 1).")
     cppo_scope: Literal["group", "batch"] = opt("group", "CPPO: keep floor(G(1-P)) per prompt (group) or "
                                                          "floor(N(1-P)) over the batch (batch).")

@@ -28,6 +28,8 @@ Rules
 ``TiedOutputMapping``      tied embeddings under PP > 1: the last stage holds its own copy of the word embeddings
                            as ``output_layer.weight``; it is filled from ``embed_tokens`` on import and skipped on
                            export (the first stage's embedding is the one written out).
+Sequence classifiers (reward models, ``arch.num_labels``): ``output_layer.weight`` is the score head
+(``megatron.score_head.ScoreHead``), replicated, <-> HF ``score.weight`` [num_labels, hidden]; no ``lm_head``.
 
 Layer norm names depend on the Megatron layer spec: the local spec has ``input_layernorm.weight`` and
 ``pre_mlp_layernorm.weight``; the Transformer Engine spec fuses them into ``linear_qkv.layer_norm_weight`` and
@@ -70,6 +72,7 @@ ALL_LAYERS, DENSE_LAYERS, SPARSE_LAYERS = "all", "dense", "sparse"  # where a la
 # Symbolic dimensions used in the tables, resolved against the architecture by ``resolve_dims``.
 #   V vocab, H hidden, F ffn, Q = heads * head_dim, KV = kv_heads * head_dim, D = head_dim,
 #   E experts, FE expert ffn (MoE)
+#   L = num_labels (the score head of a sequence classifier)
 Dims = tuple[str, ...]
 
 
@@ -82,6 +85,7 @@ def resolve_dims(dims: Dims, arch: Any) -> tuple[int, ...]:
         "Q": arch.num_attention_heads * arch.head_dim,
         "KV": arch.num_kv_heads * arch.head_dim,
         "D": arch.head_dim,
+        "L": getattr(arch, "num_labels", None) or 1,
     }
     moe = getattr(arch, "moe", None)
     if moe is not None:
@@ -313,7 +317,9 @@ def _decoder_table(arch: Any, spec: str, *, qkv_bias: bool, qk_norm: bool) -> li
                                        _dims("D")))
         table.append(ReplicatedMapping(L + "self_attention.k_layernorm.weight", _w(H + "self_attn.k_norm.weight"),
                                        _dims("D")))
-    if arch.tie_embeddings:
+    if getattr(arch, "num_labels", None) is not None:  # a sequence classifier: the score head
+        table.append(ReplicatedMapping("output_layer.weight", _w("score.weight"), _dims("L", "H")))
+    elif arch.tie_embeddings:
         table.append(TiedOutputMapping("output_layer.weight", _w("model.embed_tokens.weight"), _dims("V", "H")))
     else:
         table.append(VocabParallelMapping("output_layer.weight", _w("lm_head.weight"), _dims("V", "H")))

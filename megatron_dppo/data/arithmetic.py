@@ -131,3 +131,79 @@ class ArithmeticTask:
     def corpus(self, n: int, split: str = "train") -> list[str]:
         """``n`` solved problems "12+7*3=33": text for the tokenizer and the supervised warm start."""
         return [r.prompt + r.raw["solution"] for r in self.records(n, split)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Preference pairs for a small reward model (``megatron-dppo rm train``)
+# ----------------------------------------------------------------------------------------------------------------
+PREFERENCES = ("correct", "closer", "longer")
+
+
+def preference_pairs(task: ArithmeticTask, n: int, split: str = "train", *, prefer: str = "correct",
+                     seed: int = 0, start: int = 0) -> list[dict]:
+    """``n`` preference pairs {"prompt", "chosen", "rejected"} (completion texts) over problems ``start ..`` of
+    ``split``, a pure function of (task, split, index, seed).
+
+    ``prefer="correct"``: the gold answer is chosen over a wrong one: off by one to three (half of them: a small
+    policy's usual mistake, and the hardest to tell), off by ten, a random number, a digit dropped or repeated, or
+    an empty answer. ``prefer="closer"``: half of them so, the other half two wrong numbers with the one nearer the
+    gold chosen (graded preferences: a model trained on them ranks wrong answers by their distance too, so a group
+    of wrong answers still points towards the right one). ``prefer="longer"``: of two answers, right or wrong at random, the longer text is chosen
+    whatever its correctness: a deliberately length-biased reward model (the reward-hacking alarm's test)."""
+    if prefer not in PREFERENCES:
+        raise ValueError(f"prefer={prefer!r} is invalid: expected one of {PREFERENCES}")
+    pairs = []
+    for index in range(start, start + n):
+        record = task.record(index, split)
+        gold = record.raw["solution"]
+        rng = random.Random(f"pairs:{seed}:{split}:{index}")
+        if prefer == "correct":
+            pairs.append({"prompt": record.prompt, "chosen": gold, "rejected": _wrong_answer(task, gold, rng)})
+            continue
+        if prefer == "closer":
+            pairs.append(_closer_pair(task, record.prompt, gold, rng))
+            continue
+        a = gold if rng.random() < 0.5 else _wrong_answer(task, gold, rng)
+        b = a + "".join(str(rng.randint(0, 9)) for _ in range(rng.randint(1, 3)))
+        short = a if rng.random() < 0.5 else a[: max(1, len(a) - 1)]
+        if short == b or len(short) >= len(b):
+            short = a[:1]
+        pairs.append({"prompt": record.prompt, "chosen": b, "rejected": short})
+    return pairs
+
+
+def _closer_pair(task: ArithmeticTask, prompt: str, gold: str, rng: random.Random) -> dict:
+    """Half the time gold over a wrong answer; otherwise two wrong numbers, the one nearer the gold chosen."""
+    if rng.random() < 0.5 or "," in gold:
+        return {"prompt": prompt, "chosen": gold, "rejected": _wrong_answer(task, gold, rng)}
+    value = int(gold)
+    for _ in range(100):
+        a, b = (value + rng.choice([-1, 1]) * rng.randint(1, 2 * task.max_operand) for _ in range(2))
+        if abs(a - value) != abs(b - value):
+            near, far = (a, b) if abs(a - value) < abs(b - value) else (b, a)
+            return {"prompt": prompt, "chosen": str(near), "rejected": str(far)}
+    return {"prompt": prompt, "chosen": gold, "rejected": _wrong_answer(task, gold, rng)}
+
+
+def _wrong_answer(task: ArithmeticTask, gold: str, rng: random.Random) -> str:
+    """A plausible wrong completion for ``gold`` (never equal to it)."""
+    value = int(gold.split(",")[-1]) if gold.lstrip("-").replace(",", "").replace("-", "").isdigit() else 0
+    for _ in range(100):
+        kind = rng.choices(range(6), weights=(5, 1, 1, 1, 1, 1))[0]  # near misses are a policy's usual mistake
+        if kind == 0:
+            text = str(value + rng.choice([-3, -2, -1, 1, 2, 3]))
+        elif kind == 1:
+            text = str(value + rng.choice([-10, 10]))
+        elif kind == 2:
+            text = str(rng.randint(-task.max_operand, 2 * task.max_operand))
+        elif kind == 3 and len(gold) > 1:
+            i = rng.randrange(len(gold))
+            text = gold[:i] + gold[i + 1:]
+        elif kind == 4:
+            i = rng.randrange(len(gold))
+            text = gold[:i + 1] + gold[i:]
+        else:
+            text = ""
+        if text != gold:
+            return text
+    return gold + "0"

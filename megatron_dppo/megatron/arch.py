@@ -42,6 +42,9 @@ class ModelArch:
     rope_scaling_factor: float = 1.0
     init_std: float = 0.02  # [initializer_range]
     moe: MoEArch | None = None  # the sparse blocks of qwen3_moe / mixtral; None for dense families
+    # [num_labels] of a *ForSequenceClassification (a reward model): its output layer is the score head [labels, H]
+    # at every position (``score_head.ScoreHead``) instead of the vocabulary; None for a causal LM
+    num_labels: int | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES.values():
@@ -59,6 +62,9 @@ class ModelArch:
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads} (grouped-query attention needs it)")
+        if self.num_labels is not None and (self.num_labels < 1 or self.tie_embeddings):
+            raise ValueError(f"num_labels={self.num_labels} (a sequence classifier) needs num_labels >= 1 and "
+                             "untied embeddings (its score head is not the embedding matrix)")
         if self.rope_scaling_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling_type={self.rope_scaling_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
 
@@ -106,7 +112,9 @@ class ModelArch:
             head_dim = hf.hidden_size // heads
 
         theta, rope_type, factor = _rope_from_config(hf)
-        tie = getattr(hf, "tie_word_embeddings", False)
+        classifier = any(str(a).endswith("ForSequenceClassification") for a in getattr(hf, "architectures", None) or [])
+        num_labels = int(getattr(hf, "num_labels", 1)) if classifier else None
+        tie = getattr(hf, "tie_word_embeddings", False) and not classifier  # (a classifier has no LM head to tie)
         moe = moe_from_hf_config(hf, family) if family in MOE_FAMILIES else None
         return cls(
             family=family,
@@ -127,6 +135,7 @@ class ModelArch:
             rope_scaling_factor=float(factor),
             init_std=float(getattr(hf, "initializer_range", 0.02) or 0.02),
             moe=moe,
+            num_labels=num_labels,
         )
 
     @property
@@ -142,7 +151,8 @@ class ModelArch:
             sparse = self.moe.num_sparse_layers
             experts = self.moe.num_experts * 3 * h * self.moe.expert_ffn_hidden_size + self.moe.num_experts * h
             layers = self.num_layers * (attn + 2 * h) + sparse * experts + (self.num_layers - sparse) * 3 * h * f
-        return layers + h + emb * (1 if self.tie_embeddings else 2)
+        head = emb if self.num_labels is None else self.num_labels * h
+        return layers + h + emb + (0 if self.tie_embeddings else head)
 
     @property
     def num_active_parameters(self) -> int:

@@ -255,6 +255,9 @@ class PolicyEngine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if arch.num_labels is not None:
+            raise ValueError(f"the policy must be a causal LM; this config describes a sequence classifier with "
+                             f"{arch.num_labels} label(s) (a reward model? use it as reward.model.path)")
         device_type = ensure_device_backend()
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("model-parallel state is not initialized; call parallel.initialize_parallel first")

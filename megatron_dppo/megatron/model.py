@@ -246,7 +246,8 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
                     pre_process: bool | None = None, post_process: bool | None = None,
                     vp_stage: int | None = None, *, te: bool | None = None, attention_backend: str | None = None,
                     config=None, **config_overrides):
-    """The local ``GPTModel`` chunk of this rank (model-parallel state must be initialized).
+    """The local ``GPTModel`` chunk of this rank (model-parallel state must be initialized); for a sequence
+    classifier (``arch.num_labels``) with ``score_head.ScoreHead`` as its output layer.
 
     ``pre_process``/``post_process`` default to "this is the first/last pipeline stage" (for ``vp_stage``).
     The output layer is vocab-parallel (``parallel_output=True``): logits come back as the local vocab shard
@@ -310,6 +311,10 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
     if vp_stage is not None:
         required += ("vp_stage",)
     model = GPTModel(**compat.supported_kwargs(GPTModel.__init__, kwargs, required=required))
+    if arch.num_labels is not None and post_process:  # a sequence classifier (reward model): the score head
+        from .score_head import attach_score_head
+
+        attach_score_head(model, arch, config)
     model.unpadded_vocab_size = arch.vocab_size  # logits of the padding rows are masked (logprobs.forward_thd)
     model.attention_backend = backend  # what was built (te | varlen | sdpa), for banners and reports
     place_model(model, engine_device(), dtype)  # before DDP / the optimizer see the parameters

@@ -16,6 +16,11 @@ possible, and the training state is resident whenever anything else (a checkpoin
 After generating (``after_generation``): the rollout engine sleeps (``rollout.sleep_between_steps``), then the
 training state comes back.
 
+Around reward-model scoring (``before_scoring`` / ``after_scoring``, ``train.rollouts.scoring_window``) the same
+order holds for the reward model's engine: (offload the training state and ``empty_cache``,) wake it, score, sleep
+it (``rollout.sleep_between_steps``), bring the training state back. The policy's rollout engine is asleep by then
+(it slept after generating), so the reward model gets the memory both gave up.
+
 GPU memory (allocated / reserved by PyTorch, free at the driver) is recorded after each phase as
 ``memory/<phase>_{allocated,reserved,free}_gib`` (``metrics``). Without CUDA the cache and memory calls do
 nothing and the engines' sleep/wake are no-ops, so the order is the same everywhere. Every push also counts what
@@ -112,6 +117,27 @@ class MemoryHandover:
         if sleep:
             self.rollout.sleep()
             self._record("rollout_asleep")
+        if self.train_state_away:
+            self.onload()
+            self.train_state_away = False
+            self._record("train_onloaded")
+
+    def before_scoring(self, engine: Any) -> None:
+        """(offload the training state) -> wake the reward model's ``engine``."""
+        if self.offload is not None and not self.train_state_away:
+            self.offload()
+            self.train_state_away = True
+            self.empty_cache()
+            self._record("train_offloaded")
+        engine.wake_up()
+        self._record("reward_model_awake")
+
+    def after_scoring(self, engine: Any, *, sleep: bool) -> None:
+        """Sleep the reward model (``sleep``), then bring an offloaded training state back."""
+        if sleep:
+            engine.sleep()
+            self.empty_cache()
+            self._record("reward_model_asleep")
         if self.train_state_away:
             self.onload()
             self.train_state_away = False

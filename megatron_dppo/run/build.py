@@ -395,6 +395,17 @@ def build_pruner(cfg: Config, loss_cfg: LossConfig):
     return None
 
 
+def build_history(cfg: Config):
+    """DPPO's per-prompt history of ``algo.history_score`` (auto: the reward spread when a reward model is set,
+    whose continuous scores leave mean |A| without scale; else mean |A|)."""
+    from megatron_dppo.algo.prompt_history import make_history
+
+    score = cfg.algo.history_score
+    if score == "auto":
+        score = "reward_std" if cfg.reward.model.path is not None else "mean_abs_adv"
+    return make_history(score, cfg.algo.history_ema)
+
+
 def build_handover(cfg: Config, engine, rollout, arch):
     """The GPU memory handover of this run (``rollout.handover``): weights pushed as a streaming export (LoRA: the
     base only while the engine has none, then the adapters: ``run.lora.rollout_weights``); with

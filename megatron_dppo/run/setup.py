@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_dppo.algo.prompt_history import PromptHistory
 from megatron_dppo.config import Config
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.dist.placement import connect_trainer
 from megatron_dppo.run.build import (
     build_handover,
+    build_history,
     build_hf_config,
     build_loss,
     build_pruner,
@@ -35,6 +35,7 @@ from megatron_dppo.run.console import print_banner
 from megatron_dppo.run.lifecycle import find_resume_checkpoint, lock_output_dir, restore
 from megatron_dppo.run.lora import check_lora_run, lora_config, rollout_weights, start_adapters
 from megatron_dppo.run.metrics import MetricsSink
+from megatron_dppo.run.reward_model import build_reward_model
 from megatron_dppo.run.state import RolloutSide, Run, TrainSide
 
 
@@ -59,6 +60,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     check_output_dirs(cfg)
     scorer = build_scorer(cfg, train_sources(cfg))  # imports a user's reward module: before any write
     tokenizer = build_tokenizer(cfg)
+    reward_model = build_reward_model(cfg, tokenizer) if link is None else None  # (separate: on the workers)
     model_dir = resolve_model_dir(cfg)
     hf_config = build_hf_config(cfg, tokenizer, model_dir)
     arch = ModelArch.from_hf_config(hf_config)
@@ -93,7 +95,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, engine, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=train_prompts,
         sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle), pruner=pruner,
-        history=PromptHistory(cfg.algo.history_ema), eval_sets=eval_sets, eval_scorers=eval_scorers)
+        history=build_history(cfg), eval_sets=eval_sets, eval_scorers=eval_scorers, reward_model=reward_model)
     train_side = TrainSide(cfg=cfg, engine=engine, loss_cfg=loss_cfg, estimator=estimator, pruner=pruner,
                            pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0))
 
@@ -142,6 +144,7 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
     D.set_cpu_threads(roles.trainers + roles.workers, cfg.train.cpu_threads)
     scorer = build_scorer(cfg, train_sources(cfg))
     tokenizer = build_tokenizer(cfg)
+    reward_model = build_reward_model(cfg, tokenizer)  # scored here, overlapping the trainer's step
     model_dir = resolve_model_dir(cfg)
     hf_config = build_hf_config(cfg, tokenizer, model_dir)
     arch = ModelArch.from_hf_config(hf_config)
@@ -154,8 +157,8 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, None, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=prompts,
         sampler=PromptSampler(len(prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
-        pruner=build_pruner(cfg, loss_cfg), history=PromptHistory(cfg.algo.history_ema), eval_sets=eval_sets,
-        eval_scorers=eval_scorers)
+        pruner=build_pruner(cfg, loss_cfg), history=build_history(cfg), eval_sets=eval_sets,
+        eval_scorers=eval_scorers, reward_model=reward_model)
 
 
 def open_audit(path: Path, resume_step: int | None):
@@ -184,6 +187,8 @@ def teardown(run: Run, clean: bool = True) -> None:
         run.audit.close()
     for scorer in [run.rollout_side.scorer, *run.rollout_side.eval_scorers.values()]:
         scorer.close()
+    if run.rollout_side.reward_model is not None:
+        run.rollout_side.reward_model.close()
     from megatron_dppo.megatron.parallel import destroy_parallel
     D.barrier()
     if run.lock is not None:

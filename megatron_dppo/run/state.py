@@ -40,6 +40,7 @@ class RolloutSide:
     history: PromptHistory  # DPPO's per-prompt history (updated by the trainer from each step's advantages)
     eval_sets: dict[str, list[Prompt]] = field(default_factory=dict)
     eval_scorers: dict[str, Any] = field(default_factory=dict)
+    reward_model: Any = None  # rewards.RewardModel (reward.model.path), scored beside ``scorer``; None: rules only
 
 
 @dataclass

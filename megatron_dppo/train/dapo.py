@@ -67,7 +67,7 @@ def refill_groups(side: RolloutSide, step: int, timer: PhaseTimer, first: Rollou
             rollout = generate(side, prompts, cfg.train.group_size, step, temperature=cfg.rollout.temperature,
                                tag=f"generate/refill{index}")
         with timer("reward"):
-            rollout.rewards = score(side.scorer, rollout, cfg.train.group_size)
+            rollout.rewards = score(side, rollout, step, tag=f"reward/refill{index}")
         rounds.append(rollout)
         return D.broadcast_object(filter_rewards(cfg, rollout))
 
@@ -94,7 +94,17 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
                    truncated=[t for r in rollouts for t in r.truncated],
                    rewards=torch.cat(rewards) if rewards else torch.zeros(0, G),
                    reward_failures=sum(r.reward_failures for r in rollouts),
-                   reward_timeouts=sum(r.reward_timeouts for r in rollouts))
+                   reward_timeouts=sum(r.reward_timeouts for r in rollouts),
+                   rule_rewards=_cat([r.rule_rewards for r in rollouts if r.prompts]),
+                   model_rewards=_cat([r.model_rewards for r in rollouts if r.prompts]),
+                   reward_model_seconds=sum(r.reward_model_seconds for r in rollouts),
+                   reward_model_failed=sum(r.reward_model_failed for r in rollouts),
+                   reward_model_unparsed=sum(r.reward_model_unparsed for r in rollouts))
+
+
+def _cat(parts: list) -> torch.Tensor | None:
+    """The rows of every part, or None when the parts carry none (no reward model)."""
+    return torch.cat(parts) if parts and all(p is not None for p in parts) else None
 
 
 def select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
@@ -104,7 +114,9 @@ def select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
                    texts=[rollout.texts[i] for i in rows],
                    behaviour_logprobs=[rollout.behaviour_logprobs[i] for i in rows],
                    truncated=[rollout.truncated[i] for i in rows],
-                   rewards=rollout.rewards[index] if rollout.rewards is not None else None)
+                   rewards=rollout.rewards[index] if rollout.rewards is not None else None,
+                   rule_rewards=None if rollout.rule_rewards is None else rollout.rule_rewards[index],
+                   model_rewards=None if rollout.model_rewards is None else rollout.model_rewards[index])
 
 
 def overlong_metrics(cfg, rollout: Rollout) -> dict[str, float]:

@@ -54,7 +54,7 @@ def draw_batch(side: RolloutSide, step: int, timer: PhaseTimer) -> DrawnBatch:
     with timer("generate"):
         rollout = generate(side, kept, cfg.train.group_size, step, temperature=cfg.rollout.temperature)
     with timer("reward"):
-        rollout.rewards = score(side.scorer, rollout, cfg.train.group_size)
+        rollout.rewards = score(side, rollout, step)
     refilled = refill_groups(side, step, timer, rollout) if cfg.dynamic_sampling.enable else None
     if refilled is not None:
         prompts = kept = refilled.prompts

@@ -10,7 +10,7 @@ from megatron_dppo.dist import collectives as D
 from megatron_dppo.run.metrics import pass_at_k
 from megatron_dppo.run.setup import setup, teardown
 from megatron_dppo.run.state import RolloutSide
-from megatron_dppo.train.rollouts import generate, score
+from megatron_dppo.train.rollouts import generate, score_rule
 
 
 def evaluate(side: RolloutSide, step: int) -> dict[str, float]:
@@ -21,7 +21,7 @@ def evaluate(side: RolloutSide, step: int) -> dict[str, float]:
         start = time.perf_counter()
         rollout = generate(side, prompts, cfg.eval.samples, step, temperature=cfg.eval.temperature,
                            tag=f"eval/{name}")
-        rewards = score(side.eval_scorers[name], rollout, cfg.eval.samples)
+        rewards = score_rule(side.eval_scorers[name], rollout, cfg.eval.samples)
         correct = (rewards > 0).sum(dim=1).tolist()
         n, k = cfg.eval.samples, cfg.eval.pass_k
         out[f"eval/{name}/pass@1"] = sum(c / n for c in correct) / len(correct)

@@ -71,7 +71,7 @@ from megatron_dppo.train.stages import (
     whole_batch_micro_batches,
     write_audit,
 )
-from megatron_dppo.train.step_metrics import logprob_mismatch, step_metrics
+from megatron_dppo.train.step_metrics import logprob_mismatch, reward_model_metrics, step_metrics
 from megatron_dppo.train.warm_start import finish_warm_start, sft_step
 from megatron_dppo.train.worker import serve
 
@@ -90,19 +90,22 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     #      (pi recorded with the batch);
     #   3. G completions for every kept prompt (sharded over ranks, gathered on all; the engine's own log-probs
     #      kept as the behaviour log-probs); the rollout engine then releases its accelerator memory (vLLM sleep);
-    #   4. rewards (a failing reward function costs its sample a 0 and a warning);
+    #   4. rewards (a failing reward function costs its sample a 0 and a warning; a reward model scores beside
+    #      it, reward.model, and a failing reward model stops the run);
     #   4b. DAPO dynamic sampling (dynamic_sampling.enable, algo.pruner=none): groups with one reward for all
     #      dropped and more prompts drawn, generated and scored until B groups remain (at most max_rounds rounds);
     #      from there on the kept groups ARE the step's drawn batch.
     drawn = draw_batch(side, step, timer) if run.link is None else receive_batch(run, step, timer)
     prompts, prompt_cut, kept, rollout = drawn.prompts, drawn.prompt_cut, drawn.kept, drawn.rollout
 
-    # 5. Advantages on the FULL groups (never recomputed from survivors) of the training reward (the task reward
-    #    plus DAPO's soft overlong penalty when overlong.buffer > 0); remember mean |A| per prompt.
-    advantages = compute_advantages(training_rewards(cfg, rollout), trainer.estimator,
-                                    trainer.loss_cfg.advantage_eps) if kept else torch.zeros(0, cfg.train.group_size)
+    # 5. Advantages on the FULL groups (never recomputed from survivors) of the training reward (the task reward,
+    #    or a reward model's score and the rule's, plus DAPO's soft overlong penalty when overlong.buffer > 0);
+    #    remember each prompt's history score (mean |A|, or the rewards' spread: algo.history_score).
+    rewards = training_rewards(cfg, rollout)
+    advantages = compute_advantages(rewards, trainer.estimator, trainer.loss_cfg.advantage_eps) if kept \
+        else torch.zeros(0, cfg.train.group_size)
     if kept:
-        side.history.update([p.id for p in kept], advantages)
+        side.history.update([p.id for p in kept], advantages, rewards)
 
     # 6. Completion-level pruning -> per-completion keep mask and weight 1/(pi_q * pi_{i|q}).
     with timer("prune"):
@@ -149,6 +152,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     if drawn.refilled is not None:  # reward/* over every generated group, dynamic_sampling/*
         metrics.update(drawn.refilled.metrics())
     metrics.update(overlong_metrics(cfg, rollout))
+    metrics.update(reward_model_metrics(cfg, prompt_cut, rollout))  # (reward.model: agreement with the rule)
     metrics.update(async_metrics(run, drawn))
     metrics.update(timer.as_metrics())
     metrics["time/step_cpu"] = D.sum_over_ranks(timer.cpu_seconds)  # process CPU seconds of the step, all ranks

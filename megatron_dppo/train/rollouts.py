@@ -4,6 +4,10 @@ and evaluation (``evaluation.py``); each takes the :class:`~megatron_dppo.run.st
 
 Sampling seeds come from (seed, step, tag, shard), so a resumed run regenerates exactly what a straight run would
 have; rewards are scored on shards and gathered, so every rank holds the same rewards.
+
+With a reward model (``reward.model.path``) ``score`` also scores every group with it (``score_model``: sharded by
+group over the reward model's engines, inside ``scoring_window``, the memory handover), and the training reward is
+``reward.model.weight * model + reward.model.rule_weight * rule``; both parts stay on the rollout for the metrics.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import torch
 from megatron_dppo.algo.overlong import overlong_penalty
 from megatron_dppo.data import Prompt
 from megatron_dppo.dist import collectives as D
+from megatron_dppo.rewards.model import RewardModelError
+from megatron_dppo.rewards.model_inputs import Sample
 from megatron_dppo.rewards.scoring import TIMED_OUT
 from megatron_dppo.run.build import rollout_tensor_parallel
 from megatron_dppo.run.state import RolloutSide
@@ -33,6 +39,11 @@ class Rollout:
     rewards: torch.Tensor | None = None  # [Bk, G] float32
     reward_failures: int = 0  # samples scored 0 because the reward function failed (all ranks)
     reward_timeouts: int = 0  # of which timed out (reward.timeout_s or reward.step_budget_s)
+    rule_rewards: torch.Tensor | None = None  # [Bk, G] the rule reward (reward.fn), when a reward model is set
+    model_rewards: torch.Tensor | None = None  # [Bk, G] the reward model's scores, when it is set
+    reward_model_seconds: float = 0.0  # scoring time of the reward model (the slowest shard)
+    reward_model_failed: int = 0  # groups scored 0 because the reward model failed (reward.model.on_error=zero)
+    reward_model_unparsed: int = 0  # judge verdicts without a score (reward.model.unparsed_score)
 
     @property
     def group_size(self) -> int:
@@ -77,9 +88,23 @@ def generate(side: RolloutSide, prompts: list[Prompt], n: int, step: int, temper
                    behaviour_logprobs=[r[2] for r in results], truncated=[r[3] for r in results])
 
 
-def score(scorer: Any, rollout: Rollout, group_size: int) -> torch.Tensor:
-    """Rewards [Bk, G]: each rank scores a shard of the completions, results gathered on all ranks; a sample whose
-    reward function failed scores 0 and is counted in ``rollout.reward_failures`` (and ``reward_timeouts``)."""
+def score(side: RolloutSide, rollout: Rollout, step: int, tag: str = "reward") -> torch.Tensor:
+    """The rewards [Bk, G] of ``rollout``: the rule reward (``score_rule``) and, with a reward model, its scores
+    (``score_model``) combined as reward.model.weight * model + reward.model.rule_weight * rule (module
+    docstring). ``tag`` keeps the seeds of sampled judge verdicts apart between the scorings of a step."""
+    rule = score_rule(side.scorer, rollout, side.cfg.train.group_size)
+    if side.reward_model is None:
+        return rule
+    m = side.cfg.reward.model
+    with scoring_window(side):
+        model = score_model(side, rollout, step, tag)
+    rollout.rule_rewards, rollout.model_rewards = rule, model
+    return m.weight * model + m.rule_weight * rule if m.rule_weight else m.weight * model
+
+
+def score_rule(scorer: Any, rollout: Rollout, group_size: int) -> torch.Tensor:
+    """Rule rewards [Bk, G]: each rank scores a shard of the completions, results gathered on all ranks; a sample
+    whose reward function failed scores 0 and is counted in ``rollout.reward_failures`` (and ``reward_timeouts``)."""
     items = [(text, p.gold, f"{p.id}#{i}") for p, texts in zip(rollout.prompts, rollout.texts)
              for i, text in enumerate(texts)]
 
@@ -101,6 +126,40 @@ def filter_rewards(cfg, rollout: Rollout) -> torch.Tensor:
     algo.drop_zero_variance_groups): the task reward, or with dynamic_sampling.filter_metric=training the reward
     the advantages see (``training_rewards``)."""
     return training_rewards(cfg, rollout) if cfg.dynamic_sampling.filter_metric == "training" else rollout.rewards
+
+
+def score_model(side: RolloutSide, rollout: Rollout, step: int, tag: str = "reward") -> torch.Tensor:
+    """The reward model's scores [Bk, G]: whole groups sharded over its engines (``engine.shard()``: every rank, or
+    the Megatron engine's data-parallel replicas), gathered on all ranks. A failing shard stops the run on every
+    rank with one ``RewardModelError`` naming the model and the groups (reward.model.on_error=stop), or scores its
+    groups 0 and counts them in ``rollout.reward_model_failed`` (on_error=zero)."""
+    rm, cfg = side.reward_model, side.cfg
+    groups = [[Sample(p.token_ids, ids, p.text or "", text) for ids, text in zip(comps, texts)]
+              for p, comps, texts in zip(rollout.prompts, rollout.completions, rollout.texts)]
+    shard_index, num_shards = rm.engine.shard()
+
+    def score_shard(shard: list[list[Sample]], index: int) -> list[tuple]:
+        start, _ = D.shard_bounds(len(groups), num_shards, index)
+        ids = [p.id for p in rollout.prompts[start:start + len(shard)]]
+        label = f"step {step}, {len(ids)} prompts {', '.join(map(str, ids[:4]))}{', ...' if len(ids) > 4 else ''}"
+        result = rm.score(shard, seed=D.derive_seed(cfg.train.seed, step, tag, index) % (1 << 31), label=label)
+        extra = (result.seconds, result.unparsed)
+        if result.scores is None:
+            return [(None, result.error, *extra)] + [(None, result.error, 0.0, 0)] * (len(shard) - 1)
+        return [(result.scores[0], None, *extra)] + [(g, None, 0.0, 0) for g in result.scores[1:]]
+
+    scored = D.map_sharded(score_shard, groups, shard_index, num_shards)
+    errors = list(dict.fromkeys(e for _, e, _, _ in scored if e is not None))
+    if errors and cfg.reward.model.on_error == "stop":
+        more = f" (and {len(errors) - 1} more failing shards)" if len(errors) > 1 else ""
+        raise RewardModelError(f"{errors[0]}{more}; the run stops (reward.model.on_error=stop: a reward model "
+                               "that fails is not scored 0 silently; on_error=zero scores its groups 0 instead)")
+    G = rollout.group_size or side.cfg.train.group_size
+    rollout.reward_model_failed = sum(g is None for g, _, _, _ in scored)
+    rollout.reward_model_seconds = max((s for _, _, s, _ in scored), default=0.0)
+    rollout.reward_model_unparsed = sum(u for _, _, _, u in scored)
+    rows = [g if g is not None else [0.0] * G for g, _, _, _ in scored]
+    return torch.tensor(rows, dtype=torch.float32).view(len(rollout.prompts), G) if rows else torch.zeros(0, G)
 
 
 def training_rewards(cfg, rollout: Rollout) -> torch.Tensor:
@@ -135,6 +194,18 @@ def generation_window(side: RolloutSide):
         yield
     finally:
         side.handover.after_generation(sleep=side.cfg.rollout.sleep_between_steps)
+
+
+@contextlib.contextmanager
+def scoring_window(side: RolloutSide):
+    """Around reward-model scoring, as around generation: (offload the training state,) wake the reward model;
+    afterwards it sleeps (``rollout.sleep_between_steps``) and the training state returns
+    (``rollout.handover.MemoryHandover.before_scoring``)."""
+    side.handover.before_scoring(side.reward_model.engine)
+    try:
+        yield
+    finally:
+        side.handover.after_scoring(side.reward_model.engine, sleep=side.cfg.rollout.sleep_between_steps)
 
 
 def _strip_stop(ids: list[int], stops: list[int]) -> list[int]:

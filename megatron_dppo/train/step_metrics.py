@@ -3,12 +3,17 @@ drawn prompt (a pruned prompt was never generated, so raw means over the generat
 and ESS per pruning level, tokens, and the rollout engine's log-prob mismatch against the trainer's."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from megatron_dppo.algo.pruning import PruneResult, pruning_stats
+from megatron_dppo.rewards.agreement import group_agreement
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.train.rollouts import Rollout
 from megatron_dppo.train.stages import TrainBatch, behaviour_logprobs_at
+
+logger = logging.getLogger("megatron_dppo.reward_model")
 
 
 def step_metrics(prompt_cut: PruneResult, completion_cut: PruneResult | None, total_cut: PruneResult,
@@ -55,6 +60,38 @@ def rollout_metrics(prompt_cut: PruneResult, rollout: Rollout, group_size: int) 
     m["tokens/completion_mean"] = sum(comp_lengths) / len(comp_lengths) if comp_lengths else 0.0
     m["tokens/truncated_fraction"] = (sum(t for ts in rollout.truncated for t in ts) / len(comp_lengths)
                                       if comp_lengths else 0.0)
+    return m
+
+
+def reward_model_metrics(cfg, prompt_cut: PruneResult, rollout: Rollout) -> dict[str, float]:
+    """With a reward model (``reward.model``): its scores and the rule reward (Horvitz-Thompson means over the drawn
+    prompts, as reward/mean), their agreement (reward/rule_model_tau: mean within-group Kendall tau-b,
+    ``rewards.agreement``; over the groups where both vary, counted in reward/rule_model_tau_groups) and the
+    reward-hacking alarm (reward/agreement_alarm = 1, and a warning, when the tau is below reward.model.alarm_tau),
+    the groups a failing model cost (on_error=zero), unparsed judge verdicts, and the model's scoring time
+    (time/reward_model, part of time/reward). Empty without a reward model."""
+    if rollout.model_rewards is None:
+        return {}
+    m = {"reward/model_failed": float(rollout.reward_model_failed),
+         "reward/model_unparsed": float(rollout.reward_model_unparsed),
+         "time/reward_model": float(rollout.reward_model_seconds)}
+    rule, model = rollout.rule_rewards, rollout.model_rewards
+    if not rule.numel():
+        return m
+    m["reward/model_mean"] = ht_prompt_mean(prompt_cut, model.mean(dim=1))
+    m["reward/rule_mean"] = ht_prompt_mean(prompt_cut, rule.mean(dim=1))
+    m["reward/rule_pass_rate"] = ht_prompt_mean(prompt_cut, (rule > 0).float().mean(dim=1))
+    tau, groups = group_agreement(rule, model)
+    m["reward/rule_model_tau_groups"] = float(groups)
+    if groups:
+        m["reward/rule_model_tau"] = tau
+        alarm = tau < cfg.reward.model.alarm_tau
+        m["reward/agreement_alarm"] = float(alarm)
+        if alarm and D.is_main():
+            logger.warning("reward-hacking alarm: the reward model agrees with the rule reward at Kendall tau %.3f "
+                           "(mean over %d groups) < reward.model.alarm_tau=%g; the policy may be learning what "
+                           "the model likes and the rule does not (reward/rule_mean %.3f)", tau, groups,
+                           cfg.reward.model.alarm_tau, m["reward/rule_mean"])
     return m
 
 

@@ -110,3 +110,38 @@ def test_hf_engine_uses_the_current_cuda_device_when_there_is_one(tmp_path):
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)))
     engine = HFRolloutEngine.from_pretrained(tmp_path)  # no device given
     assert next(engine.model.parameters()).device == expected
+
+
+class RecordingRewardModel:
+    def __init__(self, log):
+        self.log = log
+
+    def wake_up(self):
+        self.log.append(("rm_wake_up",))
+
+    def sleep(self):
+        self.log.append(("rm_sleep",))
+
+
+def test_reward_model_scoring_takes_the_memory_generation_gave_up():
+    """Generate, then score with a reward model: the rollout engine sleeps first, the training state stays away
+    while the reward model is awake, and returns only after it sleeps (issue 33: memory handed over around scoring
+    as for generation)."""
+    log = []
+    h = _handover(log)
+    h.push()
+    h.before_generation()
+    h.after_generation(sleep=True)
+    h.before_scoring(RecordingRewardModel(log))
+    h.after_scoring(RecordingRewardModel(log), sleep=True)
+    calls = [c for c in log if c[0] not in ("memory",)]
+    after_generation = calls[calls.index(("sleep",)):]
+    assert after_generation == [("sleep",), ("onload",), ("offload",), ("empty_cache",), ("rm_wake_up",),
+                                ("rm_sleep",), ("empty_cache",), ("onload",)]
+    assert not h.train_state_away
+    # without offloading (CPU, or rollout.offload_train_state=false) only the reward model moves
+    log.clear()
+    plain = _handover(log, offload=False)
+    plain.before_scoring(RecordingRewardModel(log))
+    plain.after_scoring(RecordingRewardModel(log), sleep=False)
+    assert [c for c in log if c[0] != "memory"] == [("rm_wake_up",)]

@@ -123,6 +123,7 @@ def test_every_option_is_documented():
 
 
 def _help(key):
+    """The help of ``key``, in its section (a nested section such as reward.model too)."""
     import dataclasses
     import typing
 
