@@ -1,5 +1,6 @@
 """Prompt history for DPPO's prompt level: h_q = mean |A| of the prompt's last group (or an EMA over visits),
-NaN for a prompt never seen (docs/algorithms.md, "DPPO"). Checkpointable as plain Python types."""
+NaN for a prompt never seen (docs/algorithms.md, "DPPO"); optionally the mean cost (tokens) of the prompt's last
+group, the prompt-level cost of the cost-aware keep rule. Checkpointable as plain Python types."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class PromptHistory:
             ema_alpha = float(ema_alpha)
         self.ema_alpha = ema_alpha
         self._scores: dict[int | str, float] = {}
+        self._costs: dict[int | str, float] = {}  # mean tokens of an episode of the prompt's last group
 
     def __len__(self) -> int:
         return len(self._scores)
@@ -49,8 +51,9 @@ class PromptHistory:
     def __contains__(self, prompt_id: object) -> bool:
         return prompt_id in self._scores
 
-    def update(self, ids: Sequence[PromptId] | Tensor, advantages: Tensor) -> None:
-        """Record mean_i |A_qi| of each full group; advantages [len(ids), G]."""
+    def update(self, ids: Sequence[PromptId] | Tensor, advantages: Tensor, costs: Tensor | None = None) -> None:
+        """Record mean_i |A_qi| of each full group; advantages [len(ids), G]. ``costs`` [len(ids)] (optional): the
+        mean cost of one completion of each group (the last visit's; ``costs(ids)`` reads it back)."""
         ids = _normalize_ids(ids)
         advantages = check_float_tensor("advantages", advantages, min_dim=2)
         if advantages.dim() != 2 or advantages.shape[0] != len(ids):
@@ -59,6 +62,12 @@ class PromptHistory:
             )
         check_finite("advantages", advantages)
         new = advantages.detach().double().abs().mean(dim=1).tolist()
+        if costs is not None:
+            costs = check_float_tensor("costs", costs, min_dim=1)
+            if tuple(costs.shape) != (len(ids),):
+                raise ValueError(f"costs must have shape [{len(ids)}] for {len(ids)} ids, got {tuple(costs.shape)}")
+            check_finite("costs", costs)
+            self._costs.update(zip(ids, (float(c) for c in costs.detach().double().tolist())))
         for prompt_id, value in zip(ids, new):
             old = self._scores.get(prompt_id)
             if old is None or self.ema_alpha is None:
@@ -71,14 +80,23 @@ class PromptHistory:
         ids = _normalize_ids(ids)
         return torch.tensor([self._scores.get(i, math.nan) for i in ids], dtype=torch.float64)
 
+    def costs(self, ids: Sequence[PromptId] | Tensor) -> Tensor:
+        """The recorded mean cost of one completion of each prompt's last group (float64), NaN where none is."""
+        ids = _normalize_ids(ids)
+        return torch.tensor([self._costs.get(i, math.nan) for i in ids], dtype=torch.float64)
+
     def state_dict(self) -> dict:
         ids = list(self._scores)
-        return {
+        state = {
             "format": self.FORMAT,
             "ema_alpha": self.ema_alpha,
             "ids": ids,
             "scores": [self._scores[i] for i in ids],
         }
+        if self._costs:  # (only when recorded: the state of a run without costs is what it always was)
+            state["cost_ids"] = list(self._costs)
+            state["costs"] = [self._costs[i] for i in state["cost_ids"]]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != self.FORMAT:
@@ -88,3 +106,7 @@ class PromptHistory:
         if len(ids) != len(scores):
             raise ValueError(f"PromptHistory state has {len(ids)} ids but {len(scores)} scores")
         self._scores = dict(zip(ids, scores))
+        cost_ids, costs = _normalize_ids(state.get("cost_ids", [])), [float(c) for c in state.get("costs", [])]
+        if len(cost_ids) != len(costs):
+            raise ValueError(f"PromptHistory state has {len(cost_ids)} cost ids but {len(costs)} costs")
+        self._costs = dict(zip(cost_ids, costs))

@@ -36,13 +36,39 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _optional_section(tp: Any) -> type | None:
+    """The section class of an optional section (``env: Optional[EnvConfig] = None``: absent unless configured),
+    else None."""
+    if _is_optional(tp) and _is_dataclass_type(_strip_optional(tp)):
+        return _strip_optional(tp)
+    return None
+
+
+def _build_section(cls: type, current: Any, data: Any, prefix: str) -> Any:
+    """An optional section from a mapping, over ``current`` (None: the section's defaults); ``data`` None (or
+    null) removes the section. The section validates itself when built (its errors name the key)."""
+    if data is None or (isinstance(data, str) and data.lower() in ("null", "none", "~")):
+        return None
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.')} must be a mapping (or null to leave it out), got {data!r}")
+    values = dataclasses.asdict(current) if current is not None else {}
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k, v in data.items():
+        if k not in names:
+            raise _unknown_key_error(prefix + str(k))
+        values[k] = coerce(prefix + str(k), v, hints[k])
+    return cls(**values)
+
+
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted option name, e.g. ``algo.r_q``."""
     out: list[str] = []
     for f in dataclasses.fields(cls):
         tp = _hints(cls)[f.name]
-        if _is_dataclass_type(tp):
-            out.extend(all_keys(tp, prefix + f.name + "."))
+        section = tp if _is_dataclass_type(tp) else _optional_section(tp)
+        if section is not None:
+            out.extend(all_keys(section, prefix + f.name + "."))
         else:
             out.append(prefix + f.name)
     return out
@@ -161,6 +187,8 @@ def _apply(section: Any, data: dict, prefix: str) -> None:
         tp = hints[k]
         if _is_dataclass_type(tp):
             _apply(getattr(section, k), v if v is not None else {}, key + ".")
+        elif (optional := _optional_section(tp)) is not None:
+            setattr(section, k, _build_section(optional, getattr(section, k), v, key + "."))
         else:
             setattr(section, k, coerce(key, v, tp))
 
@@ -175,6 +203,25 @@ def set_option(cfg: Config, key: str, value: Any) -> None:
             if part not in names:
                 raise _unknown_key_error(key)
             tp = _hints(type(obj))[part]
+            if (optional := _optional_section(tp)) is not None:  # rebuilt whole: it validates itself
+                rest = parts[i + 1:]
+                if rest and getattr(obj, part) is None and rest[0] != "name" and "name" in optional.__dataclass_fields__:
+                    raise ValueError(f"{key}: the {part} section is not configured; set {part}.name first (e.g. "
+                                     f"{part}.name=... {key}=...)")
+                data = value
+                if rest:
+                    data = dataclasses.asdict(getattr(obj, part)) if getattr(obj, part) is not None else {}
+                    if rest[0] not in optional.__dataclass_fields__:
+                        raise _unknown_key_error(key)
+                    node = data
+                    for sub in rest[:-1]:  # env.kwargs.timeout_s: one entry of a dict option
+                        node = node.setdefault(sub, {})
+                        if not isinstance(node, dict):
+                            raise ValueError(f"{'.'.join(parts[:i + 2])} is not a mapping option, it has no "
+                                             f"sub-key {'.'.join(rest[1:])!r}")
+                    node[rest[-1]] = value
+                setattr(obj, part, _build_section(optional, None, data, ".".join(parts[:i + 1]) + "."))
+                return
             if i == len(parts) - 1:
                 if _is_dataclass_type(tp):
                     _apply(getattr(obj, part), value, key + ".")
@@ -241,10 +288,24 @@ def describe(cls: type = Config, prefix: str = "") -> str:
     defaults = cls()
     for f in dataclasses.fields(cls):
         tp = _hints(cls)[f.name]
-        if _is_dataclass_type(tp):
-            lines.append(f"\n[{prefix}{f.name}]  {(tp.__doc__ or '').strip().splitlines()[0]}")
-            lines.append(describe(tp, prefix + f.name + "."))
+        section = tp if _is_dataclass_type(tp) else _optional_section(tp)
+        if section is not None:
+            optional = "  (optional section: absent unless configured)" if section is not tp else ""
+            lines.append(f"\n[{prefix}{f.name}]  {(section.__doc__ or '').strip().splitlines()[0]}{optional}")
+            lines.append(_describe_fields(section, prefix + f.name + ".") if optional else
+                         describe(section, prefix + f.name + "."))
         else:
             default = getattr(defaults, f.name)
             lines.append(f"  {prefix}{f.name}: {_type_name(tp)} = {default!r}\n      {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def _describe_fields(cls: type, prefix: str) -> str:
+    """The fields of an optional section (its defaults read from the field declarations: the section itself may
+    refuse to be built empty)."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {prefix}{f.name}: {_type_name(_hints(cls)[f.name])} = {default!r}\n      "
+                     f"{f.metadata.get('help', '')}")
     return "\n".join(lines)

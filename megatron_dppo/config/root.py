@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -15,6 +16,7 @@ from megatron_dppo.config.data import DataConfig
 from megatron_dppo.config.sections import (
     AlgoConfig, CheckpointConfig, EvalConfig, LoggingConfig, LossConfig, ModelConfig, OptimConfig, PackingConfig,
     ParallelConfig, RewardConfig, RolloutConfig, TrainConfig)
+from megatron_dppo.env.config import EnvConfig  # the env section is the episode loop's own (env/config.py)
 
 
 @dataclass
@@ -26,6 +28,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: Optional[EnvConfig] = None  # multi-turn episodes (docs/environments.md); None = single-turn completions
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
@@ -40,18 +43,20 @@ class Config:
     def validate(self) -> "Config":
         """Check every section, then the rules that span sections. Returns self."""
         for f in dataclasses.fields(self):
-            getattr(self, f.name).validate()
-        _check(self.packing.capacity > self.rollout.max_new_tokens, "packing.capacity", self.packing.capacity,
-               f"> rollout.max_new_tokens={self.rollout.max_new_tokens} (a whole prompt + completion must fit; "
-               "checked against the real prompt lengths at start-up)")
+            if getattr(self, f.name) is not None:  # (an optional section left out: env)
+                getattr(self, f.name).validate()
+        budget = self.completion_budget_key
+        _check(self.packing.capacity > self.completion_budget, "packing.capacity", self.packing.capacity,
+               f"> {budget}={self.completion_budget} (a whole prompt + completion must fit; checked against the "
+               "real prompt lengths at start-up)")
         ctx = self.model.hf_config.get("max_position_embeddings")
-        _check(ctx is None or self.rollout.max_new_tokens < ctx, "rollout.max_new_tokens",
-               self.rollout.max_new_tokens, f"< the model context max_position_embeddings={ctx}")
+        _check(ctx is None or self.completion_budget < ctx, budget, self.completion_budget,
+               f"< the model context max_position_embeddings={ctx}")
         if self.algo.pruner == "cppo" and self.algo.cppo_allocation and self.algo.drop_zero_variance_groups:
             raise ValueError("algo.cppo_allocation=true and algo.drop_zero_variance_groups=true cannot be combined "
                              "(allocation prunes back to exactly B*G completions); set one of them to false")
-        _check(self.overlong.buffer <= self.rollout.max_new_tokens, "overlong.buffer", self.overlong.buffer,
-               f"<= rollout.max_new_tokens={self.rollout.max_new_tokens} (the penalty zone ends at the limit)")
+        _check(self.overlong.buffer <= self.trained_token_limit, "overlong.buffer", self.overlong.buffer,
+               f"<= {self.trained_token_limit_key}={self.trained_token_limit} (the penalty zone ends at the limit)")
         if self.dynamic_sampling.enable and self.algo.pruner != "none":
             raise ValueError(f"dynamic_sampling.enable=true needs algo.pruner=none, got algo.pruner="
                              f"{self.algo.pruner!r}: refill trains on a batch conditioned on non-zero reward "
@@ -75,6 +80,29 @@ class Config:
         if r.placement == "colocated":
             _check(k == 0, "train.max_staleness", k, "0 with rollout.placement=colocated (one process generates "
                    "and trains in turn: nothing to overlap); use rollout.placement=separate for k >= 1")
+
+    # -- the bounds of one completion: a single-turn completion's, or a multi-turn episode's (env) ---------------
+    @property
+    def completion_budget(self) -> int:
+        """The most tokens after a prompt: rollout.max_new_tokens, or with episodes env.max_tokens (sampled and
+        observation tokens; rollout.max_new_tokens then bounds one turn)."""
+        return self.rollout.max_new_tokens if self.env is None else self.env.max_tokens
+
+    @property
+    def completion_budget_key(self) -> str:
+        return "rollout.max_new_tokens" if self.env is None else "env.max_tokens"
+
+    @property
+    def trained_token_limit(self) -> int:
+        """The most trained (loss-mask 1) tokens of one completion, the L_max of the denominators and of the overlong
+        penalty: rollout.max_new_tokens, or with episodes the env's assistant-token limit."""
+        return self.rollout.max_new_tokens if self.env is None else self.env.assistant_token_limit
+
+    @property
+    def trained_token_limit_key(self) -> str:
+        if self.env is None:
+            return "rollout.max_new_tokens"
+        return "env.max_tokens" if self.env.max_assistant_tokens is None else "env.max_assistant_tokens"
 
     @property
     def checkpoint_dir(self) -> str:

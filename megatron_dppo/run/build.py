@@ -272,22 +272,25 @@ def load_train_records(cfg: Config) -> list:
 
 
 def encode_prompts(cfg: Config, records, tokenizer, arch) -> list[Prompt]:
-    """Render + tokenize every record; a prompt that cannot fit with max_new_tokens is an error naming it."""
+    """Render + tokenize every record; a prompt that cannot fit with its completion (rollout.max_new_tokens, or
+    env.max_tokens for a multi-turn episode) is an error naming it."""
     from megatron_dppo.data import check_prompt_fits
 
     fmt = _formatter(cfg, tokenizer)
+    budget, key = cfg.completion_budget, cfg.completion_budget_key
     out = []
     for r in records:  # the cheap lower bound first: an enormous row is refused without tokenizing it
-        room = arch.max_position_embeddings - cfg.rollout.max_new_tokens
+        room = arch.max_position_embeddings - budget
         if (at_least := fmt.too_long(r.prompt, room)) is not None:
-            check_prompt_fits(at_least, cfg.rollout.max_new_tokens, arch.max_position_embeddings, r.id, at_least=True)
+            check_prompt_fits(at_least, budget, arch.max_position_embeddings, r.id, at_least=True)
         ids = fmt.encode(r.prompt)
-        check_prompt_fits(len(ids), cfg.rollout.max_new_tokens, arch.max_position_embeddings, r.id)
-        if len(ids) + cfg.rollout.max_new_tokens > cfg.packing.capacity:
-            raise ValueError(f"prompt {r.id!r} has {len(ids)} tokens: with rollout.max_new_tokens="
-                             f"{cfg.rollout.max_new_tokens} a sequence can reach {len(ids) + cfg.rollout.max_new_tokens}"
-                             f" tokens, more than packing.capacity={cfg.packing.capacity}; raise packing.capacity")
-        out.append(Prompt(id=r.id, token_ids=ids, gold=r.gold, text=r.prompt))
+        check_prompt_fits(len(ids), budget, arch.max_position_embeddings, r.id)
+        if len(ids) + budget > cfg.packing.capacity:
+            raise ValueError(f"prompt {r.id!r} has {len(ids)} tokens: with {key}={budget} a sequence can reach "
+                             f"{len(ids) + budget} tokens, more than packing.capacity={cfg.packing.capacity}; raise "
+                             "packing.capacity")
+        out.append(Prompt(id=r.id, token_ids=ids, gold=r.gold, text=r.prompt,
+                          messages=tuple(fmt.messages(r.prompt))))
     return out
 
 
@@ -349,6 +352,23 @@ def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None, *, step_bu
                         num_workers=cfg.reward.num_workers, budget_s=cfg.reward.step_budget_s if step_budget else None)
 
 
+def build_env(cfg: Config, tokenizer) -> tuple[Any, Any]:
+    """Multi-turn episodes (the ``env`` section): (the environment factory, one fresh environment per call; the
+    ``ChatTokens`` of the tokenizer's chat template, which observation tokens come from). (None, None) without an
+    ``env`` section. A factory that cannot be built, rejects env.kwargs, or a tokenizer without a chat template is
+    a ValueError naming it, before anything is written."""
+    if cfg.env is None:
+        return None, None
+    from megatron_dppo.env import ChatTokens, make_env_factory
+
+    factory = make_env_factory(cfg.env.name, cfg.env.kwargs)
+    try:
+        chat = ChatTokens(tokenizer, cfg.env.chat_template_kwargs)
+    except ValueError as err:
+        raise ValueError(f"env.name={cfg.env.name!r}: {err} (model.chat_template)") from None
+    return factory, chat
+
+
 def eos_ids(tokenizer, hf_config: dict) -> list[int]:
     ids = hf_config.get("eos_token_id", tokenizer.eos_token_id)
     ids = ids if isinstance(ids, list) else [ids]
@@ -387,7 +407,7 @@ def build_pruner(cfg: Config, loss_cfg: LossConfig):
     if cfg.algo.pruner == "dppo":
         return DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode, keep=cfg.algo.dppo_keep,
                           length_exponent=cfg.algo.keep_length_exponent, keep_floor=cfg.algo.keep_floor,
-                          zero_advantage_gradient=loss_cfg.kl_coef > 0)
+                          zero_advantage_gradient=loss_cfg.kl_coef > 0, keep_cost=cfg.algo.dppo_keep_cost)
     if cfg.algo.pruner == "cppo":
         return CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
     return None

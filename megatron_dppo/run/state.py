@@ -40,6 +40,8 @@ class RolloutSide:
     history: PromptHistory  # DPPO's per-prompt history (updated by the trainer from each step's advantages)
     eval_sets: dict[str, list[Prompt]] = field(default_factory=dict)
     eval_scorers: dict[str, Any] = field(default_factory=dict)
+    env_factory: Any = None  # multi-turn episodes (cfg.env): a fresh Environment per call; None = single-turn
+    chat: Any = None  # env.tokens.ChatTokens of the tokenizer (observation tokens of the episodes), with env_factory
 
 
 @dataclass

@@ -93,7 +93,9 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
                    truncated=[t for r in rollouts for t in r.truncated],
                    rewards=torch.cat(rewards) if rewards else torch.zeros(0, G),
                    reward_failures=sum(r.reward_failures for r in rollouts),
-                   reward_timeouts=sum(r.reward_timeouts for r in rollouts))
+                   reward_timeouts=sum(r.reward_timeouts for r in rollouts),
+                   episodes=None if any(r.episodes is None for r in rollouts)
+                   else [e for r in rollouts for e in r.episodes])
 
 
 def select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
@@ -103,16 +105,17 @@ def select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
                    texts=[rollout.texts[i] for i in rows],
                    behaviour_logprobs=[rollout.behaviour_logprobs[i] for i in rows],
                    truncated=[rollout.truncated[i] for i in rows],
-                   rewards=rollout.rewards[index] if rollout.rewards is not None else None)
+                   rewards=rollout.rewards[index] if rollout.rewards is not None else None,
+                   episodes=None if rollout.episodes is None else [rollout.episodes[i] for i in rows])
 
 
 def overlong_metrics(cfg, rollout: Rollout) -> dict[str, float]:
     """overlong/* over the generated completions (raw means): the soft penalty's mean and the fraction it touched
     (overlong.buffer > 0), the completions overlong filtering removed from the loss (overlong.filter)."""
     m = {}
-    lengths = torch.tensor([len(c) for comps in rollout.completions for c in comps])
+    lengths = rollout.lengths().long().flatten()  # (trained tokens: an episode's sampled ones)
     if cfg.overlong.buffer and lengths.numel():
-        penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.overlong.buffer, cfg.overlong.penalty)
+        penalty = overlong_penalty(lengths, cfg.trained_token_limit, cfg.overlong.buffer, cfg.overlong.penalty)
         m["overlong/penalty_mean"] = float(penalty.mean())
         m["overlong/penalized_fraction"] = float((penalty < 0).float().mean())
     if cfg.overlong.filter:

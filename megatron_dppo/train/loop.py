@@ -56,7 +56,7 @@ from megatron_dppo.run.metrics import PhaseTimer, plot_reward_curve, read_jsonl
 from megatron_dppo.run.setup import eval_due, push_weights, setup, teardown
 from megatron_dppo.run.state import Run
 from megatron_dppo.train.dapo import overlong_metrics
-from megatron_dppo.train.draw import DrawnBatch, draw_batch
+from megatron_dppo.train.draw import DrawnBatch, draw_batch, history_costs
 from megatron_dppo.train.evaluation import evaluate
 from megatron_dppo.train.rollouts import training_rewards
 from megatron_dppo.train.stages import (
@@ -90,6 +90,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     #      (pi recorded with the batch);
     #   3. G completions for every kept prompt (sharded over ranks, gathered on all; the engine's own log-probs
     #      kept as the behaviour log-probs); the rollout engine then releases its accelerator memory (vLLM sleep);
+    #      with an env section each completion is a multi-turn episode with a loss mask (train/rollouts.py);
     #   4. rewards (a failing reward function costs its sample a 0 and a warning);
     #   4b. DAPO dynamic sampling (dynamic_sampling.enable, algo.pruner=none): groups with one reward for all
     #      dropped and more prompts drawn, generated and scored until B groups remain (at most max_rounds rounds);
@@ -98,11 +99,12 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     prompts, prompt_cut, kept, rollout = drawn.prompts, drawn.prompt_cut, drawn.kept, drawn.rollout
 
     # 5. Advantages on the FULL groups (never recomputed from survivors) of the training reward (the task reward
-    #    plus DAPO's soft overlong penalty when overlong.buffer > 0); remember mean |A| per prompt.
+    #    plus DAPO's soft overlong penalty when overlong.buffer > 0); remember mean |A| per prompt (and, for the
+    #    cost-aware keep rule, the mean tokens of its episodes).
     advantages = compute_advantages(training_rewards(cfg, rollout), trainer.estimator,
                                     trainer.loss_cfg.advantage_eps) if kept else torch.zeros(0, cfg.train.group_size)
     if kept:
-        side.history.update([p.id for p in kept], advantages)
+        side.history.update([p.id for p in kept], advantages, costs=history_costs(side, rollout))
 
     # 6. Completion-level pruning -> per-completion keep mask and weight 1/(pi_q * pi_{i|q}).
     with timer("prune"):

@@ -124,8 +124,11 @@ def test_every_option_is_documented():
 
 def _help(key):
     import dataclasses
+    import typing
     section, name = key.split(".")
-    cls = type(getattr(Config(), section))
+    cls = typing.get_type_hints(Config)[section]
+    if typing.get_origin(cls) in (typing.Union, __import__("types").UnionType):  # an optional section (env)
+        cls = next(a for a in typing.get_args(cls) if a is not type(None))
     return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
 
 
