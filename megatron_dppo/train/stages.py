@@ -105,6 +105,8 @@ def build_train_batch(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneR
         for i in range(G):
             if not bool(total_cut.keep[q, i]):
                 continue
+            if masks is not None and not trained[row, i]:  # an episode whose environment failed at reset: no
+                continue  # sampled token, no loss term (its reward still counts in its group's advantages)
             completion = rollout.completions[row][i]
             token_ids.append(prompt.token_ids + completion)
             prompt_lengths.append(len(prompt.token_ids))
