@@ -69,6 +69,10 @@ class Config:
             raise ValueError(f"parallel.cp={self.parallel.cp} with model.moe_routing_replay={model.moe_routing_replay}"
                              f" / model.moe_aux_loss_coeff={model.moe_aux_loss_coeff}: a context-parallel rank routes "
                              "only its part of each sequence; use parallel.cp=1 or turn both off")
+        if self.data.arithmetic_warm_start == "calculator" and (self.data.task != "arithmetic" or self.env is None):
+            raise ValueError("data.arithmetic_warm_start=calculator warm-starts a calculator-using policy on the "
+                             f"arithmetic task: it needs data.task=arithmetic (got {self.data.task!r}) and an env "
+                             "section (env.name=calculator)")
         self._validate_placement()
         if self.eval.every and self.data.task == "files" and not self.eval.files:
             raise ValueError("eval.every > 0 needs eval.files (held-out JSONL/parquet files)")

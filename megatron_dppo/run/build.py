@@ -78,7 +78,15 @@ def build_tokenizer(cfg: Config):
         path = Path(cfg.train.output_dir) / "tokenizer"
         if D.is_main() and not (path / "tokenizer_config.json").is_file():
             corpus = arithmetic_task(cfg).corpus(cfg.data.arithmetic_train_size)
-            train_sentencepiece_tokenizer(corpus, path, vocab_size=cfg.model.tokenizer_vocab_size)
+            symbols = {}
+            if cfg.data.arithmetic_warm_start == "calculator":  # the tool-use traces' pieces (data/tool_traces.py)
+                from megatron_dppo.data import tool_traces
+                from megatron_dppo.data.tokenizer import ROLE_TOKENS
+
+                corpus += tool_traces.corpus(arithmetic_task(cfg).records(cfg.data.arithmetic_train_size, "train"))
+                # byte pieces: any text a tool answers with (an error message echoing the call) round-trips
+                symbols = {"user_symbols": ROLE_TOKENS + tool_traces.SYMBOLS, "byte_fallback": True}
+            train_sentencepiece_tokenizer(corpus, path, vocab_size=cfg.model.tokenizer_vocab_size, **symbols)
         D.barrier()
         tok = load_tokenizer(path)
     else:
@@ -294,14 +302,22 @@ def encode_prompts(cfg: Config, records, tokenizer, arch) -> list[Prompt]:
     return out
 
 
-def load_train_prompts(cfg: Config, tokenizer, arch) -> tuple[list[Prompt], list[tuple[list[int], list[int]]]]:
-    """Training prompts, and for the arithmetic task the gold completions of the warm start."""
+def load_train_prompts(cfg: Config, tokenizer, arch) -> tuple[list[Prompt], list[tuple]]:
+    """Training prompts, and for the arithmetic task the gold completions of the warm start: (prompt ids, completion
+    ids), or with data.arithmetic_warm_start=calculator (prompt ids, tool-use trace ids, its loss mask)."""
     if cfg.data.task == "arithmetic":
         records = arithmetic_task(cfg).records(cfg.data.arithmetic_train_size, "train")
     else:
         records = load_train_records(cfg)
     prompts = encode_prompts(cfg, records, tokenizer, arch)
     pairs: list[tuple[list[int], list[int]]] = []
+    if cfg.data.task == "arithmetic" and cfg.train.sft_steps and cfg.data.arithmetic_warm_start == "calculator":
+        from megatron_dppo.data import tool_traces  # (prompt ids, trace ids, loss mask: observations 0)
+        from megatron_dppo.env import ChatTokens
+
+        chat = ChatTokens(tokenizer, cfg.env.chat_template_kwargs)
+        return prompts, [tool_traces.trace_tokens(chat, p.token_ids, tool_traces.trace_messages(r),
+                                                  tokenizer.eos_token_id) for p, r in zip(prompts, records)]
     if cfg.data.task == "arithmetic" and cfg.train.sft_steps:
         for p, r in zip(prompts, records):  # the gold completion: the answer, or the worked running totals
             gold = list(tokenizer(r.raw["solution"], add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]

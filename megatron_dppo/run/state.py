@@ -77,7 +77,7 @@ class Run:
     rollout_side: RolloutSide
     train_side: TrainSide
     sink: MetricsSink
-    sft_pairs: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (prompt ids, gold completion ids)
+    sft_pairs: list[tuple] = field(default_factory=list)  # (prompt ids, gold completion ids[, loss mask])
     rl_step: int = 0  # next RL step to run
     sft_step: int = 0  # warm-start steps done
     audit: Any = None  # open file (rank 0, logging.audit_log)

@@ -103,7 +103,7 @@ ALLOWED: dict[str, set[str]] = {
     "dist": set(),  # the process layer: launch, collectives, placement, weight/batch transfer, staleness
     "env": set(),  # multi-turn environments, tools, token-in-token-out streams
     "rewards": {"dist"},
-    "data": {"rewards"},  # (gold-answer extraction is the reward's)
+    "data": {"rewards", "env"},  # (gold-answer extraction is the reward's; tool-use traces are the episodes' tokens)
     "rollout": {"dist", "env"},  # generation engines (HF, vLLM), multi-turn episodes
     "megatron": {"algo", "packing", "dist"},  # the training engine
     "convert": {"megatron", "dist"},  # HF <-> Megatron checkpoints
