@@ -5,7 +5,8 @@ against DPPO with episodes as units (docs/benchmarks.md, "Tools help"; docs/envi
 Arms (nothing tuned per arm):
     tool-dppo    the example: warm start on tool-use traces, then DPPO (r_q = r_o = 0.5) on calculator episodes
     tool-grpo    the same with algo.pruner=none
-    plain-dppo   no calculator: warm start on the answers, DPPO on single-turn completions
+    plain-dppo   no calculator: warm start on the answers, DPPO on single-turn completions; ``--plain-steps`` RL
+                 steps (its steps are cheaper: more of them, so that its CPU time covers the tool arms')
 Per seed ONE warm start per mode (tool traces, answers) is trained and copied into its arms
 (``checkpoint.resume=must``): the tool arms share weights, data order and evaluation seeds.
 
@@ -15,8 +16,8 @@ trained on; ``eval.max_prompts`` prompts x ``eval.samples`` samples, the last as
 every ``eval.every`` steps; curves are smoothed by a 3-evaluation running mean and interpolated in CPU time.
 
 Endpoints (95% Student-t intervals over seeds, paired by seed):
-    1. accuracy at equal CPU time T_eq (the smallest total CPU of any run, warm start included): each arm, and the
-       difference tool-dppo - plain-dppo;
+    1. accuracy at equal CPU time T_eq (the smallest total CPU of any tool run, warm start included; a plain run
+       that ended before it holds its last value, flagged): each arm, and the difference tool-dppo - plain-dppo;
     2. RL CPU seconds until the smoothed accuracy first reaches ``--level`` (fixed before the study: from a pilot
        on a seed outside it), tool-dppo / tool-grpo as a paired ratio (a run that never reaches it is censored at
        its total and flagged);
@@ -73,7 +74,7 @@ def read_run(out: Path) -> dict:
 
 
 def train_runs(args, work: Path) -> dict:
-    overrides = COMMON + [f"train.steps={args.steps}", f"train.sft_steps={args.sft_steps}",
+    overrides = COMMON + [f"train.sft_steps={args.sft_steps}",
                           f"eval.every={args.eval_every}", f"eval.max_prompts={args.eval_prompts}",
                           f"eval.samples={args.eval_samples}", f"eval.pass_k={args.eval_samples}"] + list(args.extra)
     process = {}
@@ -93,13 +94,14 @@ def train_runs(args, work: Path) -> dict:
         seed, arm = job
         mode, extra = ARMS[arm]
         out = work / f"{arm}-s{seed}"
-        if args.reuse and (out / "metrics.jsonl").exists() and read_run(out)["steps"] >= args.steps:
+        steps = args.plain_steps if mode == "plain" else args.steps
+        if args.reuse and (out / "metrics.jsonl").exists() and read_run(out)["steps"] >= steps:
             return
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(work / f"warm-{mode}-s{seed}", out)
         print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}", flush=True)
         process[f"{seed}:{arm}"] = cli(CONFIG, overrides + MODES[mode] + extra + [
-            f"train.seed={seed}", "checkpoint.resume=must", f"train.output_dir={out}"], work / f"{arm}-s{seed}.log",
+            f"train.steps={steps}", f"train.seed={seed}", "checkpoint.resume=must", f"train.output_dir={out}"], work / f"{arm}-s{seed}.log",
             args.timeout)
         r = read_run(out)
         print(f"[{time.strftime('%H:%M:%S')}]   {arm} seed {seed}: pass@1 {r['acc'][0]:.3f} -> {r['acc'][-1]:.3f}, "
@@ -119,12 +121,13 @@ def analyse(args, work: Path) -> dict:
             if (work / f"{a}-s{s}" / "metrics.jsonl").exists()}
     seeds = [s for s in args.seeds if all((s, a) in runs for a in ARMS)]
     total = {k: r["warm_cpu"] + r["rl_total"] for k, r in runs.items()}
-    t_eq = min(total[(s, a)] for s in seeds for a in ARMS)
+    t_eq = min(total[(s, a)] for s in seeds for a in ARMS if ARMS[a][0] == "tool")
 
     def at(run, t):  # smoothed held-out pass@1 at total CPU time t (warm start included)
         return S.interp([run["warm_cpu"] + x for x in run["rl_t"]], run["smoothed"], t)
 
-    out = {"seeds": seeds, "T_eq_cpu_s": t_eq, "level": args.level, "metric": runs[(seeds[0], "tool-dppo")]["metric"],
+    short = [f"{a}-s{s}" for (s, a), t in total.items() if s in seeds and t < t_eq]
+    out = {"seeds": seeds, "T_eq_cpu_s": t_eq, "ended_before_T_eq": short, "level": args.level, "metric": runs[(seeds[0], "tool-dppo")]["metric"],
            "arms": {}, "runs": {f"{a}-s{s}": r for (s, a), r in runs.items()}}
     for a in ARMS:
         rs = [runs[(s, a)] for s in seeds]
@@ -185,7 +188,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--level", type=float, required=True, help="held-out pass@1 of endpoint 2, fixed in advance")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--sft-steps", type=int, default=150)
+    ap.add_argument("--plain-steps", type=int, default=150)
+    ap.add_argument("--sft-steps", type=int, default=600)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-prompts", type=int, default=200)
     ap.add_argument("--eval-samples", type=int, default=2)
