@@ -4,8 +4,8 @@ have one to three turns):
 
 * ``noop`` with ``max_turns=1`` equals the single-turn run: every non-timing metric of every RL step and every
   evaluation is the same (the episode run only adds its env/* family);
-* episodes train (observation tokens in the stream, loss-masked: tokens/trained_share < 1), the audit log records
-  each episode's turns and finish reason, and a run killed with SIGKILL while its environments step (a turn in
+* episodes train (observation tokens in the stream, loss-masked: tokens/trained_share < 1), the console line and
+  the audit log report each episode's turns and finish reason, and a run killed with SIGKILL while its environments step (a turn in
   flight) resumes from its last checkpoint to exactly the straight run's metrics: nothing lost, nothing changed;
 * environments and tools that hang or crash end only their episode (a hung ``step`` past env.step_timeout_s, a
   raising ``step`` or ``reset``: finish reason env_error) or become observations (the real python sandbox running
@@ -50,7 +50,8 @@ def test_episodes_train_and_a_kill9_mid_episode_resumes_to_the_straight_run(tmp_
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     cfg = dict(env=TALK, logging={"tensorboard": False, "progress_bar": False, "print_every": 1, "plot": False,
                                   "audit_log": True})
-    run_cli(write_config(tmp_path / "a.yaml", tiny_config(straight, **cfg)))
+    proc = run_cli(write_config(tmp_path / "a.yaml", tiny_config(straight, **cfg)))
+    assert "| turns " in proc.stdout and "| finish " in proc.stdout and "episode p50" in proc.stdout  # the console
     records = _rl(read_metrics(straight))
     assert len(records) == 4
     assert max(r["env/turns_mean"] for r in records) > 1.0  # some episodes went on after an observation
