@@ -1,5 +1,6 @@
 """Prompt history for DPPO's prompt level: a score h_q per prompt from its last group (or an EMA over visits), NaN
-for a prompt never seen (docs/algorithms.md, "DPPO"). Checkpointable as plain Python types.
+for a prompt never seen (docs/algorithms.md, "DPPO"); optionally the mean cost (tokens) of the prompt's last group,
+the prompt-level cost of the cost-aware keep rule. Checkpointable as plain Python types.
 
 Two scores (``algo.history_score``, ``make_history``):
 
@@ -12,7 +13,7 @@ Two scores (``algo.history_score``, ``make_history``):
     size before normalization). Chosen by ``algo.history_score=auto`` when a reward model is set
     (docs/reward_models.md, "Pruning under continuous rewards", and benchmarks/history_score.py).
 
-Both are states with the same interface, ``update(ids, advantages, rewards)``, ``scores(ids)``, ``state_dict()``,
+Both are states with the same interface, ``update(ids, advantages, rewards, costs)``, ``scores(ids)``, ``state_dict()``,
 ``load_state_dict()``: another per-prompt state (e.g. a posterior over the pass rate) can take their place.
 A checkpoint of one score refuses to load into the other (its ``FORMAT``).
 """
@@ -58,6 +59,7 @@ class PromptHistory:
             ema_alpha = float(ema_alpha)
         self.ema_alpha = ema_alpha
         self._scores: dict[int | str, float] = {}
+        self._costs: dict[int | str, float] = {}  # mean tokens of an episode of the prompt's last group
 
     def __len__(self) -> int:
         return len(self._scores)
@@ -65,12 +67,20 @@ class PromptHistory:
     def __contains__(self, prompt_id: object) -> bool:
         return prompt_id in self._scores
 
-    def update(self, ids: Sequence[PromptId] | Tensor, advantages: Tensor, rewards: Tensor | None = None) -> None:
+    def update(self, ids: Sequence[PromptId] | Tensor, advantages: Tensor, rewards: Tensor | None = None,
+               costs: Tensor | None = None) -> None:
         """Record the score of each full group: advantages [len(ids), G]; rewards [len(ids), G], the raw training
-        rewards (unused here: mean |A| reads the advantages)."""
+        rewards (unused by mean |A|, which reads the advantages). ``costs`` [len(ids)] (optional): the mean cost
+        of one completion of each group (the last visit's; ``costs(ids)`` reads it back)."""
         ids = _normalize_ids(ids)
         new = self.group_scores(_checked_groups("advantages", advantages, len(ids)),
                                 None if rewards is None else _checked_groups("rewards", rewards, len(ids)))
+        if costs is not None:
+            costs = check_float_tensor("costs", costs, min_dim=1)
+            if tuple(costs.shape) != (len(ids),):
+                raise ValueError(f"costs must have shape [{len(ids)}] for {len(ids)} ids, got {tuple(costs.shape)}")
+            check_finite("costs", costs)
+            self._costs.update(zip(ids, (float(c) for c in costs.detach().double().tolist())))
         for prompt_id, value in zip(ids, new):
             old = self._scores.get(prompt_id)
             if old is None or self.ema_alpha is None:
@@ -87,14 +97,23 @@ class PromptHistory:
         ids = _normalize_ids(ids)
         return torch.tensor([self._scores.get(i, math.nan) for i in ids], dtype=torch.float64)
 
+    def costs(self, ids: Sequence[PromptId] | Tensor) -> Tensor:
+        """The recorded mean cost of one completion of each prompt's last group (float64), NaN where none is."""
+        ids = _normalize_ids(ids)
+        return torch.tensor([self._costs.get(i, math.nan) for i in ids], dtype=torch.float64)
+
     def state_dict(self) -> dict:
         ids = list(self._scores)
-        return {
+        state = {
             "format": self.FORMAT,
             "ema_alpha": self.ema_alpha,
             "ids": ids,
             "scores": [self._scores[i] for i in ids],
         }
+        if self._costs:  # (only when recorded: the state of a run without costs is what it always was)
+            state["cost_ids"] = list(self._costs)
+            state["costs"] = [self._costs[i] for i in state["cost_ids"]]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != self.FORMAT:
@@ -106,6 +125,10 @@ class PromptHistory:
         if len(ids) != len(scores):
             raise ValueError(f"PromptHistory state has {len(ids)} ids but {len(scores)} scores")
         self._scores = dict(zip(ids, scores))
+        cost_ids, costs = _normalize_ids(state.get("cost_ids", [])), [float(c) for c in state.get("costs", [])]
+        if len(cost_ids) != len(costs):
+            raise ValueError(f"PromptHistory state has {len(cost_ids)} cost ids but {len(costs)} costs")
+        self._costs = dict(zip(cost_ids, costs))
 
 
 class RewardSpreadHistory(PromptHistory):

@@ -68,6 +68,14 @@ class DataConfig:
     arithmetic_worked: bool = opt(False, "Worked answers: the gold completion lists the running totals left to right "
                                          "('3+4-2=' -> '7,5'; operators + and - only) and the reward is "
                                          "arithmetic_worked (last integer == answer).")
+    arithmetic_warm_start: Literal["answer", "calculator"] = opt(
+        "answer", "Gold completions of the warm start (train.sft_steps) on the arithmetic task: answer (the answer, or "
+                  "the worked running totals) or calculator (a tool-use trace: '<calc>expression</calc>', the "
+                  "calculator's result as a tool message, the answer; observation tokens masked, built with the chat "
+                  "template as an episode is; needs env.name=calculator). With model.tokenizer=train-sentencepiece "
+                  "the tokenizer also learns the traces, keeps <calc>, </calc> and <|tool|> whole and falls back to "
+                  "bytes (model.tokenizer_vocab_size >= ~300), so every tool answer round-trips "
+                  "(megatron_dppo/data/tool_traces.py).")
 
     def validate(self) -> None:
         if self.task == "files":

@@ -32,15 +32,33 @@ def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def _optional_section(tp: Any) -> type | None:
-    """The section class of an optional section (``Optional[LoraSection]``: null = off), else None."""
+    """The section class of an optional section (``env: Optional[EnvConfig] = None``, ``model.lora``: absent, i.e.
+    off, unless configured), else None."""
     if _is_optional(tp) and _is_dataclass_type(_strip_optional(tp)):
         return _strip_optional(tp)
     return None
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _build_section(cls: type, current: Any, data: Any, prefix: str) -> Any:
+    """An optional section from a mapping, over ``current`` (None: the section's defaults); ``data`` None (or
+    null) removes the section. The section validates itself when built (its errors name the key)."""
+    if data is None or (isinstance(data, str) and data.lower() in ("null", "none", "~")):
+        return None
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.')} must be a mapping (or null to leave it out), got {data!r}")
+    values = dataclasses.asdict(current) if current is not None else {}
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k, v in data.items():
+        if k not in names:
+            raise _unknown_key_error(prefix + str(k))
+        values[k] = coerce(prefix + str(k), v, hints[k])
+    return cls(**values)
 
 
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
@@ -169,21 +187,10 @@ def _apply(section: Any, data: dict, prefix: str) -> None:
         tp = hints[k]
         if _is_dataclass_type(tp):
             _apply(getattr(section, k), v if v is not None else {}, key + ".")
-        elif _optional_section(tp) is not None:
-            _apply_optional_section(section, k, v, tp, key)
+        elif (optional := _optional_section(tp)) is not None:
+            setattr(section, k, _build_section(optional, getattr(section, k), v, key + "."))
         else:
             setattr(section, k, coerce(key, v, tp))
-
-
-def _apply_optional_section(parent: Any, name: str, value: Any, tp: Any, key: str) -> None:
-    """An optional section from a value: null (or "null") turns it off, a mapping turns it on (defaults for the
-    keys it does not name) and overwrites the keys it names."""
-    if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
-        setattr(parent, name, None)
-        return
-    if getattr(parent, name) is None:
-        setattr(parent, name, _optional_section(tp)())
-    _apply(getattr(parent, name), value, key + ".")
 
 
 def set_option(cfg: Config, key: str, value: Any) -> None:
@@ -196,17 +203,32 @@ def set_option(cfg: Config, key: str, value: Any) -> None:
             if part not in names:
                 raise _unknown_key_error(key)
             tp = _hints(type(obj))[part]
+            if (optional := _optional_section(tp)) is not None:  # rebuilt whole: it validates itself
+                rest = parts[i + 1:]
+                if rest and getattr(obj, part) is None and rest[0] != "name" and "name" in optional.__dataclass_fields__:
+                    raise ValueError(f"{key}: the {part} section is not configured; set {part}.name first (e.g. "
+                                     f"{part}.name=... {key}=...)")
+                data = value
+                if rest:
+                    data = dataclasses.asdict(getattr(obj, part)) if getattr(obj, part) is not None else {}
+                    if rest[0] not in optional.__dataclass_fields__:
+                        raise _unknown_key_error(key)
+                    node = data
+                    for sub in rest[:-1]:  # env.kwargs.timeout_s: one entry of a dict option
+                        node = node.setdefault(sub, {})
+                        if not isinstance(node, dict):
+                            raise ValueError(f"{'.'.join(parts[:i + 2])} is not a mapping option, it has no "
+                                             f"sub-key {'.'.join(rest[1:])!r}")
+                    node[rest[-1]] = value
+                setattr(obj, part, _build_section(optional, None, data, ".".join(parts[:i + 1]) + "."))
+                return
             if i == len(parts) - 1:
                 if _is_dataclass_type(tp):
                     _apply(getattr(obj, part), value, key + ".")
-                elif _optional_section(tp) is not None:
-                    _apply_optional_section(obj, part, value, tp, key)
                 else:
                     setattr(obj, part, coerce(key, value, tp))
                 return
-            if _optional_section(tp) is not None and getattr(obj, part) is None:  # model.lora.rank=8: turned on
-                setattr(obj, part, _optional_section(tp)())
-            if not _is_dataclass_type(tp) and _optional_section(tp) is None and not (
+            if not _is_dataclass_type(tp) and not (
                     tp is dict or get_origin(tp) is dict):
                 raise ValueError(f"{'.'.join(parts[:i + 1])} is a {_type_name(tp)} option, it has no sub-key "
                                  f"{'.'.join(parts[i + 1:])!r}")
@@ -270,15 +292,26 @@ def describe(cls: type = Config, prefix: str = "") -> str:
     defaults = cls()
     for f in dataclasses.fields(cls):
         tp = _hints(cls)[f.name]
-        if _is_dataclass_type(tp):
+        section = tp if _is_dataclass_type(tp) else _optional_section(tp)
+        if section is tp:
             lines.append(f"\n[{prefix}{f.name}]  {(tp.__doc__ or '').strip().splitlines()[0]}")
             lines.append(describe(tp, prefix + f.name + "."))
-        elif _optional_section(tp) is not None:
-            section = _optional_section(tp)
+        elif section is not None:
             lines.append(f"\n[{prefix}{f.name}]  (default null: off) {f.metadata.get('help', '')}\n  "
                          f"{(section.__doc__ or '').strip().splitlines()[0]}")
-            lines.append(describe(section, prefix + f.name + "."))
+            lines.append(_describe_fields(section, prefix + f.name + "."))
         else:
             default = getattr(defaults, f.name)
             lines.append(f"  {prefix}{f.name}: {_type_name(tp)} = {default!r}\n      {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def _describe_fields(cls: type, prefix: str) -> str:
+    """The fields of an optional section (its defaults read from the field declarations: the section itself may
+    refuse to be built empty)."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {prefix}{f.name}: {_type_name(_hints(cls)[f.name])} = {default!r}\n      "
+                     f"{f.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -16,6 +17,7 @@ from megatron_dppo.config.data import DataConfig
 from megatron_dppo.config.sections import (
     AlgoConfig, CheckpointConfig, EvalConfig, LoggingConfig, LossConfig, ModelConfig, OptimConfig, PackingConfig,
     ParallelConfig, RewardConfig, RolloutConfig, TrainConfig)
+from megatron_dppo.env.config import EnvConfig  # the env section is the episode loop's own (env/config.py)
 
 
 @dataclass
@@ -27,6 +29,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: Optional[EnvConfig] = None  # multi-turn episodes (docs/environments.md); None = single-turn completions
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
@@ -42,18 +45,20 @@ class Config:
         """Check every section, then the rules that span sections. Returns self. ``overridden``: the keys set on
         the command line, over a YAML file (``_refuse_unused_options`` says what they change)."""
         for f in dataclasses.fields(self):
-            getattr(self, f.name).validate()
-        _check(self.packing.capacity > self.rollout.max_new_tokens, "packing.capacity", self.packing.capacity,
-               f"> rollout.max_new_tokens={self.rollout.max_new_tokens} (a whole prompt + completion must fit; "
-               "checked against the real prompt lengths at start-up)")
+            if getattr(self, f.name) is not None:  # (an optional section left out: env)
+                getattr(self, f.name).validate()
+        budget = self.completion_budget_key
+        _check(self.packing.capacity > self.completion_budget, "packing.capacity", self.packing.capacity,
+               f"> {budget}={self.completion_budget} (a whole prompt + completion must fit; checked against the "
+               "real prompt lengths at start-up)")
         ctx = self.model.hf_config.get("max_position_embeddings")
-        _check(ctx is None or self.rollout.max_new_tokens < ctx, "rollout.max_new_tokens",
-               self.rollout.max_new_tokens, f"< the model context max_position_embeddings={ctx}")
+        _check(ctx is None or self.completion_budget < ctx, budget, self.completion_budget,
+               f"< the model context max_position_embeddings={ctx}")
         if self.algo.pruner == "cppo" and self.algo.cppo_allocation and self.algo.drop_zero_variance_groups:
             raise ValueError("algo.cppo_allocation=true and algo.drop_zero_variance_groups=true cannot be combined "
                              "(allocation prunes back to exactly B*G completions); set one of them to false")
-        _check(self.overlong.buffer <= self.rollout.max_new_tokens, "overlong.buffer", self.overlong.buffer,
-               f"<= rollout.max_new_tokens={self.rollout.max_new_tokens} (the penalty zone ends at the limit)")
+        _check(self.overlong.buffer <= self.trained_token_limit, "overlong.buffer", self.overlong.buffer,
+               f"<= {self.trained_token_limit_key}={self.trained_token_limit} (the penalty zone ends at the limit)")
         if self.dynamic_sampling.enable and self.algo.pruner != "none":
             raise ValueError(f"dynamic_sampling.enable=true needs algo.pruner=none, got algo.pruner="
                              f"{self.algo.pruner!r}: refill trains on a batch conditioned on non-zero reward "
@@ -66,6 +71,10 @@ class Config:
             raise ValueError(f"parallel.cp={self.parallel.cp} with model.moe_routing_replay={model.moe_routing_replay}"
                              f" / model.moe_aux_loss_coeff={model.moe_aux_loss_coeff}: a context-parallel rank routes "
                              "only its part of each sequence; use parallel.cp=1 or turn both off")
+        if self.data.arithmetic_warm_start == "calculator" and (self.data.task != "arithmetic" or self.env is None):
+            raise ValueError("data.arithmetic_warm_start=calculator warm-starts a calculator-using policy on the "
+                             f"arithmetic task: it needs data.task=arithmetic (got {self.data.task!r}) and an env "
+                             "section (env.name=calculator)")
         self._validate_placement()
         if self.eval.every and self.data.task == "files" and not self.eval.files:
             raise ValueError("eval.every > 0 needs eval.files (held-out JSONL/parquet files)")
@@ -103,6 +112,29 @@ class Config:
         if r.placement == "colocated":
             _check(k == 0, "train.max_staleness", k, "0 with rollout.placement=colocated (one process generates "
                    "and trains in turn: nothing to overlap); use rollout.placement=separate for k >= 1")
+
+    # -- the bounds of one completion: a single-turn completion's, or a multi-turn episode's (env) ---------------
+    @property
+    def completion_budget(self) -> int:
+        """The most tokens after a prompt: rollout.max_new_tokens, or with episodes env.max_tokens (sampled and
+        observation tokens; rollout.max_new_tokens then bounds one turn)."""
+        return self.rollout.max_new_tokens if self.env is None else self.env.max_tokens
+
+    @property
+    def completion_budget_key(self) -> str:
+        return "rollout.max_new_tokens" if self.env is None else "env.max_tokens"
+
+    @property
+    def trained_token_limit(self) -> int:
+        """The most trained (loss-mask 1) tokens of one completion, the L_max of the denominators and of the overlong
+        penalty: rollout.max_new_tokens, or with episodes the env's assistant-token limit."""
+        return self.rollout.max_new_tokens if self.env is None else self.env.assistant_token_limit
+
+    @property
+    def trained_token_limit_key(self) -> str:
+        if self.env is None:
+            return "rollout.max_new_tokens"
+        return "env.max_tokens" if self.env.max_assistant_tokens is None else "env.max_assistant_tokens"
 
     @property
     def checkpoint_dir(self) -> str:

@@ -345,6 +345,12 @@ class AlgoConfig:
                    "prompt's history score, resp. |A| * L^keep_length_exponent / pi_q; completions with A = 0 get "
                    "pi = 0 when loss.kl_coef == 0 (their gradient is exactly zero). docs/algorithms.md, "
                    "\"Variance-optimal keep probabilities\".")
+    dppo_keep_cost: Literal["none", "tokens"] = opt(
+        "none", "dppo_keep=optimal: none = every unit costs the same; tokens = cost-aware keep probabilities pi = "
+                "clip(t * s / sqrt(c), keep_floor, 1) at a fixed expected cost (r_q / r_o = expected share of the "
+                "tokens saved), c = each episode's tokens (prompt + sampled + observation) at completion level, G x "
+                "the prompt's last mean episode tokens at prompt level (multi-turn episodes, whose costs differ "
+                "tenfold). docs/environments.md, \"Cost-aware keep rule\".")
     keep_floor: float = opt(0.3, "dppo_keep=optimal: the least keep probability pi_min of every unit that can carry "
                                  "gradient (every seen prompt; completions with A != 0, and all of them with a KL "
                                  "term). In (0, 1]; > 0 is what keeps the prompt level unbiased when a prompt's "
@@ -384,6 +390,8 @@ class AlgoConfig:
                "a finite number")
         _check(not (self.dppo_keep == "optimal" and self.mode == "deterministic"), "algo.mode", self.mode,
                "bernoulli or fixed_size with algo.dppo_keep=optimal (deterministic has no keep probabilities)")
+        _check(self.dppo_keep_cost == "none" or self.dppo_keep == "optimal", "algo.dppo_keep_cost",
+               self.dppo_keep_cost, "none unless algo.dppo_keep=optimal (the cost shapes the optimal rule)")
 
 
 LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")

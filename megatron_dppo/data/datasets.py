@@ -67,12 +67,14 @@ class PromptRecord:
 @dataclass
 class Prompt:
     """A training/eval prompt, rendered with its template and tokenized once at start-up (``gold``: the reference
-    answer the reward compares with)."""
+    answer the reward compares with; ``messages``: the chat messages it was rendered from with the chat template,
+    empty for the other templates: a multi-turn episode's ``Task`` carries them, docs/environments.md)."""
 
     id: str
     token_ids: list[int]
     gold: Any
     text: str
+    messages: tuple[dict, ...] = ()
 
 
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "list", "strip_units")

@@ -44,13 +44,21 @@ class PromptFormatter:
     def _question(self, prompt: str) -> str:
         return f"{prompt}\n\n{self.instruction}" if self.instruction else prompt
 
+    def messages(self, prompt: str) -> list[dict]:
+        """The chat messages ``render`` renders with the chat template (system message if given, the user turn);
+        empty for the other templates, whose prompt is not a chat."""
+        if self.template != "chat":
+            return []
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages.append({"role": "user", "content": self._question(prompt)})
+        return messages
+
     def render(self, prompt: str) -> str:
         """The full prompt text fed to the model."""
         question = self._question(prompt)
         if self.template == "chat":
-            messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-            messages.append({"role": "user", "content": question})
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(self.messages(prompt), tokenize=False,
+                                                      add_generation_prompt=True)
         system = f"{self.system_prompt}\n" if self.system_prompt else ""
         if self.template == "raw":
             return system + question

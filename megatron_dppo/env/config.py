@@ -1,48 +1,51 @@
 """``EnvConfig``: the ``env`` section of a run (multi-turn episodes). No ``env`` section = single-turn completions,
-as before. Every field is documented here, once."""
+as before. Every field is documented here, once (its ``help``; ``megatron-dppo train --help-config`` prints it)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 TOKEN_CHECKS = ("strict", "warn", "off")
 
 
+def _opt(default: Any, help: str) -> Any:  # noqa: A002 - the config sections' spelling (config/fields.opt)
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EnvConfig:
-    """Multi-turn episodes with an environment (docs/environments.md).
+    """Multi-turn episodes with an environment (docs/environments.md); absent = single-turn completions."""
 
-    name:                 the environment: a built-in (``calculator``, ``python``, ``openenv``, ``noop``) or an
-                          import path ``pkg.module:Factory`` of a callable returning a fresh Environment.
-    kwargs:               keyword arguments of the factory (e.g. ``{timeout_s: 5}`` for ``python``).
-    max_turns:            assistant turns per episode (>= 1); an environment that wants more after the last one
-                          ends the episode with finish reason ``max_turns``.
-    max_tokens:           tokens after the prompt per episode, assistant and observation tokens together: the
-                          bound of the trained sequence's length (prompt + this) and of every turn's generation.
-    max_assistant_tokens: sampled (trained, loss-mask 1) tokens per episode; None = ``max_tokens``. The L_max of
-                          ``seq_mean_token_sum_norm`` under multi-turn episodes.
-    step_timeout_s:       wall-clock limit of one ``reset``/``step`` call; past it the episode ends with
-                          ``env_error`` (tools should enforce their own, shorter limits: ``python`` does).
-    max_parallel_steps:   environment calls running at once (threads; a ``python`` tool call is a subprocess
-                          each, so this also bounds the sandboxes alive at a time).
-    token_check:          ``strict`` (raise on a chat-template mismatch of the rendered conversation), ``warn``
-                          (log it once per process) or ``off``. The token-identity checks of the episode builder
-                          (sampled ids verbatim, each turn's context = the episode so far) always run.
-    chat_template_kwargs: extra keyword arguments of ``apply_chat_template`` (e.g. ``{tools: [...]}``).
-    """
-
-    name: str = ""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    max_turns: int = 4
-    max_tokens: int = 1024
-    max_assistant_tokens: int | None = None
-    step_timeout_s: float = 30.0
-    max_parallel_steps: int = 32
-    token_check: str = "strict"
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    name: str = _opt("", "The environment: a built-in (calculator, python, openenv, noop) or an import path "
+                         "'pkg.module:Factory' of a callable returning a fresh Environment (called once per episode).")
+    kwargs: dict = _opt({}, "Keyword arguments of the factory (e.g. {timeout_s: 5} for python).")
+    max_turns: int = _opt(4, "Assistant turns per episode (>= 1); an environment that wants more after the last one "
+                             "ends the episode with finish reason max_turns.")
+    max_tokens: int = _opt(1024, "Tokens after the prompt per episode, assistant and observation tokens together: the "
+                                 "bound of the trained sequence (prompt + this <= packing.capacity) and of every "
+                                 "turn's generation (rollout.max_new_tokens is then the bound of one turn).")
+    max_assistant_tokens: Optional[int] = _opt(None, "Sampled (trained, loss-mask 1) tokens per episode; null = "
+                                                     "env.max_tokens. The L_max of seq_mean_token_sum_norm and of "
+                                                     "the overlong penalty under multi-turn episodes.")
+    step_timeout_s: float = _opt(30.0, "Wall-clock limit of one reset/step call; past it the episode ends with "
+                                       "env_error (tools should enforce their own, shorter limits: python does).")
+    max_parallel_steps: int = _opt(32, "Environment calls running at once (threads; a python tool call is a "
+                                       "subprocess each, so this also bounds the sandboxes alive at a time).")
+    token_check: str = _opt("strict", "Render audit of every episode: strict (raise on a chat-template mismatch of "
+                                      "the rendered conversation), warn (log it once per process) or off. The token-"
+                                      "identity checks (sampled ids verbatim, each turn's context = the episode so "
+                                      "far) always run.")
+    chat_template_kwargs: dict = _opt({}, "Extra keyword arguments of apply_chat_template (e.g. {tools: [...]}).")
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every field in range (called at construction and again by ``Config.validate``: a loader or a test may
+        set a field after construction)."""
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError("env.name must name an environment: a built-in (calculator, python, openenv, noop) or "
                              f"'pkg.module:Factory', got {self.name!r}")

@@ -78,7 +78,15 @@ def build_tokenizer(cfg: Config):
         path = Path(cfg.train.output_dir) / "tokenizer"
         if D.is_main() and not (path / "tokenizer_config.json").is_file():
             corpus = arithmetic_task(cfg).corpus(cfg.data.arithmetic_train_size)
-            train_sentencepiece_tokenizer(corpus, path, vocab_size=cfg.model.tokenizer_vocab_size)
+            symbols = {}
+            if cfg.data.arithmetic_warm_start == "calculator":  # the tool-use traces' pieces (data/tool_traces.py)
+                from megatron_dppo.data import tool_traces
+                from megatron_dppo.data.tokenizer import ROLE_TOKENS
+
+                corpus += tool_traces.corpus(arithmetic_task(cfg).records(cfg.data.arithmetic_train_size, "train"))
+                # byte pieces: any text a tool answers with (an error message echoing the call) round-trips
+                symbols = {"user_symbols": ROLE_TOKENS + tool_traces.SYMBOLS, "byte_fallback": True}
+            train_sentencepiece_tokenizer(corpus, path, vocab_size=cfg.model.tokenizer_vocab_size, **symbols)
         D.barrier()
         tok = load_tokenizer(path)
     else:
@@ -274,33 +282,44 @@ def load_train_records(cfg: Config) -> list:
 
 
 def encode_prompts(cfg: Config, records, tokenizer, arch) -> list[Prompt]:
-    """Render + tokenize every record; a prompt that cannot fit with max_new_tokens is an error naming it."""
+    """Render + tokenize every record; a prompt that cannot fit with its completion (rollout.max_new_tokens, or
+    env.max_tokens for a multi-turn episode) is an error naming it."""
     from megatron_dppo.data import check_prompt_fits
 
     fmt = _formatter(cfg, tokenizer)
+    budget, key = cfg.completion_budget, cfg.completion_budget_key
     out = []
     for r in records:  # the cheap lower bound first: an enormous row is refused without tokenizing it
-        room = arch.max_position_embeddings - cfg.rollout.max_new_tokens
+        room = arch.max_position_embeddings - budget
         if (at_least := fmt.too_long(r.prompt, room)) is not None:
-            check_prompt_fits(at_least, cfg.rollout.max_new_tokens, arch.max_position_embeddings, r.id, at_least=True)
+            check_prompt_fits(at_least, budget, arch.max_position_embeddings, r.id, at_least=True)
         ids = fmt.encode(r.prompt)
-        check_prompt_fits(len(ids), cfg.rollout.max_new_tokens, arch.max_position_embeddings, r.id)
-        if len(ids) + cfg.rollout.max_new_tokens > cfg.packing.capacity:
-            raise ValueError(f"prompt {r.id!r} has {len(ids)} tokens: with rollout.max_new_tokens="
-                             f"{cfg.rollout.max_new_tokens} a sequence can reach {len(ids) + cfg.rollout.max_new_tokens}"
-                             f" tokens, more than packing.capacity={cfg.packing.capacity}; raise packing.capacity")
-        out.append(Prompt(id=r.id, token_ids=ids, gold=r.gold, text=r.prompt))
+        check_prompt_fits(len(ids), budget, arch.max_position_embeddings, r.id)
+        if len(ids) + budget > cfg.packing.capacity:
+            raise ValueError(f"prompt {r.id!r} has {len(ids)} tokens: with {key}={budget} a sequence can reach "
+                             f"{len(ids) + budget} tokens, more than packing.capacity={cfg.packing.capacity}; raise "
+                             "packing.capacity")
+        out.append(Prompt(id=r.id, token_ids=ids, gold=r.gold, text=r.prompt,
+                          messages=tuple(fmt.messages(r.prompt))))
     return out
 
 
-def load_train_prompts(cfg: Config, tokenizer, arch) -> tuple[list[Prompt], list[tuple[list[int], list[int]]]]:
-    """Training prompts, and for the arithmetic task the gold completions of the warm start."""
+def load_train_prompts(cfg: Config, tokenizer, arch) -> tuple[list[Prompt], list[tuple]]:
+    """Training prompts, and for the arithmetic task the gold completions of the warm start: (prompt ids, completion
+    ids), or with data.arithmetic_warm_start=calculator (prompt ids, tool-use trace ids, its loss mask)."""
     if cfg.data.task == "arithmetic":
         records = arithmetic_task(cfg).records(cfg.data.arithmetic_train_size, "train")
     else:
         records = load_train_records(cfg)
     prompts = encode_prompts(cfg, records, tokenizer, arch)
     pairs: list[tuple[list[int], list[int]]] = []
+    if cfg.data.task == "arithmetic" and cfg.train.sft_steps and cfg.data.arithmetic_warm_start == "calculator":
+        from megatron_dppo.data import tool_traces  # (prompt ids, trace ids, loss mask: observations 0)
+        from megatron_dppo.env import ChatTokens
+
+        chat = ChatTokens(tokenizer, cfg.env.chat_template_kwargs)
+        return prompts, [tool_traces.trace_tokens(chat, p.token_ids, tool_traces.trace_messages(r),
+                                                  tokenizer.eos_token_id) for p, r in zip(prompts, records)]
     if cfg.data.task == "arithmetic" and cfg.train.sft_steps:
         for p, r in zip(prompts, records):  # the gold completion: the answer, or the worked running totals
             gold = list(tokenizer(r.raw["solution"], add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
@@ -351,6 +370,23 @@ def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None, *, step_bu
                         num_workers=cfg.reward.num_workers, budget_s=cfg.reward.step_budget_s if step_budget else None)
 
 
+def build_env(cfg: Config, tokenizer) -> tuple[Any, Any]:
+    """Multi-turn episodes (the ``env`` section): (the environment factory, one fresh environment per call; the
+    ``ChatTokens`` of the tokenizer's chat template, which observation tokens come from). (None, None) without an
+    ``env`` section. A factory that cannot be built, rejects env.kwargs, or a tokenizer without a chat template is
+    a ValueError naming it, before anything is written."""
+    if cfg.env is None:
+        return None, None
+    from megatron_dppo.env import ChatTokens, make_env_factory
+
+    factory = make_env_factory(cfg.env.name, cfg.env.kwargs)
+    try:
+        chat = ChatTokens(tokenizer, cfg.env.chat_template_kwargs)
+    except ValueError as err:
+        raise ValueError(f"env.name={cfg.env.name!r}: {err} (model.chat_template)") from None
+    return factory, chat
+
+
 def eos_ids(tokenizer, hf_config: dict) -> list[int]:
     ids = hf_config.get("eos_token_id", tokenizer.eos_token_id)
     ids = ids if isinstance(ids, list) else [ids]
@@ -389,7 +425,7 @@ def build_pruner(cfg: Config, loss_cfg: LossConfig):
     if cfg.algo.pruner == "dppo":
         return DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode, keep=cfg.algo.dppo_keep,
                           length_exponent=cfg.algo.keep_length_exponent, keep_floor=cfg.algo.keep_floor,
-                          zero_advantage_gradient=loss_cfg.kl_coef > 0)
+                          zero_advantage_gradient=loss_cfg.kl_coef > 0, keep_cost=cfg.algo.dppo_keep_cost)
     if cfg.algo.pruner == "cppo":
         return CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
     return None

@@ -40,17 +40,31 @@ def print_step(cfg: Config, step: int, m: dict) -> None:
                                                            ("o", "prune/completion_predicted_rel_var")) if k in m)
     cost = (f" | predicted rel. var {cost}" if cost else "") + \
         (f" | audit cos {m['audit/cosine']:.3f}" if "audit/cosine" in m else "")
+    line_env = episode_summary(m)
     line = (f"step {step:4d} | reward {m.get('reward/mean', float('nan')):.3f} (generated "
             f"{m.get('reward/mean_generated', float('nan')):.3f}, trained {m.get('reward/mean_kept', float('nan')):.3f})"
             f" | kept prompts {m['prune/prompt_kept_fraction']:.2f} completions "
             f"{m['prune/completion_kept_fraction']:.2f} | ESS {m['prune/total_ess']:.1f} | density "
-            f"{m.get('packing/density', 0):.2f}{cost} | {phases} | {m['throughput/tokens_per_s']:.0f} tok/s"
+            f"{m.get('packing/density', 0):.2f}{cost}{line_env} | {phases} | {m['throughput/tokens_per_s']:.0f} tok/s"
             + (f" | {ev}" if ev else ""))
     if cfg.logging.progress_bar:
         from tqdm import tqdm
         tqdm.write(line)  # above the progress bar
     else:
         print(line, flush=True)
+
+
+def episode_summary(m: dict) -> str:
+    """The multi-turn part of the step line (empty without episodes): turns and tool calls per episode, tool errors
+    and timeouts, the finish reasons' shares, episode time p50/p99."""
+    if "env/turns_mean" not in m:
+        return ""
+    from megatron_dppo.env import FINISH_REASONS
+
+    finish = " ".join(f"{r} {m[f'env/finish_{r}']:.2f}" for r in FINISH_REASONS if m.get(f"env/finish_{r}", 0) > 0)
+    return (f" | turns {m['env/turns_mean']:.2f} tools {m['env/tool_calls_mean']:.2f} (errors "
+            f"{m['env/tool_errors']:.0f}, timeouts {m['env/tool_timeouts']:.0f}) | finish {finish} | episode p50 "
+            f"{m['time/episode_p50']:.2f}s p99 {m['time/episode_p99']:.2f}s")
 
 
 def attention_backend_name(cfg, arch=None) -> str:

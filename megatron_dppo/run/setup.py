@@ -10,6 +10,7 @@ from megatron_dppo.config import Config
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.dist.placement import connect_trainer
 from megatron_dppo.run.build import (
+    build_env,
     build_handover,
     build_history,
     build_hf_config,
@@ -61,6 +62,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     scorer = build_scorer(cfg, train_sources(cfg))  # imports a user's reward module: before any write
     tokenizer = build_tokenizer(cfg)
     reward_model = build_reward_model(cfg, tokenizer) if link is None else None  # (separate: on the workers)
+    env_factory, chat = build_env(cfg, tokenizer)  # (multi-turn episodes; imports a user's environment module)
     model_dir = resolve_model_dir(cfg)
     hf_config = build_hf_config(cfg, tokenizer, model_dir)
     arch = ModelArch.from_hf_config(hf_config)
@@ -95,7 +97,8 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, engine, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=train_prompts,
         sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle), pruner=pruner,
-        history=build_history(cfg), eval_sets=eval_sets, eval_scorers=eval_scorers, reward_model=reward_model)
+        history=build_history(cfg), eval_sets=eval_sets, eval_scorers=eval_scorers, reward_model=reward_model,
+        env_factory=env_factory, chat=chat)
     train_side = TrainSide(cfg=cfg, engine=engine, loss_cfg=loss_cfg, estimator=estimator, pruner=pruner,
                            pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0))
 
@@ -145,6 +148,7 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
     scorer = build_scorer(cfg, train_sources(cfg))
     tokenizer = build_tokenizer(cfg)
     reward_model = build_reward_model(cfg, tokenizer)  # scored here, overlapping the trainer's step
+    env_factory, chat = build_env(cfg, tokenizer)  # (the workers run the episodes)
     model_dir = resolve_model_dir(cfg)
     hf_config = build_hf_config(cfg, tokenizer, model_dir)
     arch = ModelArch.from_hf_config(hf_config)
@@ -158,7 +162,7 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=prompts,
         sampler=PromptSampler(len(prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
         pruner=build_pruner(cfg, loss_cfg), history=build_history(cfg), eval_sets=eval_sets,
-        eval_scorers=eval_scorers, reward_model=reward_model)
+        eval_scorers=eval_scorers, reward_model=reward_model, env_factory=env_factory, chat=chat)
 
 
 def open_audit(path: Path, resume_step: int | None):

@@ -41,6 +41,8 @@ class RolloutSide:
     eval_sets: dict[str, list[Prompt]] = field(default_factory=dict)
     eval_scorers: dict[str, Any] = field(default_factory=dict)
     reward_model: Any = None  # rewards.RewardModel (reward.model.path), scored beside ``scorer``; None: rules only
+    env_factory: Any = None  # multi-turn episodes (cfg.env): a fresh Environment per call; None = single-turn
+    chat: Any = None  # env.tokens.ChatTokens of the tokenizer (observation tokens of the episodes), with env_factory
 
 
 @dataclass
@@ -76,7 +78,7 @@ class Run:
     rollout_side: RolloutSide
     train_side: TrainSide
     sink: MetricsSink
-    sft_pairs: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (prompt ids, gold completion ids)
+    sft_pairs: list[tuple] = field(default_factory=list)  # (prompt ids, gold completion ids[, loss mask])
     rl_step: int = 0  # next RL step to run
     sft_step: int = 0  # warm-start steps done
     audit: Any = None  # open file (rank 0, logging.audit_log)

@@ -99,7 +99,9 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
                    model_rewards=_cat([r.model_rewards for r in rollouts if r.prompts]),
                    reward_model_seconds=sum(r.reward_model_seconds for r in rollouts),
                    reward_model_failed=sum(r.reward_model_failed for r in rollouts),
-                   reward_model_unparsed=sum(r.reward_model_unparsed for r in rollouts))
+                   reward_model_unparsed=sum(r.reward_model_unparsed for r in rollouts),
+                   episodes=None if any(r.episodes is None for r in rollouts)
+                   else [e for r in rollouts for e in r.episodes])
 
 
 def _cat(parts: list) -> torch.Tensor | None:
@@ -116,16 +118,17 @@ def select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
                    truncated=[rollout.truncated[i] for i in rows],
                    rewards=rollout.rewards[index] if rollout.rewards is not None else None,
                    rule_rewards=None if rollout.rule_rewards is None else rollout.rule_rewards[index],
-                   model_rewards=None if rollout.model_rewards is None else rollout.model_rewards[index])
+                   model_rewards=None if rollout.model_rewards is None else rollout.model_rewards[index],
+                   episodes=None if rollout.episodes is None else [rollout.episodes[i] for i in rows])
 
 
 def overlong_metrics(cfg, rollout: Rollout) -> dict[str, float]:
     """overlong/* over the generated completions (raw means): the soft penalty's mean and the fraction it touched
     (overlong.buffer > 0), the completions overlong filtering removed from the loss (overlong.filter)."""
     m = {}
-    lengths = torch.tensor([len(c) for comps in rollout.completions for c in comps])
+    lengths = rollout.lengths().long().flatten()  # (trained tokens: an episode's sampled ones)
     if cfg.overlong.buffer and lengths.numel():
-        penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.overlong.buffer, cfg.overlong.penalty)
+        penalty = overlong_penalty(lengths, cfg.trained_token_limit, cfg.overlong.buffer, cfg.overlong.penalty)
         m["overlong/penalty_mean"] = float(penalty.mean())
         m["overlong/penalized_fraction"] = float((penalty < 0).float().mean())
     if cfg.overlong.filter:

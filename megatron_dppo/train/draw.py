@@ -80,6 +80,19 @@ def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int) -> Prune
                            candidate=torch.zeros(n, dtype=torch.bool))
     result = None
     if D.is_main():
-        history = side.history.scores([p.id for p in prompts])
-        result = side.pruner.select_prompts(history, make_generator(side.cfg.train.seed, step, "prompts"))
+        ids = [p.id for p in prompts]
+        history = side.history.scores(ids)
+        costs = None  # cost-aware keep rule: G episodes of the prompt's last mean cost (NaN = unseen: the mean)
+        if side.pruner.keep_cost == "tokens":
+            costs = side.cfg.train.group_size * side.history.costs(ids)
+        result = side.pruner.select_prompts(history, make_generator(side.cfg.train.seed, step, "prompts"), costs=costs)
     return D.broadcast_object(result)
+
+
+def history_costs(side: RolloutSide, rollout: Rollout) -> torch.Tensor | None:
+    """What the prompt history records of each kept prompt's cost for the cost-aware keep rule
+    (algo.dppo_keep_cost=tokens): the mean tokens (prompt + stream) of one of its episodes; None otherwise, so
+    that the history of every other run stays what it was."""
+    if not isinstance(side.pruner, DPPOPruner) or side.pruner.keep_cost != "tokens" or not rollout.prompts:
+        return None
+    return rollout.total_tokens().mean(dim=1)

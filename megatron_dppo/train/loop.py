@@ -56,7 +56,7 @@ from megatron_dppo.run.metrics import PhaseTimer, plot_reward_curve, read_jsonl
 from megatron_dppo.run.setup import eval_due, push_weights, setup, teardown
 from megatron_dppo.run.state import Run
 from megatron_dppo.train.dapo import overlong_metrics
-from megatron_dppo.train.draw import DrawnBatch, draw_batch
+from megatron_dppo.train.draw import DrawnBatch, draw_batch, history_costs
 from megatron_dppo.train.evaluation import evaluate
 from megatron_dppo.train.rollouts import training_rewards
 from megatron_dppo.train.stages import (
@@ -90,6 +90,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     #      (pi recorded with the batch);
     #   3. G completions for every kept prompt (sharded over ranks, gathered on all; the engine's own log-probs
     #      kept as the behaviour log-probs); the rollout engine then releases its accelerator memory (vLLM sleep);
+    #      with an env section each completion is a multi-turn episode with a loss mask (train/rollouts.py);
     #   4. rewards (a failing reward function costs its sample a 0 and a warning; a reward model scores beside
     #      it, reward.model, and a failing reward model stops the run);
     #   4b. DAPO dynamic sampling (dynamic_sampling.enable, algo.pruner=none): groups with one reward for all
@@ -100,12 +101,13 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 
     # 5. Advantages on the FULL groups (never recomputed from survivors) of the training reward (the task reward,
     #    or a reward model's score and the rule's, plus DAPO's soft overlong penalty when overlong.buffer > 0);
-    #    remember each prompt's history score (mean |A|, or the rewards' spread: algo.history_score).
+    #    remember each prompt's history score (mean |A|, or the rewards' spread: algo.history_score) and, for the
+    #    cost-aware keep rule, the mean tokens of its episodes.
     rewards = training_rewards(cfg, rollout)
     advantages = compute_advantages(rewards, trainer.estimator, trainer.loss_cfg.advantage_eps) if kept \
         else torch.zeros(0, cfg.train.group_size)
     if kept:
-        side.history.update([p.id for p in kept], advantages, rewards)
+        side.history.update([p.id for p in kept], advantages, rewards, costs=history_costs(side, rollout))
 
     # 6. Completion-level pruning -> per-completion keep mask and weight 1/(pi_q * pi_{i|q}).
     with timer("prune"):

@@ -2,8 +2,14 @@
 rewards. The primitives of the rollout side, used by the step (``draw.py``), DAPO's refill rounds (``dapo.py``)
 and evaluation (``evaluation.py``); each takes the :class:`~megatron_dppo.run.state.RolloutSide` or less.
 
-Sampling seeds come from (seed, step, tag, shard), so a resumed run regenerates exactly what a straight run would
-have; rewards are scored on shards and gathered, so every rank holds the same rewards.
+With an ``env`` section a completion is a multi-turn EPISODE (``rollout.episodes.generate_episodes``: assistant
+turns and the environment's observations in one token stream with a loss mask); everything downstream reads it
+through the same :class:`Rollout` (the stream as the completion, the last assistant turn as the text the reward
+scores, the trained tokens as its length). Without one, nothing here differs from a single-turn run.
+
+Sampling seeds come from (seed, step, tag, shard), environment seeds from (seed, step, tag, "env", shard), so a
+resumed run regenerates exactly what a straight run would have; rewards are scored on shards and gathered, so
+every rank holds the same rewards.
 
 With a reward model (``reward.model.path``) ``score`` also scores every group with it (``score_model``: sharded by
 group over the reward model's engines, inside ``scoring_window``, the memory handover), and the training reward is
@@ -13,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,17 +32,22 @@ from megatron_dppo.rewards.scoring import TIMED_OUT
 from megatron_dppo.run.build import rollout_tensor_parallel
 from megatron_dppo.run.state import RolloutSide
 
+if TYPE_CHECKING:
+    from megatron_dppo.rollout.episodes import Episode
+
 
 @dataclass
 class Rollout:
-    """The G completions of every kept prompt, identical on every rank after the gather."""
+    """The G completions of every kept prompt, identical on every rank after the gather. A multi-turn episode
+    (``episodes`` set) is one completion: its token stream after the prompt, assistant and observation tokens."""
 
     prompts: list[Prompt]
-    completions: list[list[list[int]]]  # [Bk][G] token ids (stop token included)
-    texts: list[list[str]]  # [Bk][G] decoded completions
-    behaviour_logprobs: list[list[list[float]]]  # [Bk][G] log-probs of the sampled distribution (rollout/base.py)
+    completions: list[list[list[int]]]  # [Bk][G] token ids (stop token included; episodes: the whole stream)
+    texts: list[list[str]]  # [Bk][G] decoded completions (episodes: the last assistant turn, what the reward scores)
+    behaviour_logprobs: list[list[list[float]]]  # [Bk][G] log-probs of the sampled distribution (rollout/base.py),
+    #                                              one per TRAINED token (episodes: the sampled tokens, in order)
     truncated: list[list[bool]]  # [Bk][G] finish_reason == "length"
-    rewards: torch.Tensor | None = None  # [Bk, G] float32
+    rewards: torch.Tensor | None = None  # [Bk, G] float32 (episodes: reward.fn of the text + the env's reward)
     reward_failures: int = 0  # samples scored 0 because the reward function failed (all ranks)
     reward_timeouts: int = 0  # of which timed out (reward.timeout_s or reward.step_budget_s)
     rule_rewards: torch.Tensor | None = None  # [Bk, G] the rule reward (reward.fn), when a reward model is set
@@ -44,24 +55,55 @@ class Rollout:
     reward_model_seconds: float = 0.0  # scoring time of the reward model (the slowest shard)
     reward_model_failed: int = 0  # groups scored 0 because the reward model failed (reward.model.on_error=zero)
     reward_model_unparsed: int = 0  # judge verdicts without a score (reward.model.unparsed_score)
+    episodes: list[list[Episode]] | None = None  # [Bk][G] the multi-turn episodes (env); None = single-turn
 
     @property
     def group_size(self) -> int:
         return len(self.completions[0]) if self.completions else 0
 
+    @property
+    def loss_masks(self) -> list[list[list[int]]] | None:
+        """[Bk][G] per-token 0/1 masks of the completions (1 = sampled, trained; 0 = observation); None for
+        single-turn completions (every token trained)."""
+        return None if self.episodes is None else [[e.loss_mask for e in eps] for eps in self.episodes]
+
+    @property
+    def finish_reasons(self) -> list[list[str]] | None:
+        """[Bk][G] each episode's finish reason (env.protocol.FINISH_REASONS); None for single-turn completions."""
+        return None if self.episodes is None else [[e.finish_reason for e in eps] for eps in self.episodes]
+
+    def env_rewards(self) -> torch.Tensor | None:
+        """[Bk, G] float32 sum of each episode's environment step rewards; None for single-turn completions."""
+        if self.episodes is None:
+            return None
+        return torch.tensor([[e.reward for e in eps] for eps in self.episodes], dtype=torch.float32) \
+            .view(len(self.episodes), self.group_size or 1)
+
     def lengths(self) -> torch.Tensor:
-        """[Bk, G] completion lengths in tokens (float64)."""
+        """[Bk, G] TRAINED tokens of each completion (float64): its length, or an episode's sampled tokens. What
+        every token count of the loss uses (token weights, denominators, the overlong penalty)."""
+        if self.episodes is not None:
+            return torch.tensor([[e.num_trained for e in eps] for eps in self.episodes], dtype=torch.float64) \
+                .view(len(self.episodes), self.group_size or 1)
         return torch.tensor([[len(c) for c in comps] for comps in self.completions], dtype=torch.float64)
 
+    def total_tokens(self) -> torch.Tensor:
+        """[Bk, G] every token of each sequence (float64): prompt + completion (an episode's whole stream). What a
+        sequence costs to pack and train: the cost of the cost-aware keep rule (algo.dppo_keep_cost=tokens)."""
+        return torch.tensor([[len(p.token_ids) + len(c) for c in comps]
+                             for p, comps in zip(self.prompts, self.completions)], dtype=torch.float64) \
+            .view(len(self.prompts), self.group_size or 1)
+
     def finished(self, group_size: int) -> torch.Tensor:
-        """[Bk, G] bool: the completions that ended before rollout.max_new_tokens (the ones overlong.filter trains
-        and counts in the denominators)."""
+        """[Bk, G] bool: the completions that ended before their token bound (the ones overlong.filter trains and
+        counts in the denominators)."""
         return ~torch.tensor(self.truncated, dtype=torch.bool).view(-1, group_size)
 
 
 def generate(side: RolloutSide, prompts: list[Prompt], n: int, step: int, temperature: float,
              tag: str = "generate") -> Rollout:
-    """n completions per prompt; each rank generates a contiguous shard with a seed from (seed, step, shard)."""
+    """n completions per prompt (with an ``env`` section: n episodes); each rank generates a contiguous shard with
+    a seed from (seed, step, tag, shard)."""
     from megatron_dppo.rollout import SamplingParams
 
     cfg = side.cfg
@@ -70,6 +112,9 @@ def generate(side: RolloutSide, prompts: list[Prompt], n: int, step: int, temper
         sampling = SamplingParams(temperature=temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                   max_new_tokens=cfg.rollout.max_new_tokens,
                                   seed=D.derive_seed(cfg.train.seed, step, tag, shard_index) % (1 << 31))
+        if side.env_factory is not None:
+            env_seed = D.derive_seed(cfg.train.seed, step, tag, "env", shard_index) % (1 << 31)
+            return generate_episodes_shard(side, shard, n, sampling, env_seed)
         groups = side.engine.generate([p.token_ids for p in shard], n, sampling)
         out = []
         for group in groups:
@@ -78,14 +123,34 @@ def generate(side: RolloutSide, prompts: list[Prompt], n: int, step: int, temper
                         [side.tokenizer.decode(_strip_stop(c.token_ids, side.eos_ids), skip_special_tokens=True)
                          for c in comps],
                         [c.logprobs for c in comps],
-                        [c.finish_reason == "length" for c in comps]))
+                        [c.finish_reason == "length" for c in comps], None))
         return out
 
     shard_index, num_shards = generation_shards(cfg)
     with generation_window(side):  # wakes the rollout engine (GPU memory handover), sleeps it afterwards
         results = D.map_sharded(generate_shard, prompts, shard_index, num_shards)
+    episodes = [r[4] for r in results] if side.env_factory is not None else None
     return Rollout(prompts=list(prompts), completions=[r[0] for r in results], texts=[r[1] for r in results],
-                   behaviour_logprobs=[r[2] for r in results], truncated=[r[3] for r in results])
+                   behaviour_logprobs=[r[2] for r in results], truncated=[r[3] for r in results], episodes=episodes)
+
+
+def generate_episodes_shard(side: RolloutSide, shard: list[Prompt], n: int, sampling, env_seed: int) -> list[tuple]:
+    """n multi-turn episodes per prompt of ``shard`` (``rollout.episodes.generate_episodes``; turn 1 is the
+    single-turn call with ``sampling``, rollout.max_new_tokens bounds each turn), as the per-prompt tuples of
+    ``generate``: the streams, the last assistant turns, the sampled tokens' behaviour log-probs, finish reason
+    ``length``, the episodes."""
+    from megatron_dppo.env import Task
+    from megatron_dppo.rollout.episodes import generate_episodes
+
+    tasks = [Task(id=str(p.id), text=p.text, gold=p.gold, messages=tuple(p.messages)) for p in shard]
+    groups = generate_episodes(side.engine, tasks, [p.token_ids for p in shard], n, sampling, side.cfg.env,
+                               side.env_factory, side.chat, env_seed=env_seed, stop_token_ids=side.eos_ids)
+    out = []
+    for episodes in groups:
+        out.append(([e.token_ids for e in episodes], [e.final_text for e in episodes],
+                    [[lp for lp, m in zip(e.logprobs, e.loss_mask) if m] for e in episodes],
+                    [e.finish_reason == "length" for e in episodes], episodes))
+    return out
 
 
 def score(side: RolloutSide, rollout: Rollout, step: int, tag: str = "reward") -> torch.Tensor:
@@ -104,7 +169,8 @@ def score(side: RolloutSide, rollout: Rollout, step: int, tag: str = "reward") -
 
 def score_rule(scorer: Any, rollout: Rollout, group_size: int) -> torch.Tensor:
     """Rule rewards [Bk, G]: each rank scores a shard of the completions, results gathered on all ranks; a sample
-    whose reward function failed scores 0 and is counted in ``rollout.reward_failures`` (and ``reward_timeouts``)."""
+    whose reward function failed scores 0 and is counted in ``rollout.reward_failures`` (and ``reward_timeouts``). An
+    episode's reward is reward.fn of its last assistant turn plus the sum of its environment's step rewards."""
     items = [(text, p.gold, f"{p.id}#{i}") for p, texts in zip(rollout.prompts, rollout.texts)
              for i, text in enumerate(texts)]
 
@@ -117,8 +183,11 @@ def score_rule(scorer: Any, rollout: Rollout, group_size: int) -> torch.Tensor:
     rollout.reward_failures = len(errors)
     rollout.reward_timeouts = sum(e.startswith(TIMED_OUT) for e in errors)
     flat = [r for r, _ in scored]
-    return torch.tensor(flat, dtype=torch.float32).view(len(rollout.prompts), rollout.group_size or 1) \
-        if rollout.prompts else torch.zeros(0, group_size)
+    if not rollout.prompts:
+        return torch.zeros(0, group_size)
+    rewards = torch.tensor(flat, dtype=torch.float32).view(len(rollout.prompts), rollout.group_size or 1)
+    env_rewards = rollout.env_rewards()  # episodes: the environment's own reward adds to the task reward
+    return rewards if env_rewards is None else rewards + env_rewards
 
 
 def filter_rewards(cfg, rollout: Rollout) -> torch.Tensor:
@@ -168,7 +237,7 @@ def training_rewards(cfg, rollout: Rollout) -> torch.Tensor:
     ``rollout.rewards`` and in the reward/* metrics."""
     if not cfg.overlong.buffer or not rollout.prompts:
         return rollout.rewards
-    return rollout.rewards + overlong_penalty(rollout.lengths().long(), cfg.rollout.max_new_tokens,
+    return rollout.rewards + overlong_penalty(rollout.lengths().long(), cfg.trained_token_limit,
                                               cfg.overlong.buffer, cfg.overlong.penalty)
 
 

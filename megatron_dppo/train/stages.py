@@ -36,9 +36,16 @@ class TrainBatch:
     rewards: torch.Tensor  # [N]
     origin: list[tuple[int, int]]  # (kept-prompt row, completion index) of each sequence
     denominator: float
+    loss_masks: list[list[int]] | None = None  # per completion token 1 = trained, 0 = observation (episodes)
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def trained_lengths(self) -> list[int]:
+        """Trained (loss-mask 1) tokens of each sequence: its completion, or an episode's sampled tokens."""
+        if self.loss_masks is not None:
+            return [sum(m) for m in self.loss_masks]
+        return [len(t) - p for t, p in zip(self.token_ids, self.prompt_lengths)]
 
 
 # ==============================================================================================================
@@ -53,8 +60,9 @@ def select_completions(side: TrainSide, prompt_cut: PruneResult, rollout: Rollou
     if D.is_main() and len(rollout.prompts):
         gen = make_generator(cfg.train.seed, step, "completions")
         if isinstance(side.pruner, DPPOPruner):
-            lengths = rollout.lengths()
-            decided = side.pruner.select_completions(advantages, gen, lengths=lengths,
+            lengths = rollout.lengths()  # trained tokens (episodes: sampled ones); the costs: every token
+            costs = rollout.total_tokens() if side.pruner.keep_cost == "tokens" else None
+            decided = side.pruner.select_completions(advantages, gen, lengths=lengths, costs=costs,
                                                     prompt_prob=prompt_cut.probabilities()[prompt_cut.keep])
         elif isinstance(side.pruner, CPPOPruner):
             decided = (side.pruner.select_allocated(advantages, cfg.train.prompts_per_step, gen)
@@ -86,15 +94,19 @@ def _drop(decided: PruneResult, allowed: torch.Tensor) -> PruneResult:
 
 def build_train_batch(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
                       advantages: torch.Tensor, total_cut: PruneResult) -> TrainBatch:
-    """Flatten the kept (prompt, completion) pairs; per-token weights and the full-batch denominator D."""
+    """Flatten the kept (prompt, completion) pairs; per-token weights and the full-batch denominator D. An episode's
+    loss mask travels with its sequence, and its trained tokens are its length in every count."""
     G, agg = total_cut.keep.shape[1], side.loss_cfg.aggregation
     kept_rows = prompt_cut.keep.nonzero().flatten().tolist()  # drawn-prompt index of each generated row
     token_ids, prompt_lengths, adv, weight, rewards, origin, comp_lengths = [], [], [], [], [], [], []
+    masks, trained = rollout.loss_masks, rollout.lengths()
     for row, q in enumerate(kept_rows):
         prompt = rollout.prompts[row]
         for i in range(G):
             if not bool(total_cut.keep[q, i]):
                 continue
+            if masks is not None and not trained[row, i]:  # an episode whose environment failed at reset: no
+                continue  # sampled token, no loss term (its reward still counts in its group's advantages)
             completion = rollout.completions[row][i]
             token_ids.append(prompt.token_ids + completion)
             prompt_lengths.append(len(prompt.token_ids))
@@ -102,14 +114,15 @@ def build_train_batch(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneR
             weight.append(float(total_cut.weight[q, i]))
             rewards.append(float(rollout.rewards[row, i]))
             origin.append((row, i))
-            comp_lengths.append(len(completion))
+            comp_lengths.append(len(completion) if masks is None else int(trained[row, i]))
     seq_w = torch.tensor(weight, dtype=torch.float32)
     lengths = torch.tensor(comp_lengths, dtype=torch.float32)
     return TrainBatch(
         token_ids=token_ids, prompt_lengths=prompt_lengths, advantages=torch.tensor(adv, dtype=torch.float32),
         token_weights=sequence_token_weights(agg, seq_w, lengths), seq_weights=seq_w,
         rewards=torch.tensor(rewards, dtype=torch.float32), origin=origin,
-        denominator=denominator(side, prompts, prompt_cut, rollout, total_cut, comp_lengths) if token_ids else 1.0)
+        denominator=denominator(side, prompts, prompt_cut, rollout, total_cut, comp_lengths) if token_ids else 1.0,
+        loss_masks=None if masks is None else [masks[row][i] for row, i in origin])
 
 
 def denominator(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
@@ -118,8 +131,10 @@ def denominator(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneResult,
     CPPO instead averages over the kept completions (its authors' choice; biased by design).
 
     ``subset``: the drawn-prompt indices of one PPO mini-batch; D is then that mini-batch's D_m, computed from its
-    own un-pruned units in the same way (B_m = len(subset) drawn prompts; ``kept_lengths`` its kept completions)."""
-    agg, G, L_max = side.loss_cfg.aggregation, side.cfg.train.group_size, side.cfg.rollout.max_new_tokens
+    own un-pruned units in the same way (B_m = len(subset) drawn prompts; ``kept_lengths`` its kept completions).
+    Every length is a count of trained tokens (an episode's sampled ones), L_max their bound (Config.
+    trained_token_limit)."""
+    agg, G, L_max = side.loss_cfg.aggregation, side.cfg.train.group_size, side.cfg.trained_token_limit
     if isinstance(side.pruner, CPPOPruner):
         kept = torch.tensor(kept_lengths, dtype=torch.float64).view(-1, 1)
         return loss_denominator(agg, len(kept_lengths), 1, kept, None, L_max)
@@ -165,7 +180,8 @@ def split_mini_batches(side: TrainSide, prompts: list[Prompt], prompt_cut: Prune
     for group in groups:
         members = set(group)
         idx = [k for k, q in enumerate(drawn) if q in members]
-        lengths = [len(batch.token_ids[k]) - batch.prompt_lengths[k] for k in idx]
+        trained = batch.trained_lengths()
+        lengths = [trained[k] for k in idx]
         d = (denominator(side, prompts, prompt_cut, rollout, total_cut, lengths, subset=group) if idx else 1.0)
         out.append(_select(batch, idx, d))
     return out
@@ -178,7 +194,8 @@ def _select(batch: TrainBatch, idx: list[int], denominator_m: float) -> TrainBat
                       prompt_lengths=[batch.prompt_lengths[k] for k in idx],
                       advantages=batch.advantages[t], token_weights=batch.token_weights[t],
                       seq_weights=batch.seq_weights[t], rewards=batch.rewards[t],
-                      origin=[batch.origin[k] for k in idx], denominator=denominator_m)
+                      origin=[batch.origin[k] for k in idx], denominator=denominator_m,
+                      loss_masks=None if batch.loss_masks is None else [batch.loss_masks[k] for k in idx])
 
 
 def pack_mini_batches(side: TrainSide, mini_batches: list[TrainBatch]) -> tuple[list[list], dict[str, float]]:
@@ -317,7 +334,7 @@ def pack(side: TrainSide, batch: TrainBatch) -> tuple[list, dict[str, float]]:
     stats = packing_stats(plan, lengths, cfg.packing.capacity, pad_multiple=pad)
     micro_batches = build_rank_micro_batches(plan[side.dp_rank], batch.token_ids, batch.prompt_lengths,
                                              batch.advantages, batch.token_weights, pad_multiple=pad,
-                                             pad_token_id=side.pad_id)
+                                             pad_token_id=side.pad_id, loss_masks=batch.loss_masks)
     return micro_batches, {"packing/density": stats.density, "packing/micro_batches": float(stats.num_micro_batches),
                            "packing/max_bin_fill": stats.max_bin_fill,
                            "packing/rank_cost_imbalance": stats.rank_cost_imbalance}
@@ -342,7 +359,8 @@ def gradient_audit(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneResu
 def write_audit(audit, step: int, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
                 advantages: torch.Tensor, total_cut: PruneResult) -> None:
     """logging.audit_log: one JSON line per drawn prompt with every completion's reward, advantage, keep, weight,
-    written to the open file ``audit`` (None: off, or not the main rank)."""
+    trained length (episodes also: their tokens, turns, finish reasons), written to the open file ``audit`` (None:
+    off, or not the main rank)."""
     if audit is None:
         return
     row_of = {q: row for row, q in enumerate(prompt_cut.keep.nonzero().flatten().tolist())}
@@ -354,5 +372,10 @@ def write_audit(audit, step: int, prompts: list[Prompt], prompt_cut: PruneResult
             rec.update(rewards=rollout.rewards[row].tolist(), advantages=advantages[row].tolist(),
                        keep=total_cut.keep[q].tolist(), weight=total_cut.weight[q].tolist(),
                        lengths=[len(c) for c in rollout.completions[row]], completions=rollout.texts[row])
+            if rollout.episodes is not None:  # lengths: the whole streams; trained: their sampled tokens
+                episodes = rollout.episodes[row]
+                rec.update(trained=[e.num_trained for e in episodes], turns=[e.turns for e in episodes],
+                           finish_reasons=[e.finish_reason for e in episodes],
+                           env_rewards=[e.reward for e in episodes])
         audit.write(json.dumps(rec) + "\n")
     audit.flush()

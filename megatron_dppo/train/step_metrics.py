@@ -1,6 +1,7 @@
 """The metrics of an RL step (docs/algorithms.md, "Metrics"): rewards as Horvitz-Thompson estimates over every
 drawn prompt (a pruned prompt was never generated, so raw means over the generated ones flatter), kept fractions
-and ESS per pruning level, tokens, and the rollout engine's log-prob mismatch against the trainer's."""
+and ESS per pruning level, tokens, the rollout engine's log-prob mismatch against the trainer's, and for multi-turn
+episodes their env/* family (docs/environments.md, "Metrics")."""
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,7 @@ def step_metrics(prompt_cut: PruneResult, completion_cut: PruneResult | None, to
     m.update(pruning_stats(prompt_cut, completion_cut, total_cut))
     m.setdefault("prune/completion_kept_fraction", 0.0)
     m["tokens/trained_sequences"] = float(sum(len(t) for t in batch.token_ids))
-    m["tokens/trained_completion"] = float(sum(len(t) - p for t, p in zip(batch.token_ids, batch.prompt_lengths)))
+    m["tokens/trained_completion"] = float(sum(batch.trained_lengths()))  # loss-mask 1 tokens
     m["loss/denominator"] = float(batch.denominator)
     return m
 
@@ -55,11 +56,19 @@ def rollout_metrics(prompt_cut: PruneResult, rollout: Rollout, group_size: int) 
         m["reward/std"] = float(flat.std()) if flat.numel() > 1 else 0.0
         m["reward/failed"] = float(rollout.reward_failures)  # scored 0: the reward function raised, hung, ...
         m["reward/timeouts"] = float(rollout.reward_timeouts)  # ... of which ran out of time
-    comp_lengths = [len(c) for comps in rollout.completions for c in comps]
+    # generated = sampled tokens (an episode's observation tokens were not generated; its stream is tokens/episode_*)
+    comp_lengths = ([len(c) for comps in rollout.completions for c in comps] if rollout.episodes is None
+                    else [e.num_trained for eps in rollout.episodes for e in eps])
     m["tokens/generated"] = float(sum(comp_lengths))
     m["tokens/completion_mean"] = sum(comp_lengths) / len(comp_lengths) if comp_lengths else 0.0
     m["tokens/truncated_fraction"] = (sum(t for ts in rollout.truncated for t in ts) / len(comp_lengths)
                                       if comp_lengths else 0.0)
+    if rollout.episodes is not None:  # env/*: turns, tool calls/errors/timeouts, finish shares; episode time p50/p99
+        from megatron_dppo.rollout.episodes import episode_metrics
+
+        episodes = [e for eps in rollout.episodes for e in eps]
+        m.update(episode_metrics(episodes))
+        m["tokens/episode_mean"] = sum(len(e.token_ids) for e in episodes) / len(episodes) if episodes else 0.0
     return m
 
 

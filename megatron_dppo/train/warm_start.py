@@ -12,19 +12,21 @@ from megatron_dppo.run.state import TrainSide
 from megatron_dppo.train.stages import TrainBatch, pack
 
 
-def sft_step(side: TrainSide, gold_pairs: list[tuple[list[int], list[int]]], step: int) -> dict[str, float]:
+def sft_step(side: TrainSide, gold_pairs: list[tuple], step: int) -> dict[str, float]:
     """One warm-start update on ``train.sft_batch_size`` of the gold (prompt ids, completion ids) pairs, drawn
-    from (seed, step)."""
+    from (seed, step). A gold completion may carry a loss mask as a third element (a tool-use trace: its
+    observation tokens, mask 0, are context, not targets; the token mean is then over its mask-1 tokens)."""
     import random
 
     cfg, timer = side.cfg, PhaseTimer()
     rng = random.Random(D.derive_seed(cfg.train.seed, step, "sft"))
     pairs = [gold_pairs[i] for i in rng.sample(range(len(gold_pairs)), min(cfg.train.sft_batch_size, len(gold_pairs)))]
-    lengths = torch.tensor([len(c) for _, c in pairs], dtype=torch.float32)
+    masks = [pair[2] for pair in pairs] if pairs and len(pairs[0]) == 3 else None
+    lengths = torch.tensor([len(pair[1]) if masks is None else sum(pair[2]) for pair in pairs], dtype=torch.float32)
     ones = torch.ones(len(pairs), dtype=torch.float32)
-    batch = TrainBatch(token_ids=[p + c for p, c in pairs], prompt_lengths=[len(p) for p, _ in pairs],
+    batch = TrainBatch(token_ids=[pair[0] + pair[1] for pair in pairs], prompt_lengths=[len(pair[0]) for pair in pairs],
                        advantages=ones, token_weights=sequence_token_weights("seq_mean_token_mean", ones, lengths),
-                       seq_weights=ones, rewards=ones, origin=[], denominator=float(len(pairs)))
+                       seq_weights=ones, rewards=ones, origin=[], denominator=float(len(pairs)), loss_masks=masks)
     with timer("pack"):
         micro_batches, packing = pack(side, batch)
     with timer("logprob"), sft_loss(side.engine):  # old log-probs at T = 1: ratio 1 exactly, and the NLL to report
@@ -39,6 +41,7 @@ def sft_step(side: TrainSide, gold_pairs: list[tuple[list[int], list[int]]], ste
                "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"]}
     metrics.update(packing)
     metrics.update(timer.as_metrics())
+    metrics["time/step_cpu"] = D.sum_over_ranks(timer.cpu_seconds)  # process CPU seconds, all ranks (as RL steps)
     return metrics
 
 

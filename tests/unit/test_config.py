@@ -247,3 +247,47 @@ def test_a_choice_changed_on_the_command_line_quiets_the_files_options_for_the_o
                     "  arithmetic_max_operand: 5\n")
     with pytest.raises(ValueError, match=r"data.arithmetic_max_operand=5 \(only data.task=arithmetic reads it\)"):
         load_config(path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The env section (multi-turn episodes): optional, absent by default
+# --------------------------------------------------------------------------------------------------------------
+def test_env_section_is_absent_by_default_and_built_from_yaml_or_overrides(tmp_path):
+    from megatron_dppo.env import EnvConfig
+
+    assert load_config(None, ARITH).env is None
+    path = tmp_path / "env.yaml"
+    path.write_text("env:\n  name: calculator\n  max_turns: 3\n  max_tokens: 256\n  kwargs: {max_calls: 2}\n")
+    cfg = load_config(path, ARITH + ["env.step_timeout_s=5", "env.kwargs.max_digits=12"])
+    assert cfg.env == EnvConfig(name="calculator", max_turns=3, max_tokens=256, step_timeout_s=5.0,
+                                kwargs={"max_calls": 2, "max_digits": 12})
+    assert cfg.trained_token_limit == 256 and cfg.completion_budget == 256
+    assert load_config(path, ARITH + ["env=null"]).env is None
+    # a config written by a run (config.yaml) loads back to the same config, with and without the section
+    for c in (cfg, load_config(None, ARITH)):
+        again = tmp_path / "again.yaml"
+        again.write_text(c.to_yaml())
+        assert load_config(again).to_dict() == c.to_dict()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.max_turns=2"], "set env.name first"),
+    (["env.name=noop", "env.max_tokens=256", "env.max_turn=2"], "did you mean env.max_turns"),
+    (["env.name=noop", "env.max_tokens=256", "env.max_turns=0"], "env.max_turns must be an integer >= 1"),
+    (["env.name=noop", "env.max_tokens=256", "env.max_turns.x=1"], "not a mapping option"),
+    (["env.name=noop", "env.max_tokens=256", "env.max_assistant_tokens=300"], "exceeds env.max_tokens"),
+    (["env.name=noop", "env.max_tokens=2048"], "packing.capacity=1024 is invalid: expected > env.max_tokens=2048"),
+    (["env.name=noop", "env.max_tokens=100", "env.max_assistant_tokens=10", "overlong.buffer=20"],
+     "overlong.buffer=20 is invalid: expected <= env.max_assistant_tokens=10"),
+    (["algo.dppo_keep_cost=tokens"], "algo.dppo_keep_cost"),
+])
+def test_env_section_errors_name_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, ARITH + overrides)
+
+
+def test_env_fields_set_after_loading_are_validated():
+    cfg = load_config(None, ARITH + ["env.name=noop", "env.max_tokens=256"])
+    cfg.env.token_check = "loose"
+    with pytest.raises(ValueError, match="env.token_check"):
+        cfg.validate()
