@@ -65,8 +65,8 @@ class Config:
                              f" / model.moe_aux_loss_coeff={model.moe_aux_loss_coeff}: a context-parallel rank routes "
                              "only its part of each sequence; use parallel.cp=1 or turn both off")
         self._validate_placement()
-        if self.eval.every and self.data.task == "files" and not self.eval.files:
-            raise ValueError("eval.every > 0 needs eval.files (held-out JSONL/parquet files)")
+        if (self.eval.every or self.eval.every_cpu_s) and self.data.task == "files" and not self.eval.files:
+            raise ValueError("eval.every > 0 (or eval.every_cpu_s) needs eval.files (held-out JSONL/parquet files)")
         self._refuse_unused_options()
         return self
 
@@ -90,6 +90,10 @@ class Config:
     def _validate_placement(self) -> None:
         """rollout.placement / train.max_staleness across sections (their help says why)."""
         r, k = self.rollout, self.train.max_staleness
+        for key, value in (("train.cpu_budget_s", self.train.cpu_budget_s),
+                           ("eval.every_cpu_s", self.eval.every_cpu_s)):
+            _check(value is None or r.placement == "colocated", key, value, "null with rollout.placement=separate "
+                   "(the CPU seconds of the rollout workers are not counted in time/step_cpu)")
         if r.placement == "colocated":
             _check(k == 0, "train.max_staleness", k, "0 with rollout.placement=colocated (one process generates "
                    "and trains in turn: nothing to overlap); use rollout.placement=separate for k >= 1")
@@ -127,6 +131,10 @@ UNUSED_WHEN = [
       "algo.history_ema"), lambda c: c.algo.pruner != "dppo", "only algo.pruner=dppo reads it"),
     (("algo.cppo_rate", "algo.cppo_scope", "algo.cppo_allocation"), lambda c: c.algo.pruner != "cppo",
      "only algo.pruner=cppo reads it"),
+    (("algo.posterior_max_weight", "algo.posterior_gamma", "algo.posterior_rewards"),
+     lambda c: c.algo.pruner != "dppo" or c.algo.dppo_keep != "posterior", "only algo.dppo_keep=posterior reads it"),
+    (("algo.history_ema",), lambda c: c.algo.dppo_keep == "posterior", "algo.dppo_keep=posterior keeps the prompt "
+                                                                       "posterior instead of the history"),
     (("dynamic_sampling.max_rounds", "dynamic_sampling.refill_prompts"), lambda c: not c.dynamic_sampling.enable,
      "dynamic_sampling.enable=false"),
     (("dynamic_sampling.filter_metric",),

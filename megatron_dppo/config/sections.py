@@ -212,13 +212,17 @@ class AlgoConfig:
     mode: Literal["bernoulli", "fixed_size", "deterministic"] = opt(
         "bernoulli", "DPPO draw: bernoulli (independent, unbiased), fixed_size (exactly floor(r*|candidates|), "
                      "exact-probability weights), deterministic (lowest scores first; biased, ablation only).")
-    dppo_keep: Literal["uniform", "optimal"] = opt(
+    dppo_keep: Literal["uniform", "optimal", "posterior"] = opt(
         "uniform", "DPPO keep probabilities: uniform = the paper's rule (candidates kept with 1 - r, the rest with 1); "
                    "optimal = variance-optimal pi = clip(c * s, keep_floor, 1) per unit at the same expected budget "
                    "(r_q / r_o = expected fraction of drawn prompts / generated completions pruned), s = the "
                    "prompt's history score, resp. |A| * L^keep_length_exponent / pi_q; completions with A = 0 get "
                    "pi = 0 when loss.kl_coef == 0 (their gradient is exactly zero). docs/algorithms.md, "
-                   "\"Variance-optimal keep probabilities\".")
+                   "\"Variance-optimal keep probabilities\". posterior = the prompt level reads the prompt "
+                   "posterior (a discounted Beta per prompt, updated from every generated group's raw training "
+                   "rewards: calibrated, and a score s_q > 0 for seen and unseen prompts) and water-fills it with "
+                   "pi_q >= 1/algo.posterior_max_weight; the completion level is optimal's. docs/algorithms.md, "
+                   "\"Prompt posterior\".")
     keep_floor: float = opt(0.3, "dppo_keep=optimal: the least keep probability pi_min of every unit that can carry "
                                  "gradient (every seen prompt; completions with A != 0, and all of them with a KL "
                                  "term). In (0, 1]; > 0 is what keeps the prompt level unbiased when a prompt's "
@@ -230,8 +234,21 @@ class AlgoConfig:
                                            "[-0.5, 1] changed the measured variance by <= 4% on the quickstart "
                                            "(1-5-token completions, where alpha is poorly determined); measure it "
                                            "for long completions. docs/benchmarks.md, \"Variance-optimal pruning\".")
-    history_ema: Optional[float] = opt(None, "DPPO prompt history: EMA factor for the mean-|A| score across "
-                                             "visits; null = the last visit's score.")
+    history_ema: Optional[float] = opt(None, "DPPO prompt history (dppo_keep uniform or optimal): EMA factor for "
+                                             "the mean-|A| score across visits; null = the last visit's score.")
+    posterior_max_weight: float = opt(20.0, "dppo_keep=posterior: the largest prompt weight 1/pi_q (every prompt is "
+                                            "kept with at least 1/max_weight). A cap on the weight, not what keeps "
+                                            "the estimate unbiased (every posterior score is > 0); 20 as measured in "
+                                            "docs/benchmarks.md, \"The prompt level at equal modelled cost\".")
+    posterior_gamma: float = opt(1.0, "dppo_keep=posterior: exponent of |A| in a completion's gradient norm that "
+                                      "shapes the prompt's expected group energy (docs/algorithms.md, \"Gradient "
+                                      "energy of a group\"). 1: the measured best at the prompt level (the proxy "
+                                      "is then sqrt(P(mixed group)) under std-GRPO); fitted values (1-2) ranked "
+                                      "prompts worse.")
+    posterior_rewards: Literal["auto", "binary", "continuous"] = opt(
+        "auto", "dppo_keep=posterior: what the posterior reads. auto: the Beta state while every training reward "
+                "is 0 or 1, the energy of the raw rewards for good after the first other value (a reward model, an "
+                "overlong penalty); binary: refuse other rewards; continuous: the energy state from the start.")
     cppo_rate: float = opt(0.5, "CPPO pruning rate P in [0, 1).")
     cppo_scope: Literal["group", "batch"] = opt("group", "CPPO: keep floor(G(1-P)) per prompt (group) or "
                                                          "floor(N(1-P)) over the batch (batch).")
@@ -250,8 +267,13 @@ class AlgoConfig:
                "in (0, 1] (a floor of 0 would never revisit a prompt whose last group had one reward for all)")
         _check(math.isfinite(self.keep_length_exponent), "algo.keep_length_exponent", self.keep_length_exponent,
                "a finite number")
-        _check(not (self.dppo_keep == "optimal" and self.mode == "deterministic"), "algo.mode", self.mode,
-               "bernoulli or fixed_size with algo.dppo_keep=optimal (deterministic has no keep probabilities)")
+        _check(not (self.dppo_keep != "uniform" and self.mode == "deterministic"), "algo.mode", self.mode,
+               f"bernoulli or fixed_size with algo.dppo_keep={self.dppo_keep} (deterministic has no keep "
+               "probabilities)")
+        _check(math.isfinite(self.posterior_max_weight) and self.posterior_max_weight >= 1,
+               "algo.posterior_max_weight", self.posterior_max_weight, "a finite number >= 1")
+        _check(math.isfinite(self.posterior_gamma) and self.posterior_gamma >= 0, "algo.posterior_gamma",
+               self.posterior_gamma, "a finite number >= 0")
 
 
 LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")
@@ -423,8 +445,20 @@ class TrainConfig:
         "bit and resumes exactly, because the checkpoint keeps the batches in flight (the trainer waits for them "
         "when it saves); each worker holds up to k + 1 versions of the weights in host memory.")
 
+    cpu_budget_s: Optional[float] = opt(None, "Stop the RL phase once its steps have used this many process CPU "
+                                               "seconds (time/step_cpu, summed over ranks and steps: generation to "
+                                               "weight push; evaluation, checkpoints and start-up excluded), or at "
+                                               "train.steps, whichever comes first; the last step is then evaluated "
+                                               "and checkpointed as the last of train.steps would be. For comparing "
+                                               "methods at equal compute (benchmarks/time_to_accuracy.py). The "
+                                               "seconds spent are checkpointed, so a resumed run stops where the "
+                                               "straight one would. rollout.placement=colocated only (the workers' "
+                                               "CPU is not in time/step_cpu). null = no budget.")
+
     def validate(self) -> None:
         _check(self.steps >= 0, "train.steps", self.steps, ">= 0")
+        _check(self.cpu_budget_s is None or 0 < self.cpu_budget_s < math.inf, "train.cpu_budget_s",
+               self.cpu_budget_s, "null or a finite number of CPU seconds > 0")
         _check(self.prompts_per_step >= 1, "train.prompts_per_step", self.prompts_per_step, ">= 1")
         _check(self.group_size >= 2, "train.group_size", self.group_size, ">= 2 (advantages need a group)")
         _check(self.sft_steps >= 0, "train.sft_steps", self.sft_steps, ">= 0")
@@ -447,6 +481,11 @@ class EvalConfig:
     files: list = opt([], "Held-out JSONL/parquet files (same field options as data). With data.task="
                           "arithmetic, an empty list evaluates on a held-out arithmetic split.")
     every: int = opt(0, "Evaluate every N RL steps (and after the last); 0 = never.")
+    every_cpu_s: Optional[float] = opt(None, "Also evaluate after the RL step whose process CPU seconds (cumulative "
+                                             "time/step_cpu, as train.cpu_budget_s counts them) cross a multiple of "
+                                             "this, and after the last step: runs of different step costs are then "
+                                             "evaluated at the same compute. rollout.placement=colocated only. "
+                                             "null = off.")
     max_prompts: int = opt(200, "Evaluate at most this many prompts per file (first N, deterministic).")
     samples: int = opt(4, "Completions per prompt (n); pass@1 = mean correctness, pass@k unbiased estimator.")
     pass_k: int = opt(4, "k of pass@k (<= eval.samples).")
@@ -463,6 +502,8 @@ class EvalConfig:
 
     def validate(self) -> None:
         _check(self.every >= 0, "eval.every", self.every, ">= 0")
+        _check(self.every_cpu_s is None or 0 < self.every_cpu_s < math.inf, "eval.every_cpu_s", self.every_cpu_s,
+               "null or a finite number of CPU seconds > 0")
         _check(self.max_prompts >= 1, "eval.max_prompts", self.max_prompts, ">= 1")
         _check(self.samples >= 1, "eval.samples", self.samples, ">= 1")
         _check(1 <= self.pass_k <= self.samples, "eval.pass_k", self.pass_k, f"in [1, eval.samples={self.samples}]")

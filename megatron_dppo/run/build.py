@@ -387,10 +387,23 @@ def build_pruner(cfg: Config, loss_cfg: LossConfig):
     if cfg.algo.pruner == "dppo":
         return DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode, keep=cfg.algo.dppo_keep,
                           length_exponent=cfg.algo.keep_length_exponent, keep_floor=cfg.algo.keep_floor,
-                          zero_advantage_gradient=loss_cfg.kl_coef > 0)
+                          zero_advantage_gradient=loss_cfg.kl_coef > 0, max_weight=cfg.algo.posterior_max_weight)
     if cfg.algo.pruner == "cppo":
         return CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
     return None
+
+
+def build_prompt_state(cfg: Config, estimator: str):
+    """DPPO's per-prompt state, read by the prompt level and updated after every step: the prompt posterior
+    (``algo.dppo_keep=posterior``; from the raw training rewards, shaped by the advantage ``estimator``) or the
+    history of mean |A| (``algo.history_ema``)."""
+    from megatron_dppo.algo.prompt_history import PromptHistory
+    from megatron_dppo.algo.prompt_posterior import PromptPosterior
+
+    if cfg.algo.pruner == "dppo" and cfg.algo.dppo_keep == "posterior":
+        return PromptPosterior(cfg.train.group_size, estimator=estimator, gamma=cfg.algo.posterior_gamma,
+                               rewards=cfg.algo.posterior_rewards)
+    return PromptHistory(cfg.algo.history_ema)
 
 
 def build_handover(cfg: Config, engine, rollout, arch):

@@ -25,7 +25,8 @@ def save(run: Run) -> Path:
     from megatron_dppo.megatron.checkpoint import save_checkpoint
 
     side = run.rollout_side
-    extra = {"rl_step": run.rl_step, "sft_step": run.sft_step, "sampler": side.sampler.state_dict(),
+    extra = {"rl_step": run.rl_step, "sft_step": run.sft_step, "rl_cpu_s": run.rl_cpu_s,
+             "sampler": side.sampler.state_dict(),
              "history": side.history.state_dict(), "config": run.cfg.to_dict()}
     if run.link is not None:  # train.staleness_mode=fixed: the batches in flight, so that a resume is exact
         extra["in_flight"] = run.link.in_flight(run.rl_step, run.cfg.train.steps)
@@ -53,6 +54,7 @@ def restore(run: Run, path: Path) -> None:
 
     extra = load_checkpoint(run.train_side.engine, path, verify=None)  # find_resume_checkpoint has just verified it
     run.rl_step, run.sft_step = int(extra["rl_step"]), int(extra["sft_step"])
+    run.rl_cpu_s = float(extra.get("rl_cpu_s", 0.0))  # (absent in checkpoints of earlier versions)
     run.rollout_side.sampler.load_state_dict(extra["sampler"])
     run.rollout_side.history.load_state_dict(extra["history"])
     if run.link is not None:

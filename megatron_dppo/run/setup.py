@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_dppo.algo.prompt_history import PromptHistory
 from megatron_dppo.config import Config
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.dist.placement import connect_trainer
@@ -14,6 +13,7 @@ from megatron_dppo.run.build import (
     build_handover,
     build_hf_config,
     build_loss,
+    build_prompt_state,
     build_pruner,
     build_rollout,
     build_scorer,
@@ -72,7 +72,8 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     if cfg.train.sft_steps and not sft_pairs:
         raise ValueError("train.sft_steps > 0 needs gold completions: only data.task=arithmetic provides them "
                          "(set train.sft_steps=0)")
-    eval_sets = load_eval_sets(cfg, tokenizer, arch) if (cfg.eval.every or need_eval) else {}
+    eval_sets = load_eval_sets(cfg, tokenizer, arch) if (cfg.eval.every or cfg.eval.every_cpu_s or need_eval) \
+        else {}
     eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward, step_budget=False) for name in eval_sets}
     lock = lock_output_dir(out_dir)  # before the first write: a second run into this folder stops here
     found = find_resume_checkpoint(cfg) if resume else None
@@ -90,7 +91,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, engine, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=train_prompts,
         sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle), pruner=pruner,
-        history=PromptHistory(cfg.algo.history_ema), eval_sets=eval_sets, eval_scorers=eval_scorers)
+        history=build_prompt_state(cfg, estimator), eval_sets=eval_sets, eval_scorers=eval_scorers)
     train_side = TrainSide(cfg=cfg, engine=engine, loss_cfg=loss_cfg, estimator=estimator, pruner=pruner,
                            pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0))
 
@@ -139,7 +140,7 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
     model_dir = resolve_model_dir(cfg)
     hf_config = build_hf_config(cfg, tokenizer, model_dir)
     arch = ModelArch.from_hf_config(hf_config)
-    loss_cfg, _ = build_loss(cfg)
+    loss_cfg, estimator = build_loss(cfg)
     prompts, _ = load_train_prompts(cfg, tokenizer, arch)
     eval_sets = load_eval_sets(cfg, tokenizer, arch) if cfg.eval.every else {}
     eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward, step_budget=False) for name in eval_sets}
@@ -148,7 +149,7 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, None, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=prompts,
         sampler=PromptSampler(len(prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
-        pruner=build_pruner(cfg, loss_cfg), history=PromptHistory(cfg.algo.history_ema), eval_sets=eval_sets,
+        pruner=build_pruner(cfg, loss_cfg), history=build_prompt_state(cfg, estimator), eval_sets=eval_sets,
         eval_scorers=eval_scorers)
 
 

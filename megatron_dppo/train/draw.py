@@ -8,7 +8,9 @@ version of the weights that generated it. It takes the :class:`~megatron_dppo.ru
 whole run, so a rollout worker runs exactly this code without a Megatron engine.
 
 The prompt-level draw is made on rank 0 with a generator seeded from (seed, step, "prompts") and broadcast, so
-every rank takes the same decision.
+every rank takes the same decision. The per-prompt state it reads (``RolloutSide.history``: the history of mean
+|A|, or the prompt posterior with ``algo.dppo_keep=posterior``) is updated by the trainer after every step
+(``update_prompt_state``) with the same groups on every rank, so every rank holds the same state.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megatron_dppo.algo.prompt_posterior import PromptPosterior
 from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, PruneResult, make_generator
 from megatron_dppo.data import Prompt
 from megatron_dppo.dist import collectives as D
@@ -44,12 +47,14 @@ class DrawnBatch:
 # ==============================================================================================================
 # Steps 1-4
 # ==============================================================================================================
-def draw_batch(side: RolloutSide, step: int, timer: PhaseTimer) -> DrawnBatch:
-    """Steps 1-4 of an RL step (``train.loop.rl_step`` explains each)."""
+def draw_batch(side: RolloutSide, step: int, timer: PhaseTimer, version: int | None = None) -> DrawnBatch:
+    """Steps 1-4 of an RL step (``train.loop.rl_step`` explains each) with the weights of ``version`` (default:
+    ``step``, the synchronous loop's; a rollout worker passes the version it loaded)."""
     cfg = side.cfg
+    version = step if version is None else version
     prompts = [side.train_prompts[i] for i in side.sampler.take(prompts_to_draw(side))]
     with timer("prune"):
-        prompt_cut = select_prompts(side, prompts, step)
+        prompt_cut = select_prompts(side, prompts, step, version)
     kept = [p for p, k in zip(prompts, prompt_cut.keep.tolist()) if k]
     with timer("generate"):
         rollout = generate(side, kept, cfg.train.group_size, step, temperature=cfg.rollout.temperature)
@@ -60,7 +65,7 @@ def draw_batch(side: RolloutSide, step: int, timer: PhaseTimer) -> DrawnBatch:
         prompts = kept = refilled.prompts
         rollout = refilled.rollout
         prompt_cut = keep_all(len(prompts))
-    return DrawnBatch(step, prompts, prompt_cut, kept, rollout, refilled)
+    return DrawnBatch(step, prompts, prompt_cut, kept, rollout, refilled, version=version)
 
 
 def prompts_to_draw(side: RolloutSide) -> int:
@@ -71,8 +76,9 @@ def prompts_to_draw(side: RolloutSide) -> int:
     return B
 
 
-def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int) -> PruneResult:
-    """DPPO prompt level on rank 0, broadcast; every other pruner keeps all prompts with probability 1."""
+def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int, version: int | None = None) -> PruneResult:
+    """DPPO prompt level on rank 0, broadcast; every other pruner keeps all prompts with probability 1. The prompt
+    posterior is read at ``version`` (default ``step``): the optimizer step of the weights that will generate."""
     n = len(prompts)
     if not isinstance(side.pruner, DPPOPruner):
         ones = torch.ones(n, dtype=torch.float64)
@@ -80,6 +86,31 @@ def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int) -> Prune
                            candidate=torch.zeros(n, dtype=torch.bool))
     result = None
     if D.is_main():
-        history = side.history.scores([p.id for p in prompts])
-        result = side.pruner.select_prompts(history, make_generator(side.cfg.train.seed, step, "prompts"))
+        ids = [p.id for p in prompts]
+        scores = side.history.scores(ids, step if version is None else version) \
+            if isinstance(side.history, PromptPosterior) else side.history.scores(ids)
+        result = side.pruner.select_prompts(scores, make_generator(side.cfg.train.seed, step, "prompts"))
     return D.broadcast_object(result)
+
+
+def update_prompt_state(side: RolloutSide, prompts: list[Prompt], rewards: torch.Tensor, advantages: torch.Tensor,
+                        version: int, lengths: torch.Tensor | None = None) -> None:
+    """After the step's advantages: the generated groups of ``prompts`` into the per-prompt state. The posterior
+    takes the raw training ``rewards`` [Bk, G] (and completion ``lengths``) of the groups, dated by the ``version``
+    of the weights that generated them; the history takes mean |A| of ``advantages``. Every rank calls it with the
+    same groups."""
+    if not prompts:
+        return
+    ids = [p.id for p in prompts]
+    if isinstance(side.history, PromptPosterior):
+        side.history.update(ids, rewards, version, lengths=lengths)
+    else:
+        side.history.update(ids, advantages)
+
+
+def prompt_state_metrics(side: RolloutSide) -> dict[str, float]:
+    """history/prompts_seen, and the posterior's own (``PromptPosterior.stats``: discount, prior, fit)."""
+    out = {"history/prompts_seen": float(len(side.history))}
+    if isinstance(side.history, PromptPosterior):
+        out.update(side.history.stats())
+    return out

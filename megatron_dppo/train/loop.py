@@ -39,6 +39,7 @@ console and the metrics sinks. A stage takes the half of the run it uses (``Roll
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 from pathlib import Path
 from typing import Any, Sequence
@@ -56,7 +57,7 @@ from megatron_dppo.run.metrics import PhaseTimer, plot_reward_curve, read_jsonl
 from megatron_dppo.run.setup import eval_due, push_weights, setup, teardown
 from megatron_dppo.run.state import Run
 from megatron_dppo.train.dapo import overlong_metrics
-from megatron_dppo.train.draw import DrawnBatch, draw_batch
+from megatron_dppo.train.draw import DrawnBatch, draw_batch, prompt_state_metrics, update_prompt_state
 from megatron_dppo.train.evaluation import evaluate
 from megatron_dppo.train.rollouts import training_rewards
 from megatron_dppo.train.stages import (
@@ -98,11 +99,12 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     prompts, prompt_cut, kept, rollout = drawn.prompts, drawn.prompt_cut, drawn.kept, drawn.rollout
 
     # 5. Advantages on the FULL groups (never recomputed from survivors) of the training reward (the task reward
-    #    plus DAPO's soft overlong penalty when overlong.buffer > 0); remember mean |A| per prompt.
+    #    plus DAPO's soft overlong penalty when overlong.buffer > 0); the groups go into the per-prompt state the
+    #    prompt level reads (mean |A|, or the posterior's counts of the raw rewards, dated by the weight version).
     advantages = compute_advantages(training_rewards(cfg, rollout), trainer.estimator,
                                     trainer.loss_cfg.advantage_eps) if kept else torch.zeros(0, cfg.train.group_size)
-    if kept:
-        side.history.update([p.id for p in kept], advantages)
+    update_prompt_state(side, kept, training_rewards(cfg, rollout) if kept else None, advantages, drawn.version,
+                        rollout.lengths() if kept else None)
 
     # 6. Completion-level pruning -> per-completion keep mask and weight 1/(pi_q * pi_{i|q}).
     with timer("prune"):
@@ -145,7 +147,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 
     # 14. Metrics (docs/algorithms.md, "Metrics").
     metrics.update(step_metrics(prompt_cut, completion_cut, total_cut, rollout, batch, cfg.train.group_size))
-    metrics["history/prompts_seen"] = float(len(side.history))
+    metrics.update(prompt_state_metrics(side))
     if drawn.refilled is not None:  # reward/* over every generated group, dynamic_sampling/*
         metrics.update(drawn.refilled.metrics())
     metrics.update(overlong_metrics(cfg, rollout))
@@ -156,6 +158,26 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics["throughput/tokens_per_s"] = metrics["tokens/trained_sequences"] / max(metrics["time/step"], 1e-9)
     write_audit(run.audit, step, prompts, prompt_cut, rollout, advantages, total_cut)
     return metrics
+
+
+def budget_spent(cfg: Config, rl_cpu_s: float) -> bool:
+    """Whether the RL phase has used its ``train.cpu_budget_s`` (``rl_cpu_s``: cumulative time/step_cpu)."""
+    return cfg.train.cpu_budget_s is not None and rl_cpu_s >= cfg.train.cpu_budget_s
+
+
+def rl_eval_due(cfg: Config, rl_step: int, cpu_before: float, cpu_after: float) -> bool:
+    """Whether the policy after ``rl_step`` RL steps is evaluated: ``eval_due`` (every eval.every steps, and after
+    train.steps), or, for the CPU clock (the step took the RL CPU seconds from ``cpu_before`` to ``cpu_after``),
+    the step crossed a multiple of ``eval.every_cpu_s``; with either on, also the last step of a run that spent
+    ``train.cpu_budget_s``."""
+    every = cfg.eval.every_cpu_s
+    if eval_due(cfg, rl_step):
+        return True
+    if not (cfg.eval.every or every):
+        return False
+    if rl_step == cfg.train.steps or budget_spent(cfg, cpu_after):
+        return True
+    return bool(every) and math.floor(cpu_after / every) > math.floor(cpu_before / every)
 
 
 def rl_learning_rate(cfg: Config, rl_step_index: int) -> float:
@@ -220,6 +242,9 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
         print(f"nothing to do: {cfg.train.output_dir} already finished RL step {cfg.train.steps} of "
               f"{cfg.train.steps}; raise train.steps to continue, or use a new train.output_dir (or delete this "
               "one) to start over", flush=True)
+    elif run.sft_step == cfg.train.sft_steps and budget_spent(cfg, run.rl_cpu_s) and D.is_main():
+        print(f"nothing to do: {cfg.train.output_dir} already spent train.cpu_budget_s={cfg.train.cpu_budget_s} "
+              f"({run.rl_cpu_s:.1f} CPU s in {run.rl_step} RL steps); raise it to continue", flush=True)
     try:
         with StopSignals() as stop:
             # -- supervised warm start
@@ -237,16 +262,18 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
                 stopped_by = stop.poll()
             console.close_bar(bar)
 
-            # -- RL (with an evaluation before the first step, logged at step -1, and every eval.every steps)
-            if cfg.eval.every and run.rl_step == 0 and stopped_by is None:
+            # -- RL (with an evaluation before the first step, logged at step -1, and every eval.every steps /
+            #    eval.every_cpu_s CPU seconds), up to train.steps or train.cpu_budget_s
+            if (cfg.eval.every or cfg.eval.every_cpu_s) and run.rl_step == 0 and stopped_by is None:
                 run.sink.log(-1, evaluation(run, -1), phase="eval", global_step=cfg.train.sft_steps)
             bar = console.progress_bar(tqdm, cfg, run.rl_step, cfg.train.steps, "RL") if stopped_by is None else None
-            while run.rl_step < cfg.train.steps and stopped_by is None:
-                step = run.rl_step
+            while run.rl_step < cfg.train.steps and not budget_spent(cfg, run.rl_cpu_s) and stopped_by is None:
+                step, cpu_before = run.rl_step, run.rl_cpu_s
                 m = rl_step(run, step)
                 run.rl_step += 1
+                run.rl_cpu_s += m["time/step_cpu"]  # (summed over ranks: the same on every rank)
                 run.sink.log(step, m, global_step=cfg.train.sft_steps + step)
-                if eval_due(cfg, run.rl_step):
+                if rl_eval_due(cfg, run.rl_step, cpu_before, run.rl_cpu_s):
                     ev = evaluation(run, step)
                     run.sink.log(step, ev, phase="eval", global_step=cfg.train.sft_steps + step)
                     m.update(ev)
@@ -255,7 +282,7 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
                                        "kept": m["prune/total_kept_fraction"], "tok/s": m["throughput/tokens_per_s"]})
                 console.print_step(cfg, step, m)
                 if checkpoints and cfg.checkpoint.every and run.rl_step % cfg.checkpoint.every == 0 \
-                        and run.rl_step < cfg.train.steps:
+                        and run.rl_step < cfg.train.steps and not budget_spent(cfg, run.rl_cpu_s):
                     checkpoint()
                 stopped_by = stop.poll()
             console.close_bar(bar)
