@@ -348,7 +348,8 @@ def write_audit(audit, step: int, prompts: list[Prompt], prompt_cut: PruneResult
     row_of = {q: row for row, q in enumerate(prompt_cut.keep.nonzero().flatten().tolist())}
     for q, prompt in enumerate(prompts):
         rec: dict[str, Any] = {"step": step, "prompt_id": prompt.id, "prompt_kept": bool(prompt_cut.keep[q]),
-                               "prompt_weight": float(prompt_cut.weight[q])}
+                               "prompt_weight": float(prompt_cut.weight[q]),
+                               "prompt_prob": float(prompt_cut.probabilities()[q])}
         if q in row_of:
             row = row_of[q]
             rec.update(rewards=rollout.rewards[row].tolist(), advantages=advantages[row].tolist(),
