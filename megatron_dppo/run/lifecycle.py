@@ -56,11 +56,27 @@ def restore(run: Run, path: Path) -> None:
     run.rl_step, run.sft_step = int(extra["rl_step"]), int(extra["sft_step"])
     run.rl_cpu_s = float(extra.get("rl_cpu_s", 0.0))  # (absent in checkpoints of earlier versions)
     run.rollout_side.sampler.load_state_dict(extra["sampler"])
-    run.rollout_side.history.load_state_dict(extra["history"])
+    restore_prompt_state(run.rollout_side.history, extra["history"])
     if run.link is not None:
         run.link.resume_at(run.rl_step, extra.get("in_flight"))
     if D.is_main():
         print(f"resumed from {path} (warm-start step {run.sft_step}, RL step {run.rl_step})", flush=True)
+
+
+def restore_prompt_state(state, saved: dict) -> None:
+    """Load the checkpoint's per-prompt state ``saved`` into ``state`` (a ``PromptHistory`` or ``PromptPosterior``).
+    A state of the other kind (``algo.dppo_keep`` changed, e.g. a warm start or a run continued with
+    ``dppo_keep=posterior``) is not carried over: the run starts a fresh one, with a warning when the saved one
+    held prompts (the keep probabilities are recorded with each batch, so the estimate stays unbiased)."""
+    if isinstance(saved, dict) and saved.get("format") == state.FORMAT:
+        state.load_state_dict(saved)
+        return
+    held = len(saved.get("ids", [])) if isinstance(saved, dict) else 0
+    if held and D.is_main():
+        import warnings
+
+        warnings.warn(f"the checkpoint's prompt state is a {saved.get('format')!r} of {held} prompts; this run keeps "
+                      f"a {state.FORMAT!r} (algo.dppo_keep) and starts it fresh", stacklevel=2)
 
 
 # ==============================================================================================================
