@@ -64,6 +64,12 @@ class Config:
             raise ValueError(f"parallel.cp={self.parallel.cp} with model.moe_routing_replay={model.moe_routing_replay}"
                              f" / model.moe_aux_loss_coeff={model.moe_aux_loss_coeff}: a context-parallel rank routes "
                              "only its part of each sequence; use parallel.cp=1 or turn both off")
+        if self.algo.screen_k:
+            _check(self.algo.screen_k < self.train.group_size, "algo.screen_k", self.algo.screen_k,
+                   f"in [1, train.group_size - 1 = {self.train.group_size - 1}] (a screen of k, then G - k more)")
+            _check(self.overlong.buffer == 0, "algo.screen_k", self.algo.screen_k,
+                   "0 with overlong.buffer > 0 (the penalty makes the training rewards continuous; the "
+                   "continuation rule needs binary rewards)")
         self._validate_placement()
         if (self.eval.every or self.eval.every_cpu_s) and self.data.task == "files" and not self.eval.files:
             raise ValueError("eval.every > 0 (or eval.every_cpu_s) needs eval.files (held-out JSONL/parquet files)")
@@ -133,6 +139,7 @@ UNUSED_WHEN = [
      "only algo.pruner=cppo reads it"),
     (("algo.posterior_max_weight", "algo.posterior_gamma", "algo.posterior_rewards"),
      lambda c: c.algo.pruner != "dppo" or c.algo.dppo_keep != "posterior", "only algo.dppo_keep=posterior reads it"),
+    (("algo.screen_continue_fraction",), lambda c: c.algo.screen_k == 0, "algo.screen_k=0: no screening"),
     (("algo.history_ema",), lambda c: c.algo.dppo_keep == "posterior", "algo.dppo_keep=posterior keeps the prompt "
                                                                        "posterior instead of the history"),
     (("dynamic_sampling.max_rounds", "dynamic_sampling.refill_prompts"), lambda c: not c.dynamic_sampling.enable,

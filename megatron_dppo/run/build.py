@@ -64,6 +64,15 @@ def build_loss(cfg: Config) -> tuple[LossConfig, str]:
                                                    "gspo_log_ratio_cap", "kl_bias_correction")
                  if getattr(cfg.loss, k) is not None}
     loss, estimator = resolve_loss_preset(cfg.loss.preset, **overrides, temperature=cfg.rollout.temperature)
+    if cfg.algo.screen_k:  # the denominator must not depend on which continuations are generated
+        from megatron_dppo.algo.screening import screening_denominator
+
+        try:
+            screening_denominator(loss.aggregation, cfg.train.prompts_per_step, cfg.train.group_size,
+                                  cfg.rollout.max_new_tokens)
+        except ValueError as err:
+            raise ValueError(f"algo.screen_k={cfg.algo.screen_k} with loss.preset={cfg.loss.preset} "
+                             f"(aggregation {loss.aggregation}): {err}; set loss.aggregation") from None
     return loss, cfg.loss.advantage_estimator or estimator
 
 

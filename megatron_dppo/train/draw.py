@@ -27,6 +27,7 @@ from megatron_dppo.run.metrics import PhaseTimer
 from megatron_dppo.run.state import RolloutSide
 from megatron_dppo.train.dapo import keep_all, refill_groups
 from megatron_dppo.train.rollouts import Rollout, generate, score
+from megatron_dppo.train.screen import Screens, screen_and_continue
 
 
 @dataclass
@@ -35,13 +36,15 @@ class DrawnBatch:
 
     step: int
     prompts: list[Prompt]  # the drawn prompts (after a refill: the kept groups' prompts)
-    prompt_cut: PruneResult  # keep and pi of every drawn prompt, decided when drawn
+    prompt_cut: PruneResult  # keep and pi of every drawn prompt, decided when drawn (screening: kept = continued,
+    # pi = pi_q pi_c)
     kept: list[Prompt]
     rollout: Rollout  # with rewards and the behaviour log-probs of the engine
     refilled: Any = None  # dapo.Refilled (dynamic_sampling.enable), else None
     version: int = 0  # weight version that generated it
     sampler_state: dict | None = None  # the sampler's position after drawing it
     metrics: dict[str, float] = field(default_factory=dict)  # the rollout side's timings (separate placement)
+    screens: Any = None  # screen.Screens (algo.screen_k > 0): every screen of the step, continued or not
 
 
 # ==============================================================================================================
@@ -55,17 +58,21 @@ def draw_batch(side: RolloutSide, step: int, timer: PhaseTimer, version: int | N
     prompts = [side.train_prompts[i] for i in side.sampler.take(prompts_to_draw(side))]
     with timer("prune"):
         prompt_cut = select_prompts(side, prompts, step, version)
-    kept = [p for p, k in zip(prompts, prompt_cut.keep.tolist()) if k]
-    with timer("generate"):
-        rollout = generate(side, kept, cfg.train.group_size, step, temperature=cfg.rollout.temperature)
-    with timer("reward"):
-        rollout.rewards = score(side.scorer, rollout, cfg.train.group_size)
+    screens = None
+    if cfg.algo.screen_k:  # a screen of k for every kept prompt, then G - k more for those continued
+        prompt_cut, kept, rollout, screens = screen_and_continue(side, prompts, prompt_cut, step, version, timer)
+    else:
+        kept = [p for p, k in zip(prompts, prompt_cut.keep.tolist()) if k]
+        with timer("generate"):
+            rollout = generate(side, kept, cfg.train.group_size, step, temperature=cfg.rollout.temperature)
+        with timer("reward"):
+            rollout.rewards = score(side.scorer, rollout, cfg.train.group_size)
     refilled = refill_groups(side, step, timer, rollout) if cfg.dynamic_sampling.enable else None
     if refilled is not None:
         prompts = kept = refilled.prompts
         rollout = refilled.rollout
         prompt_cut = keep_all(len(prompts))
-    return DrawnBatch(step, prompts, prompt_cut, kept, rollout, refilled, version=version)
+    return DrawnBatch(step, prompts, prompt_cut, kept, rollout, refilled, version=version, screens=screens)
 
 
 def prompts_to_draw(side: RolloutSide) -> int:
@@ -94,18 +101,20 @@ def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int, version:
 
 
 def update_prompt_state(side: RolloutSide, prompts: list[Prompt], rewards: torch.Tensor, advantages: torch.Tensor,
-                        version: int, lengths: torch.Tensor | None = None) -> None:
+                        version: int, lengths: torch.Tensor | None = None, screens: Screens | None = None) -> None:
     """After the step's advantages: the generated groups of ``prompts`` into the per-prompt state. The posterior
     takes the raw training ``rewards`` [Bk, G] (and completion ``lengths``) of the groups, dated by the ``version``
-    of the weights that generated them; the history takes mean |A| of ``advantages``. Every rank calls it with the
-    same groups."""
-    if not prompts:
-        return
-    ids = [p.id for p in prompts]
+    of the weights that generated them, and then the k rewards of the ``screens`` that were not continued; the
+    history takes mean |A| of ``advantages``. Every rank calls it with the same groups."""
     if isinstance(side.history, PromptPosterior):
-        side.history.update(ids, rewards, version, lengths=lengths)
-    else:
-        side.history.update(ids, advantages)
+        if prompts:
+            side.history.update([p.id for p in prompts], rewards, version, lengths=lengths)
+        if screens is not None:
+            stopped, screen_rewards, screen_lengths = screens.not_continued()
+            if stopped:
+                side.history.update([p.id for p in stopped], screen_rewards, version, lengths=screen_lengths)
+    elif prompts:
+        side.history.update([p.id for p in prompts], advantages)
 
 
 def prompt_state_metrics(side: RolloutSide) -> dict[str, float]:

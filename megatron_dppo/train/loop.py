@@ -104,7 +104,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     advantages = compute_advantages(training_rewards(cfg, rollout), trainer.estimator,
                                     trainer.loss_cfg.advantage_eps) if kept else torch.zeros(0, cfg.train.group_size)
     update_prompt_state(side, kept, training_rewards(cfg, rollout) if kept else None, advantages, drawn.version,
-                        rollout.lengths() if kept else None)
+                        rollout.lengths() if kept else None, screens=drawn.screens)
 
     # 6. Completion-level pruning -> per-completion keep mask and weight 1/(pi_q * pi_{i|q}).
     with timer("prune"):
@@ -148,6 +148,8 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     # 14. Metrics (docs/algorithms.md, "Metrics").
     metrics.update(step_metrics(prompt_cut, completion_cut, total_cut, rollout, batch, cfg.train.group_size))
     metrics.update(prompt_state_metrics(side))
+    if drawn.screens is not None:  # screen/*: screened, continued, generated fraction
+        metrics.update(drawn.screens.metrics(cfg.train.group_size, len(prompts)))
     if drawn.refilled is not None:  # reward/* over every generated group, dynamic_sampling/*
         metrics.update(drawn.refilled.metrics())
     metrics.update(overlong_metrics(cfg, rollout))
@@ -156,7 +158,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics["time/step_cpu"] = D.sum_over_ranks(timer.cpu_seconds)  # process CPU seconds of the step, all ranks
     metrics.update(side.handover.take_metrics())  # GPU memory per handover phase (none on CPU)
     metrics["throughput/tokens_per_s"] = metrics["tokens/trained_sequences"] / max(metrics["time/step"], 1e-9)
-    write_audit(run.audit, step, prompts, prompt_cut, rollout, advantages, total_cut)
+    write_audit(run.audit, step, prompts, prompt_cut, rollout, advantages, total_cut, drawn.screens)
     return metrics
 
 

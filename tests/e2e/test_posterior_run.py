@@ -134,3 +134,57 @@ def test_cpu_budget_stops_the_run_evaluates_at_equal_compute_and_resumes(tmp_pat
     proc = run_cli(write_config(tmp_path / "resumed.yaml", tiny_config(resumed, **sections)), nproc=2)
     assert "RL step 3" in proc.stdout
     _check_budget(resumed, budget, every)
+
+
+def test_screening_run_continues_by_the_rule_and_weights_by_both_coins(tmp_path):
+    """algo.screen_k=2 of G=4: every prompt kept at the prompt level gets a screen of 2; the continuation
+    probabilities are the rule's (``algo.screening``) on the posterior rebuilt from the audit trail (full groups,
+    then the screens that were not continued) and the screens; a continued prompt trains its whole group (the
+    screen first) with the weight 1/(pi_q pi_c); token_mean is refused."""
+    from megatron_dppo.algo.screening import continuation_probabilities, continuation_scores
+
+    out = tmp_path / "screen"
+    algo = {**POSTERIOR, "screen_k": 2, "screen_continue_fraction": 0.5}
+    cfg = tiny_config(out, algo=algo, reward={"fn": "tests.e2e._rewards:solved_or_parity", "isolation": "inline"},
+                      train={"steps": 6}, eval={"every": 0}, checkpoint={"every": 0}, logging={"audit_log": True})
+    run_cli(write_config(tmp_path / "screen.yaml", cfg))
+    audit, rl = _audit(out), {r["step"]: r for r in read_metrics(out) if r["phase"] == "rl"}
+    posterior = PromptPosterior(4, estimator="grpo", gamma=1.0)
+    continued_total = stopped_total = 0
+    for step in range(6):
+        drawn = audit[step]
+        ids = [p["prompt_id"] for p in drawn]
+        pi_q = keep_probabilities(posterior.scores(ids, step), 0.5, 4.0)
+        screened = [i for i, p in enumerate(drawn) if "screen_rewards" in p]
+        assert screened and all(len(drawn[i]["screen_rewards"]) == 2 for i in screened)
+        alpha, beta = posterior.beta_parameters([ids[i] for i in screened], step)
+        screen = torch.tensor([drawn[i]["screen_rewards"] for i in screened], dtype=torch.float64)
+        pi_c = continuation_probabilities(continuation_scores(screen, alpha, beta, posterior.curve),
+                                          torch.ones(len(screened), dtype=torch.bool), 0.5, 4.0)
+        assert torch.allclose(torch.tensor([drawn[i]["continue_prob"] for i in screened], dtype=torch.float64),
+                              pi_c, rtol=0, atol=1e-12)
+        assert abs(float(pi_c.sum()) - 0.5 * len(screened)) < 1e-9 and float(pi_c.min()) >= 0.25 - 1e-12
+        for j, i in enumerate(screened):
+            p = drawn[i]
+            assert p["prompt_prob"] == pytest.approx(float(pi_q[i] * pi_c[j]), abs=1e-12)
+            if p["prompt_kept"]:  # continued: the full group, the screen first
+                assert len(p["rewards"]) == 4 and p["rewards"][:2] == p["screen_rewards"]
+                assert p["prompt_weight"] == pytest.approx(1.0 / p["prompt_prob"], rel=1e-6)
+        for i, p in enumerate(drawn):
+            if i not in screened:  # pruned at the prompt level: never screened
+                assert not p["prompt_kept"] and p["prompt_prob"] == pytest.approx(float(pi_q[i]), abs=1e-12)
+        full = [p for p in drawn if p["prompt_kept"]]
+        stopped = [drawn[i] for i in screened if not drawn[i]["prompt_kept"]]
+        continued_total, stopped_total = continued_total + len(full), stopped_total + len(stopped)
+        if full:
+            posterior.update([p["prompt_id"] for p in full], torch.tensor([p["rewards"] for p in full]), step,
+                             lengths=torch.tensor([p["lengths"] for p in full], dtype=torch.float64))
+        if stopped:
+            posterior.update([p["prompt_id"] for p in stopped], torch.tensor([p["screen_rewards"] for p in stopped]),
+                             step, lengths=torch.tensor([p["screen_lengths"] for p in stopped], dtype=torch.float64))
+        assert rl[step]["screen/screened"] == len(screened) and rl[step]["screen/continued"] == len(full)
+    assert continued_total > 0 and stopped_total > 0
+
+    refused = run_cli(write_config(tmp_path / "tm.yaml", tiny_config(tmp_path / "tm", algo=algo, loss={
+        "preset": "grpo", "kl_coef": 0.0, "aggregation": "token_mean"})), check=False)
+    assert refused.returncode != 0 and "algo.screen_k=2" in refused.stderr and "token_mean" in refused.stderr
