@@ -97,9 +97,9 @@ class Config:
         """rollout.placement / train.max_staleness across sections (their help says why)."""
         r, k = self.rollout, self.train.max_staleness
         for key, value in (("train.cpu_budget_s", self.train.cpu_budget_s),
-                           ("eval.every_cpu_s", self.eval.every_cpu_s)):
+                           ("eval.every_cpu_s", self.eval.every_cpu_s), ("algo.cost_budget", self.algo.cost_budget)):
             _check(value is None or r.placement == "colocated", key, value, "null with rollout.placement=separate "
-                   "(the CPU seconds of the rollout workers are not counted in time/step_cpu)")
+                   "(the rollout workers' seconds are not in the trainer's timers)")
         if r.placement == "colocated":
             _check(k == 0, "train.max_staleness", k, "0 with rollout.placement=colocated (one process generates "
                    "and trains in turn: nothing to overlap); use rollout.placement=separate for k >= 1")

@@ -261,6 +261,15 @@ class AlgoConfig:
     screen_continue_fraction: float = opt(0.5, "algo.screen_k > 0: the expected fraction of screened prompts "
                                                "continued (pi_c water-filled on the continuation scores to it); "
                                                "in (0, 1], 1 continues every screen.")
+    cost_budget: Optional[float] = opt(None, "dppo_keep=posterior: plan r_q and r_o every step at this fraction "
+                                             "of the unpruned step's modelled cost, in (0, 1]: the cost per "
+                                             "generated and per trained completion fitted to the phase timers of "
+                                             "the last 20 steps, the rates of least predicted variance chosen at "
+                                             "the budget, r_q = 0 where generation is at most a third of the step "
+                                             "(train/plan.py; docs/algorithms.md, \"Step cost and budgets\"). The "
+                                             "first 3 steps run at algo.r_q / algo.r_o. Wall-clock timers: not "
+                                             "reproducible bit for bit. rollout.placement=colocated, no screening. "
+                                             "null = the fixed rates.")
     cppo_rate: float = opt(0.5, "CPPO pruning rate P in [0, 1).")
     cppo_scope: Literal["group", "batch"] = opt("group", "CPPO: keep floor(G(1-P)) per prompt (group) or "
                                                          "floor(N(1-P)) over the batch (batch).")
@@ -294,6 +303,12 @@ class AlgoConfig:
                "0 with algo.posterior_rewards=continuous (the continuation rule needs binary rewards)")
         _check(0 < self.screen_continue_fraction <= 1, "algo.screen_continue_fraction", self.screen_continue_fraction,
                "in (0, 1]")
+        _check(self.cost_budget is None or 0 < self.cost_budget <= 1, "algo.cost_budget", self.cost_budget,
+               "null or a cost fraction in (0, 1]")
+        _check(self.cost_budget is None or (self.pruner == "dppo" and self.dppo_keep == "posterior"
+                                            and self.screen_k == 0), "algo.cost_budget", self.cost_budget,
+               "null unless algo.pruner=dppo, algo.dppo_keep=posterior and algo.screen_k=0 (the planner reads the "
+               "posterior's scores and plans the two rates, not screens)")
 
 
 LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")

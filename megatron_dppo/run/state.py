@@ -84,3 +84,4 @@ class Run:
     audit: Any = None  # open file (rank 0, logging.audit_log)
     lock: Any = None  # lifecycle.OutputLock (rank 0): one run per output folder
     link: Any = None  # dist.placement.TrainerLink (rollout.placement=separate): weights out, batches in
+    planner: Any = None  # train.plan.RatePlanner (algo.cost_budget): the rates of each step

@@ -59,6 +59,7 @@ from megatron_dppo.run.state import Run
 from megatron_dppo.train.dapo import overlong_metrics
 from megatron_dppo.train.draw import DrawnBatch, draw_batch, prompt_state_metrics, update_prompt_state
 from megatron_dppo.train.evaluation import evaluate
+from megatron_dppo.train.plan import RatePlanner
 from megatron_dppo.train.rollouts import training_rewards
 from megatron_dppo.train.stages import (
     build_train_batch,
@@ -95,6 +96,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     #   4b. DAPO dynamic sampling (dynamic_sampling.enable, algo.pruner=none): groups with one reward for all
     #      dropped and more prompts drawn, generated and scored until B groups remain (at most max_rounds rounds);
     #      from there on the kept groups ARE the step's drawn batch.
+    planned = run.planner.apply(side, step) if run.planner is not None else {}  # algo.cost_budget: this step's rates
     drawn = draw_batch(side, step, timer) if run.link is None else receive_batch(run, step, timer)
     prompts, prompt_cut, kept, rollout = drawn.prompts, drawn.prompt_cut, drawn.kept, drawn.rollout
 
@@ -148,6 +150,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     # 14. Metrics (docs/algorithms.md, "Metrics").
     metrics.update(step_metrics(prompt_cut, completion_cut, total_cut, rollout, batch, cfg.train.group_size))
     metrics.update(prompt_state_metrics(side))
+    metrics.update(planned)
     if drawn.screens is not None:  # screen/*: screened, continued, generated fraction
         metrics.update(drawn.screens.metrics(cfg.train.group_size, len(prompts)))
     if drawn.refilled is not None:  # reward/* over every generated group, dynamic_sampling/*
@@ -159,6 +162,8 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics.update(side.handover.take_metrics())  # GPU memory per handover phase (none on CPU)
     metrics["throughput/tokens_per_s"] = metrics["tokens/trained_sequences"] / max(metrics["time/step"], 1e-9)
     write_audit(run.audit, step, prompts, prompt_cut, rollout, advantages, total_cut, drawn.screens)
+    if run.planner is not None:
+        run.planner.observe(metrics, [p.id for p in prompts], advantages)
     return metrics
 
 
@@ -230,6 +235,7 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
     if cfg.rollout.placement == "separate" and roles(cfg).is_worker:  # this process is a rollout worker
         return {"metrics": {}, "stopped_by": None, "worker": serve(cfg), "output_dir": cfg.train.output_dir}
     run = setup(cfg, resume=checkpoints)
+    run.planner = RatePlanner(cfg.algo.cost_budget) if cfg.algo.cost_budget else None
     clean = False
     start, last, stopped_by = (run.sft_step, run.rl_step), {}, None
     saved: dict[tuple[int, int], Path] = {}  # position -> checkpoint written there (never write one twice)

@@ -188,3 +188,21 @@ def test_screening_run_continues_by_the_rule_and_weights_by_both_coins(tmp_path)
     refused = run_cli(write_config(tmp_path / "tm.yaml", tiny_config(tmp_path / "tm", algo=algo, loss={
         "preset": "grpo", "kl_coef": 0.0, "aggregation": "token_mean"})), check=False)
     assert refused.returncode != 0 and "algo.screen_k=2" in refused.stderr and "token_mean" in refused.stderr
+
+
+def test_cost_budget_plans_the_rates_of_each_step(tmp_path):
+    """algo.cost_budget=0.5: after 3 steps at the configured rates, every step logs a plan at the budget and runs
+    at its rates (the completion level alone where generation is cheap, as on this CPU run)."""
+    out = tmp_path / "plan"
+    cfg = tiny_config(out, algo={**POSTERIOR, "cost_budget": 0.5}, train={"steps": 6}, eval={"every": 0},
+                      checkpoint={"every": 0}, logging={"audit_log": True})
+    run_cli(write_config(tmp_path / "plan.yaml", cfg))
+    rl = [r for r in read_metrics(out) if r["phase"] == "rl"]
+    assert not any("plan/r_q" in r for r in rl[:3]) and all("plan/r_q" in r for r in rl[3:])
+    audit = _audit(out)
+    for r in rl[3:]:
+        assert r["plan/cost_fraction"] <= 0.5 + 1e-9 and 0.0 <= r["plan/r_q"] < 1.0 and 0.0 <= r["plan/r_o"] < 1.0
+        if r["plan/generation_share"] <= 1 / 3:
+            assert r["plan/r_q"] == 0.0
+        pi = [p["prompt_prob"] for p in audit[r["step"]]]
+        assert sum(pi) == pytest.approx((1 - r["plan/r_q"]) * len(pi), abs=1e-9)  # the step ran at the plan
