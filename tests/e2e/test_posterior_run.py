@@ -65,9 +65,11 @@ def test_every_prompt_decision_is_the_posterior_of_the_generated_groups(tmp_path
 
 
 @pytest.mark.multiproc
-def test_posterior_dp2_resume_equals_straight_run(tmp_path):
+@pytest.mark.parametrize("screen", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_posterior_dp2_resume_equals_straight_run(tmp_path, screen):
     straight = tmp_path / "straight"
-    sections = {"parallel": {"tp": 1}, "algo": POSTERIOR, "logging": {"audit_log": True}}
+    algo = {**POSTERIOR, "screen_k": 2, "screen_continue_fraction": 0.6} if screen else POSTERIOR
+    sections = {"parallel": {"tp": 1}, "algo": algo, "logging": {"audit_log": True}}
     proc = run_cli(write_config(tmp_path / "run.yaml", tiny_config(straight, **sections)), nproc=2)
     assert "world 2 (tp 1, pp 1, dp 2)" in proc.stdout
     records = read_metrics(straight)
@@ -76,7 +78,8 @@ def test_posterior_dp2_resume_equals_straight_run(tmp_path):
     # the first visits see the prior only (equal scores: every pi = 1 - r_q); from step 2 on prompts come back
     # and the posterior tells them apart
     audit = _audit(straight)
-    assert all(p["prompt_prob"] == 0.5 for s in (0, 1) for p in audit[s])
+    if not screen:
+        assert all(p["prompt_prob"] == 0.5 for s in (0, 1) for p in audit[s])
     assert len({round(p["prompt_prob"], 9) for s in (2, 3) for p in audit[s]}) > 1
 
     resumed = tmp_path / "resumed"
