@@ -284,7 +284,7 @@ def pilot(args) -> dict:
         sys.exit(f"error: pilot arm runs failed: {errors}")
     g_cal = statistics.fmean(gains.values())
     fit = g_cal >= args.min_gain
-    cfg = load_config(args.config, COMMON + list(args.extra))
+    cfg = load_config(args.config, COMMON + list(args.extra) + eval_overrides(args, None))  # (eval.max_prompts)
     info = git_info()
     prereg = {
         "study": "time_to_accuracy_equal_compute", "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
