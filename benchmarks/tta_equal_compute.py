@@ -261,7 +261,8 @@ def pilot(args) -> dict:
     seeds = args.calibration_seeds
     errors = pool(seeds, lambda s: True, study.warm, args.parallel)
     errors += pool(seeds, lambda s: True, lambda s: study.train(
-        s, "grpo", arm_overrides(args, "grpo", None) + eval_overrides(args, None, every_steps=max(1, args.grpo_steps // 6))),
+        s, "grpo", arm_overrides(args, "grpo", None)
+        + eval_overrides(args, None, every_steps=max(1, args.grpo_steps // 6))),
         args.parallel)
     if errors:
         sys.exit(f"error: pilot GRPO runs failed: {errors}")
@@ -299,8 +300,8 @@ def pilot(args) -> dict:
         "g_star": RULES["g_star"] * g_cal, "g_star_rule": f"{RULES['g_star']} * G_cal",
         "eval_every_cpu_s": every, "eval_rule": "B_pilot / 6, to 2 significant digits",
         "budget_rule": f"per seed: the GRPO run's total RL CPU seconds over {args.grpo_steps} steps; every other "
-                       f"arm of the seed runs to it (train.cpu_budget_s; train.steps capped at {args.max_steps}, a run that "
-                       "hits the cap is flagged)",
+                       f"arm of the seed runs to it (train.cpu_budget_s; train.steps capped at {args.max_steps}, a "
+                       "run that hits the cap is flagged)",
         "arms": ARMS, "primary_base": BASE, "family": FAMILY, "question": list(QUESTION), "screening": SCREENING,
         "main_seeds": args.seeds,
         "endpoints": {
@@ -472,20 +473,23 @@ def markdown(rep: dict) -> str:
     lines += ["| arm | n | steps in the budget | RL CPU s | pre-RL | final (smoothed) | AUC (mean gain) | reached g* |",
               "|---|---|---|---|---|---|---|---|"]
     for a, r in an["arms"].items():
-        lines.append(f"| {a} | {r['n']} | {r['steps']['mean']:.0f}{' (cap hit %d)' % r['hit_cap'] if r['hit_cap'] else ''}"
-                     f" | {r['total']['mean']:.1f} | {r['pre']['mean']:.3f} | {_ci(r['final'], signed=False)} | "
-                     f"{_ci(r['auc'])} | {r['reached']}/{r['n']} |")
+        cap = f" (cap hit {r['hit_cap']})" if r["hit_cap"] else ""
+        lines.append(f"| {a} | {r['n']} | {r['steps']['mean']:.0f}{cap} | {r['total']['mean']:.1f} | "
+                     f"{r['pre']['mean']:.3f} | {_ci(r['final'], signed=False)} | {_ci(r['auc'])} | "
+                     f"{r['reached']}/{r['n']} |")
     for base, title in ((BASE, "Against the DAPO filter (P primary, Holm over the DPPO arms)"),
                         ("grpo", "Against GRPO (secondary, unadjusted)")):
         if base not in an["vs"]:
             continue
         lines += ["", f"**{title}**", "",
-                  "| arm | seeds | final accuracy - base | p (Holm) | verdict | AUC - base | time to g*, ratio | steps ratio |",
+                  "| arm | seeds | final accuracy - base | p (Holm) | verdict | AUC - base | time to g*, ratio | "
+                  "steps ratio |",
                   "|---|---|---|---|---|---|---|---|"]
         for a, c in an["vs"][base].items():
             f = c["final"]
             p = f"{f['p']:.3g}" + (f" ({f['p_holm']:.3g})" if f.get("p_holm") is not None else "")
-            lines.append(f"| {a} | {len(c['seeds'])} | {_ci(f)} | {p} | {f.get('verdict', verdict(f, f['p']) + ' (unadjusted)')} "
+            v = f.get("verdict", verdict(f, f["p"]) + " (unadjusted)")
+            lines.append(f"| {a} | {len(c['seeds'])} | {_ci(f)} | {p} | {v} "
                          f"| {_ci(c['auc'])} | {_ratio(c['time_to_g'])} | {_ratio(c['steps_ratio'])} |")
     if "question" in an:
         q = an["question"]
@@ -493,7 +497,8 @@ def markdown(rep: dict) -> str:
                   f"{_ci(q['final'])} (p {q['final']['p']:.3g}), AUC {_ci(q['auc'])} (p {q['auc']['p']:.3g}), "
                   f"over seeds {q['seeds']}: {q['final']['verdict']}."]
     lines += ["", f"Screening: {SCREENING}.", "", "Every run:", "",
-              "| run | steps | RL CPU s | budget | pre | final | AUC | time to g* |", "|---|---|---|---|---|---|---|---|"]
+              "| run | steps | RL CPU s | budget | pre | final | AUC | time to g* |",
+              "|---|---|---|---|---|---|---|---|"]
     for name, r in sorted(an["per_run"].items(), key=lambda kv: (kv[1]["seed"], kv[1]["arm"])):
         tg = "never" if r["censored"] else f"{r['time_to_g']:.1f}"
         budget = "-" if r["budget"] is None else f"{r['budget']:.1f}"

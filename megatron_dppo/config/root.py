@@ -64,7 +64,7 @@ class Config:
             raise ValueError(f"parallel.cp={self.parallel.cp} with model.moe_routing_replay={model.moe_routing_replay}"
                              f" / model.moe_aux_loss_coeff={model.moe_aux_loss_coeff}: a context-parallel rank routes "
                              "only its part of each sequence; use parallel.cp=1 or turn both off")
-        if self.algo.screen_k:
+        if self.algo.screens:
             _check(self.algo.screen_k < self.train.group_size, "algo.screen_k", self.algo.screen_k,
                    f"in [1, train.group_size - 1 = {self.train.group_size - 1}] (a screen of k, then G - k more)")
             _check(self.overlong.buffer == 0, "algo.screen_k", self.algo.screen_k,
@@ -96,8 +96,9 @@ class Config:
     def _validate_placement(self) -> None:
         """rollout.placement / train.max_staleness across sections (their help says why)."""
         r, k = self.rollout, self.train.max_staleness
+        planned = self.algo.cost_budget if self.algo.planned else None
         for key, value in (("train.cpu_budget_s", self.train.cpu_budget_s),
-                           ("eval.every_cpu_s", self.eval.every_cpu_s), ("algo.cost_budget", self.algo.cost_budget)):
+                           ("eval.every_cpu_s", self.eval.every_cpu_s), ("algo.cost_budget", planned)):
             _check(value is None or r.placement == "colocated", key, value, "null with rollout.placement=separate "
                    "(the rollout workers' seconds are not in the trainer's timers)")
         if r.placement == "colocated":
@@ -127,35 +128,29 @@ _ARITHMETIC = ("data.arithmetic_train_size", "data.arithmetic_min_terms", "data.
                "data.arithmetic_max_operand", "data.arithmetic_ops", "data.arithmetic_eval_split",
                "data.arithmetic_worked")
 
-# (options, when the configuration does not read them, why): Config._refuse_unused_options. An option of this table
-# set away from its default under its condition is an error naming it.
+# (options, when the configuration reads something else in their place, why): Config._refuse_unused_options. An
+# option of this table set away from its default under its condition is an error naming it: the configuration picked
+# another data source, pruner, engine or placement than the one the option belongs to, so the option suggests a run
+# other than the one that would happen (data.dataset=gsm8k with data.task=arithmetic trained on arithmetic). The
+# parameters of a feature turned off by its own switch (train.sft_steps=0, dynamic_sampling.enable=false,
+# overlong.buffer=0, algo.pruner=none, optim.scheduler=constant, logging.wandb=off, parallel.cp=1) are not refused,
+# so that one override turns a feature off in a config that tunes it.
 UNUSED_WHEN = [
     (_FILE_DATA, lambda c: c.data.task == "arithmetic", "data.task=arithmetic generates its prompts; data.task=files "
                                                         "reads them"),
     (_ARITHMETIC, lambda c: c.data.task != "arithmetic", "only data.task=arithmetic reads it"),
     (("algo.r_q", "algo.r_o", "algo.mode", "algo.dppo_keep", "algo.keep_floor", "algo.keep_length_exponent",
-      "algo.history_ema"), lambda c: c.algo.pruner != "dppo", "only algo.pruner=dppo reads it"),
-    (("algo.cppo_rate", "algo.cppo_scope", "algo.cppo_allocation"), lambda c: c.algo.pruner != "cppo",
+      "algo.history_ema"), lambda c: c.algo.pruner == "cppo", "only algo.pruner=dppo reads it"),
+    (("algo.cppo_rate", "algo.cppo_scope", "algo.cppo_allocation"), lambda c: c.algo.pruner == "dppo",
      "only algo.pruner=cppo reads it"),
     (("algo.posterior_max_weight", "algo.posterior_gamma", "algo.posterior_rewards"),
-     lambda c: c.algo.pruner != "dppo" or c.algo.dppo_keep != "posterior", "only algo.dppo_keep=posterior reads it"),
-    (("algo.screen_continue_fraction",), lambda c: c.algo.screen_k == 0, "algo.screen_k=0: no screening"),
-    (("algo.history_ema",), lambda c: c.algo.dppo_keep == "posterior", "algo.dppo_keep=posterior keeps the prompt "
-                                                                       "posterior instead of the history"),
-    (("dynamic_sampling.max_rounds", "dynamic_sampling.refill_prompts"), lambda c: not c.dynamic_sampling.enable,
-     "dynamic_sampling.enable=false"),
-    (("dynamic_sampling.filter_metric",),
-     lambda c: not (c.dynamic_sampling.enable or c.algo.drop_zero_variance_groups),
-     "no zero-variance filter: dynamic_sampling.enable and algo.drop_zero_variance_groups are false"),
-    (("overlong.penalty",), lambda c: c.overlong.buffer == 0, "overlong.buffer=0: no soft overlong penalty"),
+     lambda c: c.algo.pruner == "cppo" or (c.algo.pruner == "dppo" and c.algo.dppo_keep != "posterior"),
+     "only algo.dppo_keep=posterior reads it"),
+    (("algo.history_ema",), lambda c: c.algo.pruner == "dppo" and c.algo.dppo_keep == "posterior",
+     "algo.dppo_keep=posterior keeps the prompt posterior in place of the history"),
     (("rollout.gpu_memory_utilization", "rollout.enforce_eager", "rollout.sleep_level",
       "rollout.offload_train_state"), lambda c: c.rollout.engine != "vllm", "only rollout.engine=vllm reads it"),
     (("rollout.batch_size",), lambda c: c.rollout.engine != "hf", "only rollout.engine=hf reads it"),
     (("rollout.workers", "rollout.tp", "rollout.worker_timeout_s", "train.staleness_mode"),
      lambda c: c.rollout.placement != "separate", "only rollout.placement=separate reads it"),
-    (("train.sft_batch_size", "train.sft_lr"), lambda c: c.train.sft_steps == 0, "train.sft_steps=0: no warm start"),
-    (("optim.min_lr",), lambda c: c.optim.scheduler == "constant", "optim.scheduler=constant"),
-    (("logging.wandb_project",), lambda c: c.logging.wandb == "off", "logging.wandb=off"),
-    (("parallel.cp_comm_type",), lambda c: c.parallel.cp == 1, "parallel.cp=1: no context parallelism"),
-    (("eval.data_dir",), lambda c: c.eval.suite is None, "no eval.suite"),
 ]

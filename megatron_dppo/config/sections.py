@@ -296,19 +296,29 @@ class AlgoConfig:
         _check(math.isfinite(self.posterior_gamma) and self.posterior_gamma >= 0, "algo.posterior_gamma",
                self.posterior_gamma, "a finite number >= 0")
         _check(self.screen_k >= 0, "algo.screen_k", self.screen_k, "an integer >= 0 (0 = no screening)")
-        _check(self.screen_k == 0 or (self.pruner == "dppo" and self.dppo_keep == "posterior"), "algo.screen_k",
-               self.screen_k, "0 unless algo.pruner=dppo and algo.dppo_keep=posterior (the continuation scores "
-               "come from the prompt posterior)")
+        _check(self.screen_k == 0 or self.pruner == "none" or (self.pruner == "dppo" and self.dppo_keep == "posterior"),
+               "algo.screen_k", self.screen_k, "0 unless algo.pruner=dppo with algo.dppo_keep=posterior (the "
+               "continuation scores come from the prompt posterior; algo.pruner=none turns screening off)")
         _check(self.screen_k == 0 or self.posterior_rewards != "continuous", "algo.screen_k", self.screen_k,
                "0 with algo.posterior_rewards=continuous (the continuation rule needs binary rewards)")
         _check(0 < self.screen_continue_fraction <= 1, "algo.screen_continue_fraction", self.screen_continue_fraction,
                "in (0, 1]")
         _check(self.cost_budget is None or 0 < self.cost_budget <= 1, "algo.cost_budget", self.cost_budget,
                "null or a cost fraction in (0, 1]")
-        _check(self.cost_budget is None or (self.pruner == "dppo" and self.dppo_keep == "posterior"
-                                            and self.screen_k == 0), "algo.cost_budget", self.cost_budget,
-               "null unless algo.pruner=dppo, algo.dppo_keep=posterior and algo.screen_k=0 (the planner reads the "
-               "posterior's scores and plans the two rates, not screens)")
+        _check(self.cost_budget is None or self.pruner == "none" or (
+            self.pruner == "dppo" and self.dppo_keep == "posterior" and self.screen_k == 0), "algo.cost_budget",
+            self.cost_budget, "null unless algo.pruner=dppo, algo.dppo_keep=posterior and algo.screen_k=0 (the "
+            "planner reads the posterior's scores and plans the two rates, not screens; algo.pruner=none turns it off)")
+
+    @property
+    def screens(self) -> int:
+        """k of the screens this configuration generates (algo.screen_k under algo.pruner=dppo; else 0)."""
+        return self.screen_k if self.pruner == "dppo" else 0
+
+    @property
+    def planned(self) -> bool:
+        """Whether each step's rates are planned (algo.cost_budget under algo.pruner=dppo)."""
+        return self.cost_budget is not None and self.pruner == "dppo"
 
 
 LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")

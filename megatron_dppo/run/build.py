@@ -64,7 +64,7 @@ def build_loss(cfg: Config) -> tuple[LossConfig, str]:
                                                    "gspo_log_ratio_cap", "kl_bias_correction")
                  if getattr(cfg.loss, k) is not None}
     loss, estimator = resolve_loss_preset(cfg.loss.preset, **overrides, temperature=cfg.rollout.temperature)
-    if cfg.algo.screen_k:  # the denominator must not depend on which continuations are generated
+    if cfg.algo.screens:  # the denominator must not depend on which continuations are generated
         from megatron_dppo.algo.screening import screening_denominator
 
         try:

@@ -59,7 +59,7 @@ def draw_batch(side: RolloutSide, step: int, timer: PhaseTimer, version: int | N
     with timer("prune"):
         prompt_cut = select_prompts(side, prompts, step, version)
     screens = None
-    if cfg.algo.screen_k:  # a screen of k for every kept prompt, then G - k more for those continued
+    if cfg.algo.screens:  # a screen of k for every kept prompt, then G - k more for those continued
         prompt_cut, kept, rollout, screens = screen_and_continue(side, prompts, prompt_cut, step, version, timer)
     else:
         kept = [p for p, k in zip(prompts, prompt_cut.keep.tolist()) if k]

@@ -235,7 +235,7 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
     if cfg.rollout.placement == "separate" and roles(cfg).is_worker:  # this process is a rollout worker
         return {"metrics": {}, "stopped_by": None, "worker": serve(cfg), "output_dir": cfg.train.output_dir}
     run = setup(cfg, resume=checkpoints)
-    run.planner = RatePlanner(cfg.algo.cost_budget) if cfg.algo.cost_budget else None
+    run.planner = RatePlanner(cfg.algo.cost_budget) if cfg.algo.planned else None
     clean = False
     start, last, stopped_by = (run.sft_step, run.rl_step), {}, None
     saved: dict[tuple[int, int], Path] = {}  # position -> checkpoint written there (never write one twice)

@@ -66,7 +66,7 @@ def screen_and_continue(side: RolloutSide, prompts: list[Prompt], prompt_cut: Pr
     step's prompt-level decision as the trainer sees it (kept = continued, keep probability pi_q pi_c), the
     continued prompts, their full groups (screen first, then the continuation) and the ``Screens``."""
     cfg = side.cfg
-    G, k = cfg.train.group_size, cfg.algo.screen_k
+    G, k = cfg.train.group_size, cfg.algo.screens
     rows = prompt_cut.keep.nonzero().flatten().tolist()
     screened = [prompts[q] for q in rows]
     screen = _generated(side, screened, k, step, "generate/screen", timer)

@@ -157,12 +157,8 @@ def test_examples_parse(name):
     (["data.train_files=[a.jsonl]"], r"data.train_files=\['a.jsonl'\]"),
     (["algo.pruner=cppo", "algo.r_q=0.7"], r"algo.r_q=0.7 \(only algo.pruner=dppo reads it\)"),
     (["algo.pruner=dppo", "algo.cppo_rate=0.3"], r"algo.cppo_rate=0.3 \(only algo.pruner=cppo reads it\)"),
-    (["dynamic_sampling.max_rounds=3"], r"dynamic_sampling.max_rounds=3 \(dynamic_sampling.enable=false\)"),
-    (["overlong.penalty=0.5"], r"overlong.penalty=0.5 \(overlong.buffer=0"),
     (["rollout.gpu_memory_utilization=0.8"], r"rollout.gpu_memory_utilization=0.8 \(only rollout.engine=vllm"),
     (["rollout.worker_timeout_s=30"], r"rollout.worker_timeout_s=30.0 \(only rollout.placement=separate"),
-    (["train.sft_lr=0.01"], r"train.sft_lr=0.01 \(train.sft_steps=0"),
-    (["optim.min_lr=1e-7"], r"optim.min_lr=1e-07 \(optim.scheduler=constant\)"),
 ])
 def test_an_option_the_configuration_does_not_use_is_refused_by_name(overrides, named):
     """data.dataset with data.task=arithmetic used to be ignored silently (the run trained on arithmetic); every
@@ -178,7 +174,34 @@ def test_the_unused_option_rules_name_real_options_and_defaults_pass():
     for options, _unused, _why in UNUSED_WHEN:
         assert set(options) <= keys, set(options) - keys
     _load()  # every option at its default: nothing refused, whatever the conditions
+    # a feature turned off by its own switch keeps its tuning quietly: one override turns it off
+    _load("train.sft_steps=0", "train.sft_lr=0.01", "dynamic_sampling.max_rounds=3", "overlong.penalty=0.5",
+          "optim.min_lr=1e-7", "algo.pruner=none", "algo.r_q=0.7", "algo.cppo_rate=0.3")
     files = load_config(None, ["data.task=files", "data.dataset=gsm8k", "data.subset=main", ARITH[1]])
     assert files.data.dataset == "gsm8k"  # used there
     with pytest.raises(ValueError, match="data.arithmetic_max_operand=5 \\(only data.task=arithmetic reads it\\)"):
         load_config(None, ["data.task=files", "data.dataset=gsm8k", "data.arithmetic_max_operand=5", ARITH[1]])
+
+
+def test_posterior_screening_and_planner_options():
+    """The posterior's options are refused where another prompt rule reads the history in their place (and the
+    history's EMA under the posterior); screening and the planner need the posterior, but algo.pruner=none turns
+    them off quietly; a screen must leave completions to continue."""
+    with pytest.raises(ValueError, match=r"algo.posterior_gamma=2.0 \(only algo.dppo_keep=posterior reads it\)"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=optimal", "algo.posterior_gamma=2")
+    with pytest.raises(ValueError, match=r"algo.history_ema=0.5 \(algo.dppo_keep=posterior keeps the prompt"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.history_ema=0.5")
+    with pytest.raises(ValueError, match="algo.screen_k=2 is invalid: expected 0 unless algo.pruner=dppo with"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=optimal", "algo.screen_k=2")
+    with pytest.raises(ValueError, match="algo.cost_budget=0.5 is invalid"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.screen_k=2", "algo.cost_budget=0.5")
+    with pytest.raises(ValueError, match=r"algo.screen_k=8 is invalid: expected in \[1, train.group_size - 1"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.screen_k=8", "train.group_size=8")
+    with pytest.raises(ValueError, match="algo.cost_budget=0.5 is invalid: expected null with rollout.placement"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.cost_budget=0.5", "rollout.placement=separate")
+    off = _load("algo.pruner=none", "algo.dppo_keep=posterior", "algo.screen_k=2", "algo.cost_budget=0.5",
+                "algo.posterior_gamma=2")
+    assert off.algo.screens == 0 and not off.algo.planned
+    on = _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.screen_k=2", "algo.screen_continue_fraction=0.3")
+    assert on.algo.screens == 2
+    _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.screen_continue_fraction=0.3")  # screening off: quiet

@@ -21,7 +21,8 @@ def test_schedule_runs_grpo_first_in_every_seed_and_rotates_the_others():
     for seed in (1, 2, 3):
         mine = [a for s, a in jobs if s == seed]
         assert mine[0] == "grpo" and sorted(mine[1:]) == ["a", "b", "c"]
-    assert [a for s, a in jobs if s == 1][1:] == ["a", "b", "c"] and [a for s, a in jobs if s == 2][1:] == ["b", "c", "a"]
+    assert [a for s, a in jobs if s == 1][1:] == ["a", "b", "c"]
+    assert [a for s, a in jobs if s == 2][1:] == ["b", "c", "a"]
 
 
 def test_pool_waits_for_dependencies_and_fails_what_can_never_run():
