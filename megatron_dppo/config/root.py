@@ -75,9 +75,20 @@ class Config:
             raise ValueError("data.arithmetic_warm_start=calculator warm-starts a calculator-using policy on the "
                              f"arithmetic task: it needs data.task=arithmetic (got {self.data.task!r}) and an env "
                              "section (env.name=calculator)")
+        if self.algo.screens:
+            _check(self.algo.screen_k < self.train.group_size, "algo.screen_k", self.algo.screen_k,
+                   f"in [1, train.group_size - 1 = {self.train.group_size - 1}] (a screen of k, then G - k more)")
+            _check(self.overlong.buffer == 0, "algo.screen_k", self.algo.screen_k,
+                   "0 with overlong.buffer > 0 (the penalty makes the training rewards continuous; the "
+                   "continuation rule needs binary rewards)")
+            _check(self.reward.model.path is None, "algo.screen_k", self.algo.screen_k,
+                   "0 with reward.model.path (a reward model's scores are continuous; the continuation rule needs "
+                   "binary rewards)")
+            _check(self.env is None, "algo.screen_k", self.algo.screen_k,
+                   "0 with an env section (screens and continuations of multi-turn episodes are not joined)")
         self._validate_placement()
-        if self.eval.every and self.data.task == "files" and not self.eval.files:
-            raise ValueError("eval.every > 0 needs eval.files (held-out JSONL/parquet files)")
+        if (self.eval.every or self.eval.every_cpu_s) and self.data.task == "files" and not self.eval.files:
+            raise ValueError("eval.every > 0 (or eval.every_cpu_s) needs eval.files (held-out JSONL/parquet files)")
         self._refuse_unused_options(frozenset(overridden))
         return self
 
@@ -88,11 +99,12 @@ class Config:
         examples/qwen3-4b-math.yaml rollout.engine=hf``), the file's options for the old choice are quiet (the
         override switched them off) and only options also given on the command line are refused."""
         problems = []
-        for keys, selector, unused, why in UNUSED_WHEN:
+        for keys, selectors, unused, why in UNUSED_WHEN:
             if not unused(self):
                 continue
+            chosen_here = not overridden.isdisjoint((selectors,) if isinstance(selectors, str) else selectors)
             for key in keys:
-                if selector in overridden and key not in overridden:
+                if chosen_here and key not in overridden:
                     continue
                 section, name = key.split(".")
                 value = getattr(getattr(self, section), name)
@@ -109,6 +121,11 @@ class Config:
             _check(r.placement == "colocated", "reward.model.engine", "megatron",
                    "hf or vllm with rollout.placement=separate (the rollout workers score and hold no Megatron "
                    "engine); the Megatron reward model runs in the trainer's processes under parallel.tp/pp")
+        planned = self.algo.cost_budget if self.algo.planned else None
+        for key, value in (("train.cpu_budget_s", self.train.cpu_budget_s),
+                           ("eval.every_cpu_s", self.eval.every_cpu_s), ("algo.cost_budget", planned)):
+            _check(value is None or r.placement == "colocated", key, value, "null with rollout.placement=separate "
+                   "(the rollout workers' seconds are not in the trainer's timers)")
         if r.placement == "colocated":
             _check(k == 0, "train.max_staleness", k, "0 with rollout.placement=colocated (one process generates "
                    "and trains in turn: nothing to overlap); use rollout.placement=separate for k >= 1")
@@ -159,7 +176,7 @@ _ARITHMETIC = ("data.arithmetic_train_size", "data.arithmetic_min_terms", "data.
                "data.arithmetic_max_operand", "data.arithmetic_ops", "data.arithmetic_eval_split",
                "data.arithmetic_worked")
 
-# (options, the option that chooses, when the configuration reads something else in their place, why):
+# (options, the option(s) that choose, when the configuration reads something else in their place, why):
 # Config._refuse_unused_options. An option of this table set away from its default under its condition is an error
 # naming it (unless the choosing option was changed on the command line and it was not): the configuration picked
 # another data source, pruner, engine or placement than the one the option belongs to, so the option suggests a run
@@ -175,6 +192,12 @@ UNUSED_WHEN = [
       "algo.history_ema"), "algo.pruner", lambda c: c.algo.pruner == "cppo", "only algo.pruner=dppo reads it"),
     (("algo.cppo_rate", "algo.cppo_scope", "algo.cppo_allocation"), "algo.pruner", lambda c: c.algo.pruner == "dppo",
      "only algo.pruner=cppo reads it"),
+    (("algo.posterior_max_weight", "algo.posterior_gamma", "algo.posterior_rewards"), ("algo.pruner", "algo.dppo_keep"),
+     lambda c: c.algo.pruner == "cppo" or (c.algo.pruner == "dppo" and c.algo.dppo_keep != "posterior"),
+     "only algo.dppo_keep=posterior reads it"),
+    (("algo.history_ema", "algo.history_score"), ("algo.pruner", "algo.dppo_keep"),
+     lambda c: c.algo.pruner == "dppo" and c.algo.dppo_keep == "posterior",
+     "algo.dppo_keep=posterior keeps the prompt posterior in place of the history"),
     (("rollout.gpu_memory_utilization", "rollout.enforce_eager", "rollout.sleep_level",
       "rollout.offload_train_state"), "rollout.engine", lambda c: c.rollout.engine != "vllm",
      "only rollout.engine=vllm reads it"),

@@ -64,6 +64,15 @@ def build_loss(cfg: Config) -> tuple[LossConfig, str]:
                                                    "gspo_log_ratio_cap", "kl_bias_correction")
                  if getattr(cfg.loss, k) is not None}
     loss, estimator = resolve_loss_preset(cfg.loss.preset, **overrides, temperature=cfg.rollout.temperature)
+    if cfg.algo.screens:  # the denominator must not depend on which continuations are generated
+        from megatron_dppo.algo.screening import screening_denominator
+
+        try:
+            screening_denominator(loss.aggregation, cfg.train.prompts_per_step, cfg.train.group_size,
+                                  cfg.rollout.max_new_tokens)
+        except ValueError as err:
+            raise ValueError(f"algo.screen_k={cfg.algo.screen_k} with loss.preset={cfg.loss.preset} "
+                             f"(aggregation {loss.aggregation}): {err}; set loss.aggregation") from None
     return loss, cfg.loss.advantage_estimator or estimator
 
 
@@ -425,17 +434,24 @@ def build_pruner(cfg: Config, loss_cfg: LossConfig):
     if cfg.algo.pruner == "dppo":
         return DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode, keep=cfg.algo.dppo_keep,
                           length_exponent=cfg.algo.keep_length_exponent, keep_floor=cfg.algo.keep_floor,
-                          zero_advantage_gradient=loss_cfg.kl_coef > 0, keep_cost=cfg.algo.dppo_keep_cost)
+                          zero_advantage_gradient=loss_cfg.kl_coef > 0, keep_cost=cfg.algo.dppo_keep_cost,
+                          max_weight=cfg.algo.posterior_max_weight)
     if cfg.algo.pruner == "cppo":
         return CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
     return None
 
 
-def build_history(cfg: Config):
-    """DPPO's per-prompt history of ``algo.history_score`` (auto: the reward spread when a reward model is set,
-    whose continuous scores leave mean |A| without scale; else mean |A|)."""
+def build_prompt_state(cfg: Config, estimator: str):
+    """DPPO's per-prompt state, read by the prompt level and updated after every step: the prompt posterior
+    (``algo.dppo_keep=posterior``; from the raw training rewards, shaped by the advantage ``estimator``) or the
+    history of ``algo.history_score`` (auto: the reward spread when a reward model is set, whose continuous scores
+    leave mean |A| without scale; else mean |A|; ``algo.history_ema``)."""
     from megatron_dppo.algo.prompt_history import make_history
+    from megatron_dppo.algo.prompt_posterior import PromptPosterior
 
+    if cfg.algo.pruner == "dppo" and cfg.algo.dppo_keep == "posterior":
+        return PromptPosterior(cfg.train.group_size, estimator=estimator, gamma=cfg.algo.posterior_gamma,
+                               rewards=cfg.algo.posterior_rewards)
     score = cfg.algo.history_score
     if score == "auto":
         score = "reward_std" if cfg.reward.model.path is not None else "mean_abs_adv"

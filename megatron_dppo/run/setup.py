@@ -12,9 +12,9 @@ from megatron_dppo.dist.placement import connect_trainer
 from megatron_dppo.run.build import (
     build_env,
     build_handover,
-    build_history,
     build_hf_config,
     build_loss,
+    build_prompt_state,
     build_pruner,
     build_rollout,
     build_scorer,
@@ -79,7 +79,8 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     if cfg.train.sft_steps and not sft_pairs:
         raise ValueError("train.sft_steps > 0 needs gold completions: only data.task=arithmetic provides them "
                          "(set train.sft_steps=0)")
-    eval_sets = load_eval_sets(cfg, tokenizer, arch) if (cfg.eval.every or need_eval) else {}
+    eval_sets = load_eval_sets(cfg, tokenizer, arch) if (cfg.eval.every or cfg.eval.every_cpu_s or need_eval) \
+        else {}
     eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward, step_budget=False) for name in eval_sets}
     lock = lock_output_dir(out_dir)  # before the first write: a second run into this folder stops here
     found = find_resume_checkpoint(cfg) if resume else None
@@ -97,8 +98,8 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, engine, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=train_prompts,
         sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle), pruner=pruner,
-        history=build_history(cfg), eval_sets=eval_sets, eval_scorers=eval_scorers, reward_model=reward_model,
-        env_factory=env_factory, chat=chat)
+        history=build_prompt_state(cfg, estimator), eval_sets=eval_sets, eval_scorers=eval_scorers,
+        reward_model=reward_model, env_factory=env_factory, chat=chat)
     train_side = TrainSide(cfg=cfg, engine=engine, loss_cfg=loss_cfg, estimator=estimator, pruner=pruner,
                            pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0))
 
@@ -152,7 +153,7 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
     model_dir = resolve_model_dir(cfg)
     hf_config = build_hf_config(cfg, tokenizer, model_dir)
     arch = ModelArch.from_hf_config(hf_config)
-    loss_cfg, _ = build_loss(cfg)
+    loss_cfg, estimator = build_loss(cfg)
     prompts, _ = load_train_prompts(cfg, tokenizer, arch)
     eval_sets = load_eval_sets(cfg, tokenizer, arch) if cfg.eval.every else {}
     eval_scorers = {name: build_scorer(cfg, [name], cfg.eval.reward, step_budget=False) for name in eval_sets}
@@ -161,7 +162,7 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, None, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=prompts,
         sampler=PromptSampler(len(prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
-        pruner=build_pruner(cfg, loss_cfg), history=build_history(cfg), eval_sets=eval_sets,
+        pruner=build_pruner(cfg, loss_cfg), history=build_prompt_state(cfg, estimator), eval_sets=eval_sets,
         eval_scorers=eval_scorers, reward_model=reward_model, env_factory=env_factory, chat=chat)
 
 

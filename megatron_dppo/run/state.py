@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # annotations only (``from __future__ import annotations``): nothing is imported at run time
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.algo.prompt_history import PromptHistory
+    from megatron_dppo.algo.prompt_posterior import PromptPosterior
     from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner
     from megatron_dppo.config import Config
     from megatron_dppo.data import Prompt
@@ -37,7 +38,8 @@ class RolloutSide:
     train_prompts: list[Prompt]
     sampler: Any  # data.PromptSampler (resumable)
     pruner: DPPOPruner | CPPOPruner | None  # decides the prompt level here (DPPO) and how many prompts to draw
-    history: PromptHistory  # DPPO's per-prompt history (updated by the trainer from each step's advantages)
+    history: PromptHistory | PromptPosterior  # DPPO's per-prompt state (train.draw: read before generation, updated
+    # by the trainer from each step's groups); the posterior with algo.dppo_keep=posterior
     eval_sets: dict[str, list[Prompt]] = field(default_factory=dict)
     eval_scorers: dict[str, Any] = field(default_factory=dict)
     reward_model: Any = None  # rewards.RewardModel (reward.model.path), scored beside ``scorer``; None: rules only
@@ -81,6 +83,8 @@ class Run:
     sft_pairs: list[tuple] = field(default_factory=list)  # (prompt ids, gold completion ids[, loss mask])
     rl_step: int = 0  # next RL step to run
     sft_step: int = 0  # warm-start steps done
+    rl_cpu_s: float = 0.0  # process CPU seconds of the RL steps done (cumulative time/step_cpu: train.cpu_budget_s)
     audit: Any = None  # open file (rank 0, logging.audit_log)
     lock: Any = None  # lifecycle.OutputLock (rank 0): one run per output folder
     link: Any = None  # dist.placement.TrainerLink (rollout.placement=separate): weights out, batches in
+    planner: Any = None  # train.plan.RatePlanner (algo.cost_budget): the rates of each step

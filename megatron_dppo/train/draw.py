@@ -8,7 +8,9 @@ version of the weights that generated it. It takes the :class:`~megatron_dppo.ru
 whole run, so a rollout worker runs exactly this code without a Megatron engine.
 
 The prompt-level draw is made on rank 0 with a generator seeded from (seed, step, "prompts") and broadcast, so
-every rank takes the same decision.
+every rank takes the same decision. The per-prompt state it reads (``RolloutSide.history``: the history of mean
+|A|, or the prompt posterior with ``algo.dppo_keep=posterior``) is updated by the trainer after every step
+(``update_prompt_state``) with the same groups on every rank, so every rank holds the same state.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megatron_dppo.algo.prompt_posterior import PromptPosterior
 from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, PruneResult, make_generator
 from megatron_dppo.data import Prompt
 from megatron_dppo.dist import collectives as D
@@ -24,6 +27,7 @@ from megatron_dppo.run.metrics import PhaseTimer
 from megatron_dppo.run.state import RolloutSide
 from megatron_dppo.train.dapo import keep_all, refill_groups
 from megatron_dppo.train.rollouts import Rollout, generate, score
+from megatron_dppo.train.screen import Screens, screen_and_continue
 
 
 @dataclass
@@ -32,35 +36,43 @@ class DrawnBatch:
 
     step: int
     prompts: list[Prompt]  # the drawn prompts (after a refill: the kept groups' prompts)
-    prompt_cut: PruneResult  # keep and pi of every drawn prompt, decided when drawn
+    prompt_cut: PruneResult  # keep and pi of every drawn prompt, decided when drawn (screening: kept = continued,
+    # pi = pi_q pi_c)
     kept: list[Prompt]
     rollout: Rollout  # with rewards and the behaviour log-probs of the engine
     refilled: Any = None  # dapo.Refilled (dynamic_sampling.enable), else None
     version: int = 0  # weight version that generated it
     sampler_state: dict | None = None  # the sampler's position after drawing it
     metrics: dict[str, float] = field(default_factory=dict)  # the rollout side's timings (separate placement)
+    screens: Any = None  # screen.Screens (algo.screen_k > 0): every screen of the step, continued or not
 
 
 # ==============================================================================================================
 # Steps 1-4
 # ==============================================================================================================
-def draw_batch(side: RolloutSide, step: int, timer: PhaseTimer) -> DrawnBatch:
-    """Steps 1-4 of an RL step (``train.loop.rl_step`` explains each)."""
+def draw_batch(side: RolloutSide, step: int, timer: PhaseTimer, version: int | None = None) -> DrawnBatch:
+    """Steps 1-4 of an RL step (``train.loop.rl_step`` explains each) with the weights of ``version`` (default:
+    ``step``, the synchronous loop's; a rollout worker passes the version it loaded)."""
     cfg = side.cfg
+    version = step if version is None else version
     prompts = [side.train_prompts[i] for i in side.sampler.take(prompts_to_draw(side))]
     with timer("prune"):
-        prompt_cut = select_prompts(side, prompts, step)
-    kept = [p for p, k in zip(prompts, prompt_cut.keep.tolist()) if k]
-    with timer("generate"):
-        rollout = generate(side, kept, cfg.train.group_size, step, temperature=cfg.rollout.temperature)
-    with timer("reward"):
-        rollout.rewards = score(side, rollout, step)
+        prompt_cut = select_prompts(side, prompts, step, version)
+    screens = None
+    if cfg.algo.screens:  # a screen of k for every kept prompt, then G - k more for those continued
+        prompt_cut, kept, rollout, screens = screen_and_continue(side, prompts, prompt_cut, step, version, timer)
+    else:
+        kept = [p for p, k in zip(prompts, prompt_cut.keep.tolist()) if k]
+        with timer("generate"):
+            rollout = generate(side, kept, cfg.train.group_size, step, temperature=cfg.rollout.temperature)
+        with timer("reward"):
+            rollout.rewards = score(side, rollout, step)
     refilled = refill_groups(side, step, timer, rollout) if cfg.dynamic_sampling.enable else None
     if refilled is not None:
         prompts = kept = refilled.prompts
         rollout = refilled.rollout
         prompt_cut = keep_all(len(prompts))
-    return DrawnBatch(step, prompts, prompt_cut, kept, rollout, refilled)
+    return DrawnBatch(step, prompts, prompt_cut, kept, rollout, refilled, version=version, screens=screens)
 
 
 def prompts_to_draw(side: RolloutSide) -> int:
@@ -71,8 +83,9 @@ def prompts_to_draw(side: RolloutSide) -> int:
     return B
 
 
-def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int) -> PruneResult:
-    """DPPO prompt level on rank 0, broadcast; every other pruner keeps all prompts with probability 1."""
+def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int, version: int | None = None) -> PruneResult:
+    """DPPO prompt level on rank 0, broadcast; every other pruner keeps all prompts with probability 1. The prompt
+    posterior is read at ``version`` (default ``step``): the optimizer step of the weights that will generate."""
     n = len(prompts)
     if not isinstance(side.pruner, DPPOPruner):
         ones = torch.ones(n, dtype=torch.float64)
@@ -81,12 +94,32 @@ def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int) -> Prune
     result = None
     if D.is_main():
         ids = [p.id for p in prompts]
-        history = side.history.scores(ids)
+        scores = side.history.scores(ids, step if version is None else version) \
+            if isinstance(side.history, PromptPosterior) else side.history.scores(ids)
         costs = None  # cost-aware keep rule: G episodes of the prompt's last mean cost (NaN = unseen: the mean)
         if side.pruner.keep_cost == "tokens":
             costs = side.cfg.train.group_size * side.history.costs(ids)
-        result = side.pruner.select_prompts(history, make_generator(side.cfg.train.seed, step, "prompts"), costs=costs)
+        result = side.pruner.select_prompts(scores, make_generator(side.cfg.train.seed, step, "prompts"), costs=costs)
     return D.broadcast_object(result)
+
+
+def update_prompt_state(side: RolloutSide, rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor,
+                        version: int, screens: Screens | None = None) -> None:
+    """After the step's advantages: the generated groups of ``rollout`` into the per-prompt state. The posterior
+    takes the raw training ``rewards`` [Bk, G] (and completion lengths) of the groups, dated by the ``version`` of
+    the weights that generated them, and then the k rewards of the ``screens`` that were not continued; the
+    history takes its score of the ``advantages`` (mean |A|) or of the ``rewards`` (their spread), and for the
+    cost-aware keep rule the groups' mean episode tokens. Every rank calls it with the same groups."""
+    prompts = rollout.prompts
+    if isinstance(side.history, PromptPosterior):
+        if prompts:
+            side.history.update([p.id for p in prompts], rewards, version, lengths=rollout.lengths())
+        if screens is not None:
+            stopped, screen_rewards, screen_lengths = screens.not_continued()
+            if stopped:
+                side.history.update([p.id for p in stopped], screen_rewards, version, lengths=screen_lengths)
+    elif prompts:
+        side.history.update([p.id for p in prompts], advantages, rewards, costs=history_costs(side, rollout))
 
 
 def history_costs(side: RolloutSide, rollout: Rollout) -> torch.Tensor | None:
@@ -96,3 +129,11 @@ def history_costs(side: RolloutSide, rollout: Rollout) -> torch.Tensor | None:
     if not isinstance(side.pruner, DPPOPruner) or side.pruner.keep_cost != "tokens" or not rollout.prompts:
         return None
     return rollout.total_tokens().mean(dim=1)
+
+
+def prompt_state_metrics(side: RolloutSide) -> dict[str, float]:
+    """history/prompts_seen, and the posterior's own (``PromptPosterior.stats``: discount, prior, fit)."""
+    out = {"history/prompts_seen": float(len(side.history))}
+    if isinstance(side.history, PromptPosterior):
+        out.update(side.history.stats())
+    return out

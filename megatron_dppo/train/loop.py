@@ -39,6 +39,7 @@ console and the metrics sinks. A stage takes the half of the run it uses (``Roll
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 from pathlib import Path
 from typing import Any, Sequence
@@ -56,8 +57,9 @@ from megatron_dppo.run.metrics import PhaseTimer, plot_reward_curve, read_jsonl
 from megatron_dppo.run.setup import eval_due, push_weights, setup, teardown
 from megatron_dppo.run.state import Run
 from megatron_dppo.train.dapo import overlong_metrics
-from megatron_dppo.train.draw import DrawnBatch, draw_batch, history_costs
+from megatron_dppo.train.draw import DrawnBatch, draw_batch, prompt_state_metrics, update_prompt_state
 from megatron_dppo.train.evaluation import evaluate
+from megatron_dppo.train.plan import RatePlanner
 from megatron_dppo.train.rollouts import training_rewards
 from megatron_dppo.train.stages import (
     build_train_batch,
@@ -96,18 +98,18 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     #   4b. DAPO dynamic sampling (dynamic_sampling.enable, algo.pruner=none): groups with one reward for all
     #      dropped and more prompts drawn, generated and scored until B groups remain (at most max_rounds rounds);
     #      from there on the kept groups ARE the step's drawn batch.
+    planned = run.planner.apply(side, step) if run.planner is not None else {}  # algo.cost_budget: this step's rates
     drawn = draw_batch(side, step, timer) if run.link is None else receive_batch(run, step, timer)
     prompts, prompt_cut, kept, rollout = drawn.prompts, drawn.prompt_cut, drawn.kept, drawn.rollout
 
     # 5. Advantages on the FULL groups (never recomputed from survivors) of the training reward (the task reward,
     #    or a reward model's score and the rule's, plus DAPO's soft overlong penalty when overlong.buffer > 0);
-    #    remember each prompt's history score (mean |A|, or the rewards' spread: algo.history_score) and, for the
-    #    cost-aware keep rule, the mean tokens of its episodes.
+    #    the groups go into the per-prompt state the prompt level reads (mean |A| or the rewards' spread:
+    #    algo.history_score; or the posterior's counts of the raw rewards, dated by the weight version).
     rewards = training_rewards(cfg, rollout)
     advantages = compute_advantages(rewards, trainer.estimator, trainer.loss_cfg.advantage_eps) if kept \
         else torch.zeros(0, cfg.train.group_size)
-    if kept:
-        side.history.update([p.id for p in kept], advantages, rewards, costs=history_costs(side, rollout))
+    update_prompt_state(side, rollout, rewards, advantages, drawn.version, screens=drawn.screens)
 
     # 6. Completion-level pruning -> per-completion keep mask and weight 1/(pi_q * pi_{i|q}).
     with timer("prune"):
@@ -150,7 +152,10 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 
     # 14. Metrics (docs/algorithms.md, "Metrics").
     metrics.update(step_metrics(prompt_cut, completion_cut, total_cut, rollout, batch, cfg.train.group_size))
-    metrics["history/prompts_seen"] = float(len(side.history))
+    metrics.update(prompt_state_metrics(side))
+    metrics.update(planned)
+    if drawn.screens is not None:  # screen/*: screened, continued, generated fraction
+        metrics.update(drawn.screens.metrics(cfg.train.group_size, len(prompts)))
     if drawn.refilled is not None:  # reward/* over every generated group, dynamic_sampling/*
         metrics.update(drawn.refilled.metrics())
     metrics.update(overlong_metrics(cfg, rollout))
@@ -160,8 +165,30 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics["time/step_cpu"] = D.sum_over_ranks(timer.cpu_seconds)  # process CPU seconds of the step, all ranks
     metrics.update(side.handover.take_metrics())  # GPU memory per handover phase (none on CPU)
     metrics["throughput/tokens_per_s"] = metrics["tokens/trained_sequences"] / max(metrics["time/step"], 1e-9)
-    write_audit(run.audit, step, prompts, prompt_cut, rollout, advantages, total_cut)
+    write_audit(run.audit, step, prompts, prompt_cut, rollout, advantages, total_cut, drawn.screens)
+    if run.planner is not None:
+        run.planner.observe(metrics, [p.id for p in prompts], advantages)
     return metrics
+
+
+def budget_spent(cfg: Config, rl_cpu_s: float) -> bool:
+    """Whether the RL phase has used its ``train.cpu_budget_s`` (``rl_cpu_s``: cumulative time/step_cpu)."""
+    return cfg.train.cpu_budget_s is not None and rl_cpu_s >= cfg.train.cpu_budget_s
+
+
+def rl_eval_due(cfg: Config, rl_step: int, cpu_before: float, cpu_after: float) -> bool:
+    """Whether the policy after ``rl_step`` RL steps is evaluated: ``eval_due`` (every eval.every steps, and after
+    train.steps), or, for the CPU clock (the step took the RL CPU seconds from ``cpu_before`` to ``cpu_after``),
+    the step crossed a multiple of ``eval.every_cpu_s``; with either on, also the last step of a run that spent
+    ``train.cpu_budget_s``."""
+    every = cfg.eval.every_cpu_s
+    if eval_due(cfg, rl_step):
+        return True
+    if not (cfg.eval.every or every):
+        return False
+    if rl_step == cfg.train.steps or budget_spent(cfg, cpu_after):
+        return True
+    return bool(every) and math.floor(cpu_after / every) > math.floor(cpu_before / every)
 
 
 def rl_learning_rate(cfg: Config, rl_step_index: int) -> float:
@@ -212,6 +239,7 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
     if cfg.rollout.placement == "separate" and roles(cfg).is_worker:  # this process is a rollout worker
         return {"metrics": {}, "stopped_by": None, "worker": serve(cfg), "output_dir": cfg.train.output_dir}
     run = setup(cfg, resume=checkpoints)
+    run.planner = RatePlanner(cfg.algo.cost_budget) if cfg.algo.planned else None
     clean = False
     start, last, stopped_by = (run.sft_step, run.rl_step), {}, None
     saved: dict[tuple[int, int], Path] = {}  # position -> checkpoint written there (never write one twice)
@@ -226,6 +254,9 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
         print(f"nothing to do: {cfg.train.output_dir} already finished RL step {cfg.train.steps} of "
               f"{cfg.train.steps}; raise train.steps to continue, or use a new train.output_dir (or delete this "
               "one) to start over", flush=True)
+    elif run.sft_step == cfg.train.sft_steps and budget_spent(cfg, run.rl_cpu_s) and D.is_main():
+        print(f"nothing to do: {cfg.train.output_dir} already spent train.cpu_budget_s={cfg.train.cpu_budget_s} "
+              f"({run.rl_cpu_s:.1f} CPU s in {run.rl_step} RL steps); raise it to continue", flush=True)
     try:
         with StopSignals() as stop:
             # -- supervised warm start
@@ -243,16 +274,18 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
                 stopped_by = stop.poll()
             console.close_bar(bar)
 
-            # -- RL (with an evaluation before the first step, logged at step -1, and every eval.every steps)
-            if cfg.eval.every and run.rl_step == 0 and stopped_by is None:
+            # -- RL (with an evaluation before the first step, logged at step -1, and every eval.every steps /
+            #    eval.every_cpu_s CPU seconds), up to train.steps or train.cpu_budget_s
+            if (cfg.eval.every or cfg.eval.every_cpu_s) and run.rl_step == 0 and stopped_by is None:
                 run.sink.log(-1, evaluation(run, -1), phase="eval", global_step=cfg.train.sft_steps)
             bar = console.progress_bar(tqdm, cfg, run.rl_step, cfg.train.steps, "RL") if stopped_by is None else None
-            while run.rl_step < cfg.train.steps and stopped_by is None:
-                step = run.rl_step
+            while run.rl_step < cfg.train.steps and not budget_spent(cfg, run.rl_cpu_s) and stopped_by is None:
+                step, cpu_before = run.rl_step, run.rl_cpu_s
                 m = rl_step(run, step)
                 run.rl_step += 1
+                run.rl_cpu_s += m["time/step_cpu"]  # (summed over ranks: the same on every rank)
                 run.sink.log(step, m, global_step=cfg.train.sft_steps + step)
-                if eval_due(cfg, run.rl_step):
+                if rl_eval_due(cfg, run.rl_step, cpu_before, run.rl_cpu_s):
                     ev = evaluation(run, step)
                     run.sink.log(step, ev, phase="eval", global_step=cfg.train.sft_steps + step)
                     m.update(ev)
@@ -261,7 +294,7 @@ def train(cfg: Config, *, checkpoints: bool = True) -> dict[str, Any]:
                                        "kept": m["prune/total_kept_fraction"], "tok/s": m["throughput/tokens_per_s"]})
                 console.print_step(cfg, step, m)
                 if checkpoints and cfg.checkpoint.every and run.rl_step % cfg.checkpoint.every == 0 \
-                        and run.rl_step < cfg.train.steps:
+                        and run.rl_step < cfg.train.steps and not budget_spent(cfg, run.rl_cpu_s):
                     checkpoint()
                 stopped_by = stop.poll()
             console.close_bar(bar)

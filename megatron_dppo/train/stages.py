@@ -357,16 +357,23 @@ def gradient_audit(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneResu
 
 
 def write_audit(audit, step: int, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
-                advantages: torch.Tensor, total_cut: PruneResult) -> None:
+                advantages: torch.Tensor, total_cut: PruneResult, screens: Any = None) -> None:
     """logging.audit_log: one JSON line per drawn prompt with every completion's reward, advantage, keep, weight,
     trained length (episodes also: their tokens, turns, finish reasons), written to the open file ``audit`` (None:
-    off, or not the main rank)."""
+    off, or not the main rank); with screening (``screens``, a ``screen.Screens``) each screened prompt's screen
+    rewards, lengths and continuation probability."""
     if audit is None:
         return
     row_of = {q: row for row, q in enumerate(prompt_cut.keep.nonzero().flatten().tolist())}
+    screened = {} if screens is None else {q: i for i, q in enumerate(screens.rows)}
     for q, prompt in enumerate(prompts):
         rec: dict[str, Any] = {"step": step, "prompt_id": prompt.id, "prompt_kept": bool(prompt_cut.keep[q]),
-                               "prompt_weight": float(prompt_cut.weight[q])}
+                               "prompt_weight": float(prompt_cut.weight[q]),
+                               "prompt_prob": float(prompt_cut.probabilities()[q])}
+        if q in screened:
+            i = screened[q]
+            rec.update(screen_rewards=screens.rewards[i].tolist(), screen_lengths=screens.lengths[i].tolist(),
+                       continue_prob=float(screens.prob[i]))
         if q in row_of:
             row = row_of[q]
             rec.update(rewards=rollout.rewards[row].tolist(), advantages=advantages[row].tolist(),

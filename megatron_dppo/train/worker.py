@@ -60,7 +60,7 @@ def serve(cfg) -> dict[str, Any]:
             break
         eval_s = take(newest)  # (a due version is loaded at the latest for batch version + k: see DueEvaluations)
         timer = PhaseTimer()
-        drawn = draw_batch(side, step, timer)
+        drawn = draw_batch(side, step, timer, version=loaded)
         drawn.version, drawn.sampler_state = loaded, side.sampler.state_dict()
         drawn.metrics = {"async/rollout_idle_s": idle, "async/rollout_busy_s": timer.as_metrics()["time/step"],
                          "async/rollout_cpu_s": D.sum_over_ranks(timer.cpu_seconds), "async/rollout_eval_s": eval_s}

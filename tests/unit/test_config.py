@@ -219,8 +219,8 @@ def test_the_unused_option_rules_name_real_options_and_defaults_pass():
     from megatron_dppo.config.root import UNUSED_WHEN
 
     keys = set(all_keys())
-    for options, selector, _unused, _why in UNUSED_WHEN:
-        assert selector in keys, selector
+    for options, selectors, _unused, _why in UNUSED_WHEN:
+        assert {selectors} <= keys if isinstance(selectors, str) else set(selectors) <= keys, selectors
         assert set(options) <= keys, set(options) - keys
     _load()  # every option at its default: nothing refused, whatever the conditions
     # a feature turned off by its own switch keeps its tuning quietly: one override turns it off
@@ -291,3 +291,38 @@ def test_env_fields_set_after_loading_are_validated():
     cfg.env.token_check = "loose"
     with pytest.raises(ValueError, match="env.token_check"):
         cfg.validate()
+
+
+def test_posterior_screening_and_planner_options():
+    """The posterior's options are refused where another prompt rule reads the history in their place (and the
+    history's EMA under the posterior); screening and the planner need the posterior, but algo.pruner=none turns
+    them off quietly; a screen must leave completions to continue."""
+    with pytest.raises(ValueError, match=r"algo.posterior_gamma=2.0 \(only algo.dppo_keep=posterior reads it\)"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=optimal", "algo.posterior_gamma=2")
+    with pytest.raises(ValueError, match=r"algo.history_ema=0.5 \(algo.dppo_keep=posterior keeps the prompt"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.history_ema=0.5")
+    with pytest.raises(ValueError, match="algo.screen_k=2 is invalid: expected 0 unless algo.pruner=dppo with"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=optimal", "algo.screen_k=2")
+    with pytest.raises(ValueError, match="algo.cost_budget=0.5 is invalid"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.screen_k=2", "algo.cost_budget=0.5")
+    with pytest.raises(ValueError, match=r"algo.screen_k=8 is invalid: expected in \[1, train.group_size - 1"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.screen_k=8", "train.group_size=8")
+    with pytest.raises(ValueError, match="algo.cost_budget=0.5 is invalid: expected null with rollout.placement"):
+        _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.cost_budget=0.5", "rollout.placement=separate")
+    off = _load("algo.pruner=none", "algo.dppo_keep=posterior", "algo.screen_k=2", "algo.cost_budget=0.5",
+                "algo.posterior_gamma=2")
+    assert off.algo.screens == 0 and not off.algo.planned
+    on = _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.screen_k=2", "algo.screen_continue_fraction=0.3")
+    assert on.algo.screens == 2
+    _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.screen_continue_fraction=0.3")  # screening off: quiet
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["reward.model.path=/tmp"], "0 with reward.model.path"),
+    (["env.name=noop", "env.max_tokens=256"], "0 with an env section"),
+])
+def test_screening_is_refused_where_the_screens_cannot_be_joined(extra, named):
+    """Screening's continuation rule reads binary rule rewards and joins single-turn screens to their continuations:
+    a reward model's continuous scores and multi-turn episodes are refused by name, not trained wrongly."""
+    with pytest.raises(ValueError, match="algo.screen_k=2 is invalid: expected " + named):
+        _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.screen_k=2", *extra)

@@ -324,3 +324,33 @@ def test_posterior_keep_probabilities_meet_the_budget_cap_the_weight_and_are_unb
     assert float(z.max()) < 4.5
     with pytest.raises(ValueError, match="max_weight"):
         keep_probabilities(s, 0.4, 0.5)
+
+
+def test_the_pruner_draws_the_posterior_keep_probabilities_unbiased_in_both_modes():
+    """DPPOPruner(keep="posterior"): pi are keep_probabilities of the scores, kept units weighted 1/pi with
+    E[keep * w] = 1 (bernoulli and fixed_size), score recorded; NaN scores (a history's unseen prompts) refused."""
+    from megatron_dppo.algo.pruning import DPPOPruner
+
+    post = PromptPosterior(8)
+    gen = torch.Generator().manual_seed(4)
+    base = torch.distributions.Beta(torch.tensor(0.5, dtype=DT), torch.tensor(0.5, dtype=DT)).sample((48,))
+    for step in range(6):
+        ids = torch.randperm(48, generator=gen)[:24].tolist()
+        post.update(ids, _binary_groups(base, ids, 8, gen), step)
+    s = post.scores(list(range(40)), 6)
+    draws = 20000
+    for mode in ("bernoulli", "fixed_size"):
+        pruner = DPPOPruner(0.5, 0.5, mode=mode, keep="posterior", max_weight=5.0)
+        res = pruner.select_prompts(s.expand(draws, -1), gen)
+        assert torch.allclose(res.keep_prob[0], keep_probabilities(s, 0.5, 5.0))
+        assert torch.equal(res.score[0], s)
+        kw = res.weight.double()
+        assert torch.equal(kw > 0, res.keep) and bool((kw <= 5.0 + 1e-5).all())
+        z = (kw.mean(0) - 1).abs() / (kw.std(0) / math.sqrt(draws)).clamp(min=1e-12)
+        assert float(z.max()) < 4.5, mode
+    assert torch.equal(DPPOPruner(0.0, 0.5, keep="posterior").select_prompts(s, gen).keep_prob,
+                       torch.ones(40, dtype=DT))
+    with pytest.raises(ValueError, match="needs a score for every prompt"):
+        DPPOPruner(0.5, 0.5, keep="posterior").select_prompts(torch.tensor([0.2, math.nan]), gen)
+    with pytest.raises(ValueError, match="deterministic"):
+        DPPOPruner(0.5, 0.5, mode="deterministic", keep="posterior")

@@ -90,3 +90,25 @@ def test_variance_curve_matches_the_water_filled_formula():
     assert curve(0.2) < 1e-12  # one free unit (s = 0) covers a 20% cut
     v = curve(0.5)
     assert 0 < v < math.inf
+
+
+def test_plan_step_leaves_the_prompt_level_out_where_generation_is_cheap():
+    """Generation share 0.25 (the CPU quickstart's regime): r_q = 0 and r_o meets the budget exactly, where
+    plan_rates alone would take some prompt rate; share 0.8: the budget below the share needs the prompt level,
+    and plan_step is plan_rates."""
+    from megatron_dppo.algo.step_cost import plan_step
+
+    gen = torch.Generator().manual_seed(3)
+    s_q = torch.rand(B, generator=gen, dtype=torch.float64) + 0.05
+    a = torch.randn(B * G, generator=gen, dtype=torch.float64).abs()
+    vq, vo = variance_curve(s_q, 0.05), variance_curve(a, 0.3)
+    cheap = StepCost(generate=0.001, train=0.003)
+    plan = plan_step(cheap, B, G, 0.5, vq, vo)
+    assert plan.r_q == 0.0 and plan.cost_fraction == pytest.approx(0.5)
+    assert plan.r_o == pytest.approx(1 - (0.5 * 4 - 1) / 3)
+    dominated = StepCost(generate=0.004, train=0.001)
+    plan = plan_step(dominated, B, G, 0.5, vq, vo)
+    assert plan == plan_rates(dominated, B, G, 0.5, vq, vo, max_rate=0.95, grid=48) and plan.r_q > 0.3
+    # unreachable by the completion level alone (budget below the generation share): the prompt level is needed
+    plan = plan_step(cheap, B, G, 0.2, vq, vo)
+    assert plan.r_q > 0 and plan.cost_fraction <= 0.2 + 1e-9

@@ -156,3 +156,29 @@ def test_the_time_per_phase_panel_stacks_the_phases_not_their_totals():
     phases = phase_keys(records)
     assert phases == ["time/generate", "time/reward", "time/train", "time/weight_sync"]
     assert all(sum(r[k] for k in phases) <= r["time/step"] for r in records)
+
+
+def test_a_checkpoint_prompt_state_of_the_other_kind_starts_a_fresh_one():
+    """A warm start (or a run before algo.dppo_keep=posterior) saved a PromptHistory: the posterior run starts a
+    fresh posterior from it (warning only when the saved state held prompts); the same kind is restored exactly."""
+    import torch
+
+    from megatron_dppo.algo.prompt_history import PromptHistory
+    from megatron_dppo.algo.prompt_posterior import PromptPosterior
+    from megatron_dppo.run.lifecycle import restore_prompt_state
+
+    posterior = PromptPosterior(4)
+    restore_prompt_state(posterior, PromptHistory().state_dict())  # a warm start's: empty, silent
+    assert len(posterior) == 0
+    history = PromptHistory()
+    history.update([1, 2], torch.tensor([[1.0, -1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    with pytest.warns(UserWarning, match="starts it fresh"):
+        restore_prompt_state(posterior, history.state_dict())
+    assert len(posterior) == 0
+    posterior.update([1, 2], torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]), step=3)
+    again = PromptPosterior(4)
+    restore_prompt_state(again, posterior.state_dict())
+    assert again.state_dict() == posterior.state_dict()
+    restored_history = PromptHistory()
+    restore_prompt_state(restored_history, history.state_dict())
+    assert restored_history.state_dict() == history.state_dict()
