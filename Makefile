@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv peers demo test test-all test-slow test-vllm bench-trl clean
+.PHONY: venv peers demo demo-real test test-all test-slow test-vllm bench-trl clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,12 @@ peers: .peers/verl/.installed
 demo: venv
 	rm -rf runs/quickstart
 	$(BIN)/megatron-dppo train --config examples/quickstart.yaml
+
+# A real pretrained model on a laptop: SmolLM2-135M-Instruct (the GGUF the venv carries, converted once into
+# runs/cache), GRPO on a procedural task with a held-out test split (examples/smollm2_list_max_cpu.yaml). A step
+# takes about 70 CPU seconds; Ctrl-C checkpoints and the same command resumes.
+demo-real: venv
+	$(BIN)/megatron-dppo train --config examples/smollm2_list_max_cpu.yaml
 
 test: venv peers
 	$(BIN)/python -m pytest -q

@@ -14,9 +14,10 @@ class DataConfig:
     """Training prompts: a dataset (Hub id, named set, Hub-format folder, file), files (JSONL/parquet) or the
     procedurally generated arithmetic task."""
 
-    task: Literal["files", "arithmetic"] = opt("files", "'files': prompts from data.dataset or data.train_files; "
-                                                        "'arithmetic': the procedurally generated arithmetic task "
-                                                        "(quickstart).")
+    task: Literal["files", "arithmetic", "procedural"] = opt(
+        "files", "'files': prompts from data.dataset or data.train_files; 'arithmetic': the procedurally generated "
+                 "arithmetic task (quickstart); 'procedural': the generated questions of data.procedural_task for "
+                 "pretrained chat models (data/procedural.py), evaluated on their held-out split.")
     dataset: Optional[str] = opt(None, "Training prompts read through the Hugging Face datasets library (task=files, "
                                        "instead of data.train_files): a named set (gsm8k, math_lighteval, math500, "
                                        "aime24, aime, amc23, amc, minerva_math, olympiadbench, svamp, asdiv, "
@@ -77,6 +78,14 @@ class DataConfig:
                   "bytes (model.tokenizer_vocab_size >= ~300), so every tool answer round-trips "
                   "(megatron_dppo/data/tool_traces.py).")
 
+    procedural_task: str = opt("list_max", "The task of data.task=procedural: list_max, addition, expression or "
+                                           "letter_count (megatron_dppo/data/procedural.py).")
+    procedural_train_size: int = opt(5000, "Number of training questions (data.task=procedural).")
+    procedural_seed: int = opt(0, "Seed of the procedural questions (train and test), independent of train.seed: "
+                                  "every run of a study evaluates on the same held-out questions.")
+    procedural_options: dict = opt({}, "Generator options of data.procedural_task overriding its defaults, e.g. "
+                                       "{length: 5, low: 10, high: 99} for list_max.")
+
     def validate(self) -> None:
         if self.task == "files":
             _check(bool(self.train_files) != bool(self.dataset), "data.train_files", self.train_files,
@@ -98,3 +107,6 @@ class DataConfig:
                self.arithmetic_ops, "a non-empty subset of '+-*'")
         _check(not self.arithmetic_worked or set(self.arithmetic_ops) <= set("+-"), "data.arithmetic_ops",
                self.arithmetic_ops, "a subset of '+-' with data.arithmetic_worked=true")
+        _check(self.procedural_train_size >= 1, "data.procedural_train_size", self.procedural_train_size, ">= 1")
+        _check(isinstance(self.procedural_options, dict), "data.procedural_options", self.procedural_options,
+               "a mapping of generator options")

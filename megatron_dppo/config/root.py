@@ -172,6 +172,7 @@ def _default(section, name: str):
 _FILE_DATA = ("data.dataset", "data.split", "data.subset", "data.revision", "data.bad_rows", "data.dedupe",
               "data.train_files", "data.preset", "data.prompt_field", "data.answer_field", "data.answer_format",
               "data.id_field", "data.limit")
+_PROCEDURAL = ("data.procedural_task", "data.procedural_train_size", "data.procedural_seed", "data.procedural_options")
 _ARITHMETIC = ("data.arithmetic_train_size", "data.arithmetic_min_terms", "data.arithmetic_max_terms",
                "data.arithmetic_max_operand", "data.arithmetic_ops", "data.arithmetic_eval_split",
                "data.arithmetic_worked")
@@ -185,9 +186,10 @@ _ARITHMETIC = ("data.arithmetic_train_size", "data.arithmetic_min_terms", "data.
 # overlong.buffer=0, algo.pruner=none, optim.scheduler=constant, logging.wandb=off, parallel.cp=1) are not refused,
 # so that one override turns a feature off in a config that tunes it.
 UNUSED_WHEN = [
-    (_FILE_DATA, "data.task", lambda c: c.data.task == "arithmetic",
-     "data.task=arithmetic generates its prompts; data.task=files reads them"),
+    (_FILE_DATA, "data.task", lambda c: c.data.task != "files",
+     "only data.task=files reads it; data.task=arithmetic and data.task=procedural generate their prompts"),
     (_ARITHMETIC, "data.task", lambda c: c.data.task != "arithmetic", "only data.task=arithmetic reads it"),
+    (_PROCEDURAL, "data.task", lambda c: c.data.task != "procedural", "only data.task=procedural reads it"),
     (("algo.r_q", "algo.r_o", "algo.mode", "algo.dppo_keep", "algo.keep_floor", "algo.keep_length_exponent",
       "algo.history_ema"), "algo.pruner", lambda c: c.algo.pruner == "cppo", "only algo.pruner=dppo reads it"),
     (("algo.cppo_rate", "algo.cppo_scope", "algo.cppo_allocation"), "algo.pruner", lambda c: c.algo.pruner == "dppo",

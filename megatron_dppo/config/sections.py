@@ -59,9 +59,13 @@ class ModelConfig:
     """The policy model (one of the HF families llama | qwen2 | qwen3 | qwen3_moe | mixtral) and its tokenizer."""
 
     path: Optional[str] = opt(None, "Pretrained weights: a Hugging Face model directory (config.json + "
-                                    "safetensors), a .gguf file (converted once into <output_dir>/hf-<name>), or "
-                                    "'package:<python package>/<file>' for a file shipped inside an installed "
-                                    "package. null = random init from model.hf_config.")
+                                    "safetensors), a .gguf file (converted once into <output_dir>/hf-<name>, or "
+                                    "into model.gguf_cache), or 'package:<python package>/<file>' for a file shipped "
+                                    "inside an installed package. null = random init from model.hf_config.")
+    gguf_cache: Optional[str] = opt(None, "Folder where a .gguf model.path is converted once and reused by every "
+                                          "run that names the same folder (<gguf_cache>/<name>-<file size>; "
+                                          "concurrent runs wait for one conversion); null = per run, into "
+                                          "<output_dir>/hf-<name>.")
     hf_config: dict = opt({}, "HF config.json fields for a from-scratch model (model_type llama|qwen2|qwen3|"
                               "qwen3_moe|mixtral, "
                               "hidden_size, num_hidden_layers, ...). Used when model.path is null; otherwise "
@@ -222,10 +226,10 @@ class RewardConfig:
     """Reward of a completion against the gold answer. A reward function that raises, hangs or returns NaN costs
     that sample a zero reward and a logged warning, never the run."""
 
-    fn: Any = opt("auto", "Reward: a built-in name (math = math-verify, gsm8k, arithmetic, format), an import path "
-                          "'package.module:function' (fn(completion, gold) -> float), a mapping {name: weight} "
-                          "summing several, or auto (arithmetic for the arithmetic task, gsm8k for GSM8K files, "
-                          "math otherwise).")
+    fn: Any = opt("auto", "Reward: a built-in name (math = math-verify, gsm8k, arithmetic, arithmetic_worked, "
+                          "final_number, format), an import path 'package.module:function' (fn(completion, gold) -> "
+                          "float), a mapping {name: weight} summing several, or auto (arithmetic for the arithmetic "
+                          "task, final_number for a procedural task, gsm8k for GSM8K files, math otherwise).")
     timeout_s: float = opt(10.0, "Per-sample time limit of untrusted (user) reward functions.")
     isolation: Literal["auto", "inline", "process"] = opt(
         "auto", "Where rewards run: inline (this process), process (worker processes with a hard timeout), auto "
@@ -664,7 +668,7 @@ class EvalConfig:
     """Held-out evaluation: pass@1 and pass@k."""
 
     files: list = opt([], "Held-out JSONL/parquet files (same field options as data). With data.task="
-                          "arithmetic, an empty list evaluates on a held-out arithmetic split.")
+                          "arithmetic or procedural, an empty list evaluates on the task's held-out split.")
     every: int = opt(0, "Evaluate every N RL steps (and after the last); 0 = never.")
     every_cpu_s: Optional[float] = opt(None, "Also evaluate after the RL step whose process CPU seconds (cumulative "
                                              "time/step_cpu, as train.cpu_budget_s counts them) cross a multiple of "
@@ -676,7 +680,8 @@ class EvalConfig:
     pass_k: int = opt(4, "k of pass@k (<= eval.samples).")
     temperature: float = opt(1.0, "Sampling temperature of evaluation.")
     reward: Any = opt("auto", "Correctness check of evaluation (same forms as reward.fn); auto = per file: gsm8k "
-                              "for GSM8K files, arithmetic for the arithmetic task, math (math-verify) otherwise.")
+                              "for GSM8K files, arithmetic for the arithmetic task, final_number for a procedural task, "
+                              "math (math-verify) otherwise.")
     suite: Optional[Literal["math6", "math8"]] = opt(None, "A named benchmark suite evaluated in addition to eval.files: math6 (GSM8K, "
                                      "MATH-500, AIME24, AMC23, Minerva Math, OlympiadBench) or math8 (math6 + SVAMP, "
                                      "ASDiv); megatron-dppo eval prints one table with their average. For the papers' "

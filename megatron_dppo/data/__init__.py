@@ -1,6 +1,6 @@
 """Prompt data: datasets (JSONL/parquet files; Hub ids and Hub-format folders in hub.py, `data prepare` in
 prepare.py), chat templates, a resumable sampler, the arithmetic quickstart task
-and its tiny SentencePiece tokenizer.
+and its tiny SentencePiece tokenizer, procedural questions with held-out splits for pretrained chat models.
 
     ds = load_prompt_dataset("data/gsm8k_train.jsonl")   # `megatron-dppo data prepare gsm8k --out data` wrote it
     records, source = hub.load_records("gsm8k", split="test")  # a named set, Hub id, Hub-format folder, file
@@ -21,6 +21,7 @@ from megatron_dppo.data.datasets import (
     read_prompt_records,
     resolve_fields,
 )
+from megatron_dppo.data.procedural import ProceduralTask
 from megatron_dppo.data.sampler import PromptSampler
 from megatron_dppo.data.templates import (
     MATH_INSTRUCTION,
@@ -34,6 +35,6 @@ from megatron_dppo.data.tokenizer import DEFAULT_CHAT_TEMPLATE, load_tokenizer, 
 __all__ = [
     "ArithmeticTask", "DATASET_PRESETS", "DEFAULT_CHAT_TEMPLATE", "DatasetError", "DatasetFileNotFoundError",
     "FieldSpec", "MATH_INSTRUCTION", "PLAIN_TEMPLATE", "Prompt", "PromptDataset", "PromptFormatter", "PromptRecord",
-    "PromptSampler", "check_prompt_fits", "encode_prompts", "evaluate", "load_prompt_dataset", "load_tokenizer",
+    "ProceduralTask", "PromptSampler", "check_prompt_fits", "encode_prompts", "evaluate", "load_prompt_dataset", "load_tokenizer",
     "read_prompt_records", "resolve_fields", "train_sentencepiece_tokenizer",
 ]

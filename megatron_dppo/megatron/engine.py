@@ -246,6 +246,10 @@ class PolicyEngine:
     (or None; always None with LoRA, whose reference is the base), ``optimizer`` (Megatron optimizer), ``step``
     (optimizer updates done), ``arch``, ``parallel``, ``optim_cfg``, ``loss_cfg``, ``dtype``, ``device``,
     ``lora`` (a ``LoraConfig`` or None) and ``lora_base`` (``set_lora_base``).
+
+    ``logits_at_loss_positions`` (default True): ``train_step`` and ``fill_logprobs`` compute the output layer and
+    the vocabulary sums only at the loss positions (``logprobs.py``, "Logits where a loss is taken"); the update is
+    the same up to floating-point summation order; False computes them at every position.
     """
 
     def __init__(self, arch: ModelArch, parallel: ParallelConfig, optim: OptimConfig | None = None,
@@ -269,6 +273,7 @@ class PolicyEngine:
         self.device = engine_device()
         self.step = 0
         self.last_logprobs: list[Tensor] | None = None  # set by train_step (see there)
+        self.logits_at_loss_positions = True  # see the class docstring
         if device_type == "cpu" and self.dtype != torch.float32:
             raise ValueError(f"dtype={self.dtype} on CPU: the CPU backend trains in torch.float32 only")
 
@@ -446,11 +451,12 @@ class PolicyEngine:
         return batches
 
     @torch.no_grad()
-    def compute_logprobs(self, micro_batches: Sequence, model: str = "policy", with_entropy: bool = False
-                         ) -> list[Tensor] | list[tuple[Tensor, Tensor]]:
+    def compute_logprobs(self, micro_batches: Sequence, model: str = "policy", with_entropy: bool = False,
+                         loss_positions_only: bool = False) -> list[Tensor] | list[tuple[Tensor, Tensor]]:
         """Forward-only per-position log-probs ``logp[t] = log p(labels[t] | prefix)`` of each micro-batch
         (``[T_i]`` float32, meaningful where ``loss_mask`` is 1), on every rank (broadcast over the pipeline), of the
-        policy at ``loss_cfg.temperature`` (the loss's every log-prob is tempered alike).
+        policy at ``loss_cfg.temperature`` (the loss's every log-prob is tempered alike); with
+        ``loss_positions_only`` computed there only (0 elsewhere).
 
         ``model``: "policy" (old-policy log-probs) or "reference". With ``with_entropy`` each item is
         ``(logp, entropy)``. The list has one entry per input micro-batch (dummy padding is dropped).
@@ -471,7 +477,8 @@ class PolicyEngine:
         batches = self._prepare(micro_batches, pad_dp=False)
         with disabled:
             results = _forward_only_logprobs(chunks, batches, with_entropy=with_entropy, broadcast=True,
-                                              temperature=self.loss_cfg.temperature)[:n]
+                                              temperature=self.loss_cfg.temperature,
+                                              loss_positions_only=loss_positions_only)[:n]
         sizes = [int(b.tokens.numel()) for b in micro_batches]
         if with_entropy:
             return [(lp[:t], ent[:t]) for (lp, ent), t in zip(results, sizes)]
@@ -483,12 +490,14 @@ class PolicyEngine:
         if old:
             # MoE: the experts chosen here are recorded per sequence (batch.routed_experts) for the replay
             with self.routing.recording(micro_batches) if self.routing else contextlib.nullcontext():
-                logps = self.compute_logprobs(micro_batches, "policy")
+                logps = self.compute_logprobs(micro_batches, "policy",
+                                              loss_positions_only=self.logits_at_loss_positions)
             for b, lp in zip(micro_batches, logps):
                 b.old_logprobs = lp.to(b.tokens.device)
         want_ref = self.loss_cfg.kl_coef > 0 if reference is None else reference
         if want_ref:
-            for b, lp in zip(micro_batches, self.compute_logprobs(micro_batches, "reference")):
+            for b, lp in zip(micro_batches, self.compute_logprobs(
+                    micro_batches, "reference", loss_positions_only=self.logits_at_loss_positions)):
                 b.ref_logprobs = lp.to(b.tokens.device)
 
     # ------------------------------------------------------------------------------------------------------
@@ -573,7 +582,7 @@ class PolicyEngine:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            output = forward_thd(model, batch)
+            output = forward_thd(model, batch, loss_positions_only=self.logits_at_loss_positions)
             return output, lambda out, b=batch: self._loss_func(b, denominator, out)
 
         # MoE: the routers replay (or, without model.moe_routing_replay, compare with) the recorded experts, and the

@@ -31,6 +31,17 @@ THD: ``packed_seq_params(batch)`` turns a ``packing.ThdBatch`` into Megatron's `
 ``forward_thd(model, batch)`` runs the ``GPTModel`` on it (input ``[1, T]``); ``compute_logprobs`` runs the
 forward-only pipeline schedule over micro-batches for any TP/PP/VPP layout.
 
+Logits where a loss is taken (``loss_positions_only``): the loss reads log-probs only at ``loss_mask > 0``
+positions (the completion tokens), yet a forward computes the output layer ``[T, H] x [H, V]`` and the vocabulary
+sums for every position, the prompt included (for a 135M model with a 49k vocabulary the output layer is ~20% of
+the FLOPs per position). With the switch on, ``forward_thd`` hands the output layer only the hidden states of this
+rank's loss positions (``loss_positions``; a forward pre-hook on ``output_layer``), and ``batch_logprobs``
+computes log-probs and entropy of those rows and scatters them into ``[T]`` with zeros elsewhere: the values at the
+loss positions and every gradient are those of the full computation (up to the order of floating-point sums in
+the smaller matmul). The decoder still runs on every position (the completion attends to the prompt). Under
+sequence parallelism the output layer's input is split over the sequence and gathered inside the layer, so the
+switch leaves it on every position there (``batch_logprobs`` reads which case it got from the logits' rows).
+
 Context parallelism (``parallel.cp > 1``): ``forward_thd`` hands the model this CP rank's zigzag part of the
 micro-batch (``packing.context_parallel``) with the GLOBAL packed offsets (Megatron's THD RoPE and the attention
 place the local positions by them), so the logits cover ``T / cp`` positions. ``batch_logprobs`` takes this
@@ -42,6 +53,7 @@ data-parallel x context-parallel ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterable, Sequence
 
@@ -230,13 +242,15 @@ def packed_seq_params(batch, device: torch.device | str | None = None) -> "Packe
                            max_seqlen_q=int(batch.max_seqlen), max_seqlen_kv=int(batch.max_seqlen))
 
 
-def forward_thd(model, batch) -> Tensor:
+def forward_thd(model, batch, *, loss_positions_only: bool = False) -> Tensor:
     """Run a ``GPTModel`` (chunk) on one packed micro-batch (moved to the engine's device).
 
     Returns the vocab-sharded logits ``[T, V/tp]`` on the last pipeline stage, else the hidden states Megatron
     hands to the next stage (``[T / tp if sequence parallel else T, 1, hidden]``). Under a pipeline schedule
     non-first stages read their input from ``set_input_tensor``; tokens are ignored there. Under context
     parallelism ``T`` is this CP rank's ``T / cp`` positions (module docstring; ``batch_logprobs``).
+    ``loss_positions_only``: the logits of this rank's loss positions only, ``[len(loss_positions(batch)), V/tp]``
+    (module docstring, "Logits where a loss is taken"; not under sequence parallelism).
     """
     unwrapped = _unwrap(model)
     config = unwrapped.config
@@ -256,10 +270,34 @@ def forward_thd(model, batch) -> Tensor:
     cu = batch.cu_seqlens_padded
     tokens = split_to_cp_rank(batch.tokens, cu, cp_group).to(device).unsqueeze(0)  # [1, T / cp]
     position_ids = split_to_cp_rank(batch.position_ids, cu, cp_group).to(device).unsqueeze(0)
-    out = model(tokens, position_ids, None, packed_seq_params=packed_seq_params(batch, device))
+    rows = contextlib.nullcontext()
+    if loss_positions_only and getattr(unwrapped, "post_process", True) and not config.sequence_parallel:
+        rows = _output_rows(unwrapped, loss_positions(batch, cp_group).to(device))
+    with rows:
+        out = model(tokens, position_ids, None, packed_seq_params=packed_seq_params(batch, device))
     if getattr(unwrapped, "post_process", True):
         return mask_vocab_padding(out.squeeze(0), getattr(unwrapped, "unpadded_vocab_size", None))  # [T, V/tp]
     return out
+
+
+def loss_positions(batch, group=None) -> Tensor:
+    """Indices of the positions of ``batch`` where a loss is taken (``loss_mask > 0``) among this context-parallel
+    rank's positions (``group``: the CP group, None = all of them)."""
+    mask = split_to_cp_rank(batch.loss_mask, batch.cu_seqlens_padded, group)
+    return (mask > 0).nonzero().flatten()
+
+
+@contextlib.contextmanager
+def _output_rows(model, index: Tensor):
+    """Within the block, ``model.output_layer`` computes the rows ``index`` of its ``[S, B, H]`` input only."""
+    def keep_rows(_module, args, kwargs):
+        return (args[0].index_select(0, index), *args[1:]), kwargs
+
+    handle = model.output_layer.register_forward_pre_hook(keep_rows, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def mask_vocab_padding(logits_shard: Tensor, vocab_size: int | None) -> Tensor:
@@ -288,12 +326,24 @@ def batch_logprobs(logits_shard: Tensor, batch, *, with_entropy: bool = True, en
                    temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
     """``(logp[T], entropy[T])`` of a whole micro-batch from ``forward_thd``'s logits: ``vocab_parallel_logprobs``
     (at ``temperature``) with the labels of the positions the logits cover; under context parallelism gathered over
-    the CP group into the full order (module docstring), identical on every CP rank."""
+    the CP group into the full order (module docstring), identical on every CP rank. Logits of the loss positions
+    only (``forward_thd(..., loss_positions_only=True)``, fewer rows than positions) give log-probs and entropy
+    there and 0 at every other position."""
     group = context_parallel_group()
     cu = batch.cu_seqlens_padded
     labels = split_to_cp_rank(batch.labels, cu, group).to(logits_shard.device)
-    logp, entropy = vocab_parallel_logprobs(logits_shard, labels, with_entropy=with_entropy,
-                                            entropy_grad=entropy_grad, temperature=temperature)
+    if logits_shard.shape[0] == labels.shape[0]:
+        logp, entropy = vocab_parallel_logprobs(logits_shard, labels, with_entropy=with_entropy,
+                                                entropy_grad=entropy_grad, temperature=temperature)
+    else:
+        index = loss_positions(batch, group).to(logits_shard.device)
+        if index.numel() != logits_shard.shape[0]:
+            raise ValueError(f"logits have {logits_shard.shape[0]} rows for {labels.shape[0]} positions and "
+                             f"{index.numel()} loss positions: neither every position nor the loss positions")
+        logp, entropy = vocab_parallel_logprobs(logits_shard, labels[index], with_entropy=with_entropy,
+                                                entropy_grad=entropy_grad, temperature=temperature)
+        logp = logp.new_zeros(labels.shape[0]).index_copy(0, index, logp)
+        entropy = None if entropy is None else entropy.new_zeros(labels.shape[0]).index_copy(0, index, entropy)
     if group is None:
         return logp, entropy
     return gather_cp_same_grad(logp, cu, group), None if entropy is None else gather_cp_same_grad(entropy, cu, group)
@@ -321,9 +371,11 @@ def _unwrap(model):
 
 @torch.no_grad()
 def compute_logprobs(model_chunks: Sequence, micro_batches: Sequence, *, with_entropy: bool = False,
-                     broadcast: bool = True, temperature: float = 1.0) -> list[tuple[Tensor, Tensor | None]]:
+                     broadcast: bool = True, temperature: float = 1.0, loss_positions_only: bool = False
+                     ) -> list[tuple[Tensor, Tensor | None]]:
     """Forward-only log-probs (and entropy) of every micro-batch with Megatron's pipeline schedule, of the policy
-    at ``temperature`` (softmax of logits / T).
+    at ``temperature`` (softmax of logits / T); with ``loss_positions_only`` at the loss positions only (0
+    elsewhere; module docstring).
 
     ``model_chunks``: this rank's model chunks (one per virtual stage); ``micro_batches``: the same list of
     ``ThdBatch`` on every rank of the TP/PP group (each stage needs the THD layout). Returns
@@ -341,7 +393,8 @@ def compute_logprobs(model_chunks: Sequence, micro_batches: Sequence, *, with_en
     for chunk in model_chunks:
         chunk.eval()
     try:
-        results = _forward_only(model_chunks, micro_batches, with_entropy, check_temperature(temperature))
+        results = _forward_only(model_chunks, micro_batches, with_entropy, check_temperature(temperature),
+                                loss_positions_only)
     finally:
         for chunk, mode in zip(model_chunks, was_training):
             chunk.train(mode)
@@ -350,12 +403,13 @@ def compute_logprobs(model_chunks: Sequence, micro_batches: Sequence, *, with_en
     return results
 
 
-def _forward_only(model_chunks: list, micro_batches: list, with_entropy: bool, temperature: float) -> list:
+def _forward_only(model_chunks: list, micro_batches: list, with_entropy: bool, temperature: float,
+                  loss_positions_only: bool = False) -> list:
     from megatron.core import parallel_state
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = forward_thd(model, batch)
+        output = forward_thd(model, batch, loss_positions_only=loss_positions_only)
 
         def loss_func(output_tensor, non_loss_data=True):
             return batch_logprobs(output_tensor, batch, with_entropy=with_entropy, temperature=temperature)

@@ -16,6 +16,8 @@ Every reward here has the signature ``reward(completion: str, gold) -> float`` a
 - ``arithmetic_reward``: exact match of the stripped completion with the integer gold (the quickstart task).
 - ``arithmetic_worked_reward``: a worked arithmetic answer "7,5,11" (comma-separated integers) whose last
   integer is the gold.
+- ``final_number_reward``: the last number in the completion equals the number gold ("The largest number is 91."
+  for 91); the procedural tasks' reward (data/procedural.py).
 """
 from __future__ import annotations
 
@@ -218,3 +220,10 @@ def arithmetic_worked_reward(completion: str, gold: Any) -> float:
     intermediate totals are the model's working and are not scored."""
     text = completion.strip()
     return float(bool(_WORKED_RE.fullmatch(text)) and int(text.rsplit(",", 1)[-1]) == int(str(gold).strip()))
+
+
+def final_number_reward(completion: str, gold: Any) -> float:
+    """1.0 when the last number written in the completion equals the number ``gold`` (18, 18.0 and "18." are
+    equal; "1,234" is one number), else 0.0; a completion without a number scores 0."""
+    value = _last_number(completion)
+    return float(value is not None and value == Fraction(str(gold).strip()))

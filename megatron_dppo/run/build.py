@@ -6,6 +6,7 @@ template, ...), so that ``run.setup`` fails before anything is written.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -123,10 +124,15 @@ def resolve_model_dir(cfg: Config) -> Path | None:
     if path.suffix == ".gguf":
         from megatron_dppo.convert.gguf import gguf_to_hf
 
-        out = Path(cfg.train.output_dir) / f"hf-{path.stem}"
-        if D.is_main() and not (out / "config.json").is_file():
-            print(f"converting {path} to an HF folder {out} (once)", flush=True)
-            gguf_to_hf(path, out, overwrite=True)
+        if cfg.model.gguf_cache:  # shared by runs: named by the file's size too, so a changed file is converted anew
+            out = Path(cfg.model.gguf_cache) / f"{path.stem}-{path.stat().st_size}"
+        else:
+            out = Path(cfg.train.output_dir) / f"hf-{path.stem}"
+        if D.is_main():
+            with _exclusive(out.parent / f".{out.name}.lock"):  # concurrent runs sharing a cache convert once
+                if not (out / "config.json").is_file():
+                    print(f"converting {path} to an HF folder {out} (once)", flush=True)
+                    gguf_to_hf(path, out, overwrite=True)
         D.barrier()
         return out
     if is_converted_checkpoint(path):
@@ -135,6 +141,20 @@ def resolve_model_dir(cfg: Config) -> Path | None:
         raise ValueError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json), a "
                          "converted Megatron checkpoint (model/ + hf/) nor a .gguf file")
     return path
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An exclusive advisory lock (fcntl) on ``lock_path`` for the duration of the block; the file stays."""
+    import fcntl
+
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def is_converted_checkpoint(path: Path) -> bool:
@@ -247,6 +267,13 @@ def arithmetic_task(cfg: Config):
                           worked=d.arithmetic_worked)
 
 
+def procedural_task(cfg: Config):
+    from megatron_dppo.data.procedural import ProceduralTask
+
+    d = cfg.data
+    return ProceduralTask(d.procedural_task, seed=d.procedural_seed, options=dict(d.procedural_options))
+
+
 def _formatter(cfg: Config, tokenizer):
     from megatron_dppo.data import MATH_INSTRUCTION, PromptFormatter
 
@@ -314,10 +341,13 @@ def encode_prompts(cfg: Config, records, tokenizer, arch) -> list[Prompt]:
 
 
 def load_train_prompts(cfg: Config, tokenizer, arch) -> tuple[list[Prompt], list[tuple]]:
-    """Training prompts, and for the arithmetic task the gold completions of the warm start: (prompt ids, completion
-    ids), or with data.arithmetic_warm_start=calculator (prompt ids, tool-use trace ids, its loss mask)."""
+    """Training prompts (data.dataset or data.train_files, or the arithmetic / procedural task's training split),
+    and for the arithmetic task the gold completions of the warm start: (prompt ids, completion ids), or with
+    data.arithmetic_warm_start=calculator (prompt ids, tool-use trace ids, its loss mask)."""
     if cfg.data.task == "arithmetic":
         records = arithmetic_task(cfg).records(cfg.data.arithmetic_train_size, "train")
+    elif cfg.data.task == "procedural":
+        records = procedural_task(cfg).records(cfg.data.procedural_train_size, "train")
     else:
         records = load_train_records(cfg)
     prompts = encode_prompts(cfg, records, tokenizer, arch)
@@ -337,7 +367,8 @@ def load_train_prompts(cfg: Config, tokenizer, arch) -> tuple[list[Prompt], list
 
 
 def load_eval_sets(cfg: Config, tokenizer, arch) -> dict[str, list[Prompt]]:
-    """Held-out sets: eval.files (preset by file name) or the arithmetic test split, and the eval.suite benchmarks."""
+    """Held-out sets: eval.files (preset by file name) or the arithmetic / procedural test split, and the eval.suite
+    benchmarks."""
     from megatron_dppo.data import load_prompt_dataset
 
     sets: dict[str, list[Prompt]] = {}
@@ -346,6 +377,9 @@ def load_eval_sets(cfg: Config, tokenizer, arch) -> dict[str, list[Prompt]]:
         start = cfg.data.arithmetic_train_size if split == "train" else 0  # fresh indices, not the training ones
         records = arithmetic_task(cfg).records(cfg.eval.max_prompts, split, start=start)
         sets[f"arithmetic_{split}"] = encode_prompts(cfg, records, tokenizer, arch)
+    if cfg.data.task == "procedural" and not cfg.eval.files:  # the held-out split (disjoint by construction)
+        records = procedural_task(cfg).records(cfg.eval.max_prompts, "test")
+        sets[f"{cfg.data.procedural_task}_test"] = encode_prompts(cfg, records, tokenizer, arch)
     for f in cfg.eval.files:
         records = list(load_prompt_dataset([f], None, cfg.eval.max_prompts))
         sets[Path(f).stem] = encode_prompts(cfg, records, tokenizer, arch)
@@ -371,6 +405,10 @@ def build_scorer(cfg: Config, files: Sequence[str], spec: Any = None, *, step_bu
         named = {HUB_DATASETS[f].reward for f in files if f in HUB_DATASETS}  # a named dataset: its own reward
         if cfg.data.task == "arithmetic" and (not files or "arithmetic" in names):
             spec = "arithmetic_worked" if cfg.data.arithmetic_worked else "arithmetic"
+        elif cfg.data.task == "procedural" and (not files or names == f"{cfg.data.procedural_task}_test"):
+            from megatron_dppo.data.procedural import REWARD
+
+            spec = REWARD
         elif len(named) == 1:
             spec = named.pop()
         else:

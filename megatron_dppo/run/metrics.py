@@ -22,13 +22,14 @@ class PhaseTimer:
     seconds (user + system, every thread of this process: ``time.process_time``) spent inside the same phases.
 
     ``time/step`` is the sum of the phases' wall clock; ``cpu_seconds`` the sum of their CPU time on this rank (the
-    trainer sums it over ranks into ``time/step_cpu``). CPU seconds are what a loaded, shared machine does not
-    inflate much: they count the work, not the waiting for a core. CPU time of child processes (e.g. a reward
-    function run in a subprocess) is not included.
+    trainer sums it over ranks into ``time/step_cpu``); ``time_cpu/<phase>`` is each phase's CPU time on this rank.
+    CPU seconds are what a loaded, shared machine does not inflate much: they count the work, not the waiting for a
+    core. CPU time of child processes (e.g. a reward function run in a subprocess) is not included.
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
         self.cpu_seconds = 0.0
 
     @contextmanager
@@ -38,11 +39,14 @@ class PhaseTimer:
             yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-            self.cpu_seconds += time.process_time() - cpu_start
+            cpu = time.process_time() - cpu_start
+            self.cpu[phase] = self.cpu.get(phase, 0.0) + cpu
+            self.cpu_seconds += cpu
 
     def as_metrics(self) -> dict[str, float]:
         out = {f"time/{k}": v for k, v in self.seconds.items()}
         out["time/step"] = sum(self.seconds.values())
+        out.update({f"time_cpu/{k}": v for k, v in self.cpu.items()})
         return out
 
 

@@ -51,7 +51,7 @@ def results_table(metrics: dict[str, float], sets: dict[str, list], samples: int
 def evaluate_checkpoint(cfg: Config) -> dict[str, float]:
     """``megatron-dppo eval``: pass@1 / pass@k of the latest checkpoint (or model.path) on the eval sets
     (eval.files, eval.suite), printed as one table with the average row and written to <output_dir>/eval.json."""
-    if cfg.data.task != "arithmetic" and not cfg.eval.files and not cfg.eval.suite:
+    if cfg.data.task not in ("arithmetic", "procedural") and not cfg.eval.files and not cfg.eval.suite:
         raise ValueError("megatron-dppo eval needs eval.files (held-out JSONL/parquet files) or eval.suite, e.g. "
                          "eval.files=[data/gsm8k_test.jsonl] or eval.suite=math6 (files written by `megatron-dppo data "
                          "prepare gsm8k|math6 --out data`)")

@@ -328,7 +328,8 @@ def bench(cfg: Config, steps: int = 5) -> dict[str, float]:
     if "worker" in summary:  # a rollout worker of rollout.placement=separate: the trainer reports
         return {}
     records = [r for r in read_jsonl(Path(cfg.train.output_dir) / "metrics.jsonl") if r.get("phase") == "rl"][1:]
-    keys = sorted({k for r in records for k in r if k.startswith(("time/", "throughput/", "packing/density"))})
+    keys = sorted({k for r in records for k in r
+                   if k.startswith(("time/", "time_cpu/", "throughput/", "packing/density"))})
     out = {k: _median([r[k] for r in records if k in r]) for k in keys}
     if D.is_main():
         print(f"median over {len(records)} RL steps (after 1 warm-up):")

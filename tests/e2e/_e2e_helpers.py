@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 # Metrics that measure wall-clock time or throughput: never compared between runs.
-VOLATILE_PREFIXES = ("time/", "throughput/")
+VOLATILE_PREFIXES = ("time/", "time_cpu/", "throughput/")
 VOLATILE_SUFFIXES = ("/seconds",)
 
 TINY_MODEL = {

@@ -204,6 +204,57 @@ def test_skipping_the_old_logprob_pass_gives_the_identical_update(world, policy_
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def _step_with_logits_at(loss_positions_only: bool, loss_cfg, data):
+    """fill_logprobs (old + reference) and one train step on fresh engines with the same weights."""
+    engine = _engine(loss_cfg, lr=1e-2)
+    engine.logits_at_loss_positions = loss_positions_only
+    batches = F.rank_micro_batches(data, loss_cfg, 0, 1, 1)
+    engine.fill_logprobs(batches, old=True, reference=True)
+    old = [b.old_logprobs.clone() for b in batches]
+    for b in batches:  # a live ratio and KL term: old and reference offset (layout-independent)
+        b.old_logprobs = b.old_logprobs + F.perturbation(b, 0.3, 0.0)
+        b.ref_logprobs = b.ref_logprobs + F.perturbation(b, 0.2, 1.0)
+    metrics = engine.train_step(batches, 7.0)
+    grads = [p.main_grad.detach().clone() for chunk in engine.model_chunks for p in chunk.parameters()]
+    params = [p.detach().clone() for chunk in engine.modules for p in chunk.parameters()]
+    return batches, old, metrics, grads, params, engine.last_logprobs
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo_clip", "gspo"])
+def test_logits_at_loss_positions_only_give_the_same_update(world, policy_loss, monkeypatch):
+    """The output layer on the loss positions only (PolicyEngine.logits_at_loss_positions, the default) gives the
+    full computation's old / reference log-probs at every loss position, the same loss, entropy, ratio, gradient
+    and updated weights (fp32 summation order aside), and zeros where no loss is taken. Negative control: logits
+    taken one position off give other numbers, so the comparison has power."""
+    from megatron_dppo.algo.losses import LossConfig
+    from megatron_dppo.megatron import logprobs
+
+    cfg = LossConfig(policy_loss=policy_loss, eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3")
+    data = F.make_sequences(num_prompts=3, group=4, seed=5)
+    batches, old_full, m_full, g_full, p_full, lp_full = _step_with_logits_at(False, cfg, data)
+    _, old_part, m_part, g_part, p_part, lp_part = _step_with_logits_at(True, cfg, data)
+    assert sum(int((b.loss_mask == 0).sum()) for b in batches) > 10  # prompt positions: something to skip
+    for b, a, c, la, lc in zip(batches, old_full, old_part, lp_full, lp_part):
+        mask = b.loss_mask > 0
+        torch.testing.assert_close(c[mask], a[mask], rtol=0, atol=1e-5)
+        torch.testing.assert_close(lc[mask], la[mask], rtol=0, atol=1e-5)
+        assert torch.equal(c[~mask], torch.zeros_like(c[~mask])) and bool((a[~mask] != 0).any())
+    for key in ("loss", "grad_norm", "entropy", "ratio", "kl", "clip_fraction"):
+        assert m_part[key] == pytest.approx(m_full[key], rel=1e-5, abs=1e-7), key
+    for a, b in zip(g_full, g_part):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+    # the updated weights: Adam's first step is ~lr * g / |g|, so a gradient entry near 0 turns rounding into up to
+    # ~lr * 1e-2 (the layout tests' tolerance, after_atol=1e-4)
+    for a, b in zip(p_full, p_part):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+
+    positions = logprobs.loss_positions
+    monkeypatch.setattr(logprobs, "loss_positions", lambda batch, group=None: (positions(batch, group) - 1))
+    _, old_off, m_off, g_off, *_ = _step_with_logits_at(True, cfg, data)
+    assert max(float((c - a)[b.loss_mask > 0].abs().max()) for b, a, c in zip(batches, old_full, old_off)) > 0.1
+    assert max(float((b - a).abs().max() / a.abs().max()) for a, b in zip(g_full, g_off)) > 0.1
+
+
 def test_old_logprobs_needed_only_when_the_ratio_can_differ_from_one():
     from megatron_dppo.run.build import build_loss
     from megatron_dppo.config import Config, load_config

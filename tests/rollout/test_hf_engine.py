@@ -204,3 +204,35 @@ def test_checkpoint_expert_tensors_fill_the_fused_in_memory_experts(tmp_path, fa
     with pytest.raises(ValueError, match="did not cover"):
         fresh = HFRolloutEngine(AutoModelForCausalLM.from_config(cfg), eos_token_ids=[63])
         fresh.load_weights((k, v) for k, v in on_disk.items() if not k.endswith(expert))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_shared_prompt_prefill_gives_the_unshared_samples_and_computes_each_prompt_once(family):
+    """The n samples of a prompt share one prefill of it (HFRolloutEngine.share_prompt_prefill): same seeded
+    tokens, finish reasons and log-probs (fp32 rounding of other batch shapes aside) as n separate prefills, with
+    left padding (prompts of 2-7 tokens) and a batch size that splits a group across generate calls; the model
+    sees each distinct prompt's tokens once per call instead of once per sample."""
+    model = tiny_model(family, tie=True)
+    sampling = SamplingParams(temperature=0.9, max_new_tokens=10, seed=7)
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(int((kwargs.get("input_ids") if "input_ids" in kwargs else args[0])
+                                                 .numel())), with_kwargs=True)
+    try:
+        results = {}
+        for share in (False, True):
+            seen.clear()
+            engine = HFRolloutEngine(model, max_batch_size=5, share_prompt_prefill=share)  # 3 x 4 rows: 5, 5, 2
+            results[share] = (engine.generate(PROMPTS, n=4, sampling=sampling), sum(seen))
+    finally:
+        hook.remove()
+    (plain, plain_tokens), (shared, shared_tokens) = results[False], results[True]
+    worst = 0.0
+    for a, b in zip(plain, shared):
+        for x, y in zip(a.completions, b.completions):
+            assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+            worst = max(worst, max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)))
+            reference = teacher_forced(model, b.prompt_token_ids, y.token_ids, 0.9)
+            assert torch.allclose(torch.tensor(y.logprobs), reference, atol=1e-5)
+    assert worst < 1e-5
+    assert shared_tokens < plain_tokens  # the prompts were computed fewer times

@@ -201,7 +201,9 @@ def test_examples_parse(name):
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["data.dataset=gsm8k"], r"data.dataset='gsm8k' \(data.task=arithmetic generates its prompts"),
+    (["data.dataset=gsm8k"], r"data.dataset='gsm8k' \(only data.task=files reads it; data.task=arithmetic"),
+    (["data.procedural_task=addition"], r"data.procedural_task='addition' \(only data.task=procedural reads it\)"),
+    (["data.task=procedural", "data.train_files=[a.jsonl]"], r"data.train_files=\['a.jsonl'\] \(only data.task=files"),
     (["data.train_files=[a.jsonl]"], r"data.train_files=\['a.jsonl'\]"),
     (["algo.pruner=cppo", "algo.r_q=0.7"], r"algo.r_q=0.7 \(only algo.pruner=dppo reads it\)"),
     (["algo.pruner=dppo", "algo.cppo_rate=0.3"], r"algo.cppo_rate=0.3 \(only algo.pruner=cppo reads it\)"),

@@ -143,7 +143,11 @@ def test_phase_timer_counts_cpu_seconds_of_work_not_of_waiting():
             pass
     # (process_time counts every thread of the process, so the busy phase's wall time is not a bound on it)
     assert timer.cpu_seconds >= 0.25
-    assert timer.as_metrics()["time/step"] >= 0.3
+    m = timer.as_metrics()
+    assert m["time/step"] >= 0.3
+    # per phase too: the busy phase holds the CPU seconds, the sleeping one almost none, and they add up
+    assert m["time_cpu/busy"] >= 0.25 and m["time_cpu/sleep"] < 0.1
+    assert abs(m["time_cpu/busy"] + m["time_cpu/sleep"] - timer.cpu_seconds) < 1e-9
 
 
 def test_the_time_per_phase_panel_stacks_the_phases_not_their_totals():

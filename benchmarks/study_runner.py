@@ -1,0 +1,256 @@
+"""A study runner that survives a stop: the runs of a study resume from their checkpoints when it is restarted.
+
+    jobs = [Job("grpo_s1", config, ["algo.pruner=none", "train.seed=1"], work / "grpo_s1",
+                done=cpu_budget_reached(900.0)), ...]
+    failed = run_jobs(jobs, parallel=1, state=work / "study_state.json")
+
+Each job is one ``megatron-dppo train`` process in its own ``train.output_dir`` with ``checkpoint.resume=auto``:
+started the first time, it trains from scratch; started again after any stop, the trainer takes the newest
+checkpoint of that folder (and drops the metric lines logged after it), so the run continues where its last
+checkpoint left it, as a straight run would have (the trainer's resume guarantee). Nothing is ever deleted.
+
+When is a job finished? ``done(records)``, a predicate on the run's ``metrics.jsonl`` records, checked before a job
+starts and every ``poll_s`` while it runs; without one, when the run logged ``train.steps`` RL steps. A job whose
+predicate becomes true while it runs is sent SIGTERM: the trainer finishes its step, writes a checkpoint and
+exits. ``cpu_budget_reached(B)`` is the predicate of an equal-CPU-budget study: the run's RL steps have used B
+process-CPU seconds (``time/step_cpu``, summed from the metrics, so the count survives restarts) and an evaluation
+was logged at or after that point.
+
+Stopping the study: SIGINT / SIGTERM / SIGHUP to the runner is passed on to every running job as SIGTERM; the jobs
+checkpoint and exit, the runner writes its state and exits with 128 + signal. Running the same command again
+resumes every unfinished job from its checkpoint and skips the finished ones. A SIGKILL of everything loses at
+most the steps since each job's last checkpoint (``checkpoint.every``).
+
+The state file (``state``) records per job its status and each process segment: start, end, exit code, wall and
+CPU seconds (``wait4`` user + system of the trainer process and its children), so the cost of a study split over
+several sittings adds up.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def read_records(output_dir: Path) -> list[dict]:
+    """The JSON lines of ``<output_dir>/metrics.jsonl`` (a torn last line, from a kill mid-write, is skipped)."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def rl_steps(records: list[dict]) -> int:
+    return sum(r.get("phase") == "rl" for r in records)
+
+
+def cumulative_cpu(records: list[dict]) -> list[tuple[int, float]]:
+    """(RL step, cumulative ``time/step_cpu`` after it) for every logged RL step, in step order."""
+    total, out = 0.0, []
+    for r in sorted((r for r in records if r.get("phase") == "rl"), key=lambda r: r["step"]):
+        total += float(r.get("time/step_cpu", math.nan))
+        out.append((int(r["step"]), total))
+    return out
+
+
+def cpu_budget_reached(budget_s: float) -> Callable[[list[dict]], bool]:
+    """Finished when the RL steps used ``budget_s`` CPU seconds and an evaluation was logged at or after the step
+    that crossed it (so the accuracy at the budget can be read off without extrapolating)."""
+    def done(records: list[dict]) -> bool:
+        crossed = next((step for step, cpu in cumulative_cpu(records) if cpu >= budget_s), None)
+        return crossed is not None and any(r.get("phase") == "eval" and r["step"] >= crossed for r in records)
+    done.budget_s = budget_s  # (for the state file)
+    return done
+
+
+@dataclass
+class Job:
+    """One training run of a study: ``megatron-dppo train --config config overrides`` in ``output_dir``."""
+
+    name: str
+    config: Path
+    overrides: list[str]
+    output_dir: Path
+    done: Optional[Callable[[list[dict]], bool]] = None
+    steps: Optional[int] = None  # train.steps, for the default done rule (read from the config when None)
+    env: dict = field(default_factory=dict)
+
+    def finished(self) -> bool:
+        records = read_records(self.output_dir)
+        if self.done is not None:
+            return self.done(records)
+        return rl_steps(records) >= self._steps()
+
+    def _steps(self) -> int:
+        if self.steps is None:
+            from megatron_dppo.config import load_config
+
+            self.steps = load_config(self.config, self.overrides).train.steps
+        return self.steps
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", str(self.config), *self.overrides,
+                f"train.output_dir={self.output_dir}", "checkpoint.resume=auto"]
+
+
+class StudyState:
+    """The state file: per job, its status and its process segments (thread-safe, rewritten atomically)."""
+
+    def __init__(self, path: Optional[Path]):
+        self.path, self.lock = path, threading.Lock()
+        self.data = json.loads(path.read_text()) if path is not None and path.is_file() else {"jobs": {}}
+
+    def update(self, name: str, **fields) -> None:
+        with self.lock:
+            job = self.data["jobs"].setdefault(name, {"segments": []})
+            segment = fields.pop("segment", None)
+            if segment is not None:
+                job["segments"].append(segment)
+            job.update(fields)
+            job["cpu_s_total"] = sum(s.get("cpu_s", 0.0) for s in job["segments"])
+            self._write()
+
+    def _write(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Runner:
+    """Runs jobs ``parallel`` at a time; see the module docstring."""
+
+    def __init__(self, jobs: list[Job], parallel: int = 1, state: Optional[Path] = None, poll_s: float = 5.0,
+                 timeout_s: Optional[float] = None, log: Callable[[str], None] = print):
+        self.jobs, self.parallel, self.poll_s, self.timeout_s = list(jobs), parallel, poll_s, timeout_s
+        self.state, self.log = StudyState(state), log
+        self.stop_signal: Optional[int] = None
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.lock = threading.Lock()
+
+    # -- signals: passed on to the jobs as SIGTERM (they checkpoint and exit)
+    def _on_signal(self, signum, _frame) -> None:
+        if self.stop_signal is None:
+            self.log(f"[{time.strftime('%H:%M:%S')}] {signal.Signals(signum).name}: stopping every running job at "
+                     "its next step boundary (each writes a checkpoint); run the same command again to resume")
+        self.stop_signal = signum
+        with self.lock:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+
+    def run(self) -> list[tuple[str, str]]:
+        """Run every unfinished job; returns the (job name, reason) of those that failed. With a stop signal the
+        jobs are stopped and the runner exits with 128 + signal (``SystemExit``)."""
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS} \
+            if threading.current_thread() is threading.main_thread() else {}
+        queue, failed = list(self.jobs), []
+        try:
+            threads = [threading.Thread(target=self._worker, args=(queue, failed)) for _ in range(self.parallel)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.2)  # (the main thread stays responsive to signals)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if self.stop_signal is not None:
+            raise SystemExit(128 + self.stop_signal)
+        return failed
+
+    def _worker(self, queue: list[Job], failed: list) -> None:
+        while self.stop_signal is None:
+            with self.lock:
+                if not queue:
+                    return
+                job = queue.pop(0)
+            try:
+                reason = self._run_job(job)
+            except Exception as err:  # noqa: BLE001 - one broken job must not stop the others; reported at the end
+                reason = f"{type(err).__name__}: {err}"
+            if reason is not None:
+                failed.append((job.name, reason))
+                self.state.update(job.name, status="failed", reason=reason)
+                self.log(f"[{time.strftime('%H:%M:%S')}] FAILED {job.name}: {reason}")
+
+    def _run_job(self, job: Job) -> Optional[str]:
+        """None when the job finished (or the study was stopped), else why it failed."""
+        if job.finished():
+            self.state.update(job.name, status="finished")
+            return None
+        resumed = (job.output_dir / "checkpoints" / "latest").is_file()
+        self.log(f"[{time.strftime('%H:%M:%S')}] {'resuming' if resumed else 'starting'} {job.name} "
+                 f"({rl_steps(read_records(job.output_dir))} RL steps logged)")
+        job.output_dir.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(_free_port()), **job.env)
+        env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+        t0, started = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S")
+        with open(job.output_dir.parent / f"{job.name}.log", "a") as log:
+            log.write(f"=== {started} {'resume' if resumed else 'start'}: {' '.join(job.command())}\n")
+            log.flush()
+            with self.lock:
+                if self.stop_signal is not None:
+                    return None
+                proc = subprocess.Popen(job.command(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)  # a terminal's Ctrl-C reaches it only through us
+                self.procs[job.name] = proc
+            self.state.update(job.name, status="running")
+            stopped_done = False
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                if not stopped_done and job.finished():  # the budget is reached: stop it with a checkpoint
+                    proc.send_signal(signal.SIGTERM)
+                    stopped_done = True
+                if self.timeout_s is not None and time.perf_counter() - t0 > self.timeout_s:
+                    proc.send_signal(signal.SIGTERM)
+                time.sleep(self.poll_s)
+        with self.lock:
+            self.procs.pop(job.name, None)
+        code = os.waitstatus_to_exitcode(status)
+        segment = {"start": started, "end": time.strftime("%Y-%m-%dT%H:%M:%S"), "exit": code, "resumed": resumed,
+                   "wall_s": time.perf_counter() - t0, "cpu_s": usage.ru_utime + usage.ru_stime,
+                   "rl_steps_logged": rl_steps(read_records(job.output_dir))}
+        if job.finished():
+            self.state.update(job.name, status="finished", segment=segment)
+            self.log(f"[{time.strftime('%H:%M:%S')}] finished {job.name} ({segment['rl_steps_logged']} RL steps)")
+            return None
+        if self.stop_signal is not None:
+            self.state.update(job.name, status="stopped", segment=segment)
+            return None
+        self.state.update(job.name, status="failed", segment=segment)
+        return f"exit {code} before it was finished; log {job.output_dir.parent / f'{job.name}.log'}"
+
+
+def run_jobs(jobs: list[Job], parallel: int = 1, state: Optional[Path] = None, poll_s: float = 5.0,
+             timeout_s: Optional[float] = None) -> list[tuple[str, str]]:
+    """Run the unfinished jobs (module docstring); returns the failed ones as (name, reason)."""
+    return Runner(jobs, parallel, state, poll_s, timeout_s).run()
