@@ -112,7 +112,8 @@ def step_costs(records: list[dict]) -> dict:
         values = [r[key] for r in rl if key in r]
         return statistics.median(values) if values else float("nan")
 
-    return {"step_s": med("time/step"), "reward_model_s": med("time/reward_model"), "reward_s": med("time/reward"),
+    return {"step_s": med("time/step"), "step_cpu_s": med("time/step_cpu"), "reward_cpu_s": med("time_cpu/reward"),
+            "reward_model_s": med("time/reward_model"), "reward_s": med("time/reward"),
             "generate_s": med("time/generate"), "train_s": med("time/train"),
             "prompt_kept": med("prune/prompt_kept_fraction"), "total_kept": med("prune/total_kept_fraction"),
             "tau": statistics.fmean(r["reward/rule_model_tau"] for r in rl if "reward/rule_model_tau" in r)

@@ -464,7 +464,7 @@ def _ratio(r: dict) -> str:
 
 def markdown(rep: dict) -> str:
     an, pre = rep["analysis"], rep["prereg"]
-    lines = [f"# Time to accuracy at equal compute (study 2)", "",
+    lines = ["# Time to accuracy at equal compute (study 2)", "",
              f"g* = {pre['g_star']:.4f} (0.6 G_cal, G_cal {pre['pilot']['G_cal']:.4f}); evaluations every "
              f"{pre['eval_every_cpu_s']} CPU s and at the budget; seeds complete: {an['seeds_complete']}; "
              f"commit {rep['git']['commit']}{' (dirty)' if rep['git']['dirty'] else ''}.", ""]

@@ -26,7 +26,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import Tensor
 
 from ._checks import check_finite, check_float_tensor

@@ -240,7 +240,7 @@ def test_tied_embeddings_without_lm_head_in_the_stream(tmp_path):
     from megatron_dppo.rollout import SamplingParams
     from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
 
-    first, second = tmp_path / "a", tmp_path / "b"
+    first = tmp_path / "a"
     _tiny_model(0, tied=True).save_pretrained(first)
     new_model = _tiny_model(1, tied=True)
     engine = VLLMRolloutEngine(first, **ENGINE_KWARGS)
