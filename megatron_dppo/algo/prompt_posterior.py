@@ -48,6 +48,7 @@ from torch import Tensor
 from ._checks import check_choice, check_finite, check_float_tensor, check_rate
 from .gradient_energy import beta_binomial_pmf, check_gamma, energy_curve, expected_energy, group_energy
 from .optimal_keep import water_fill
+from .prompt_history import _normalize_ids
 
 PromptId = Hashable
 REWARD_KINDS = ("auto", "binary", "continuous")
@@ -63,17 +64,6 @@ A, B_, E, W, LSUM, LW = range(6)
 def _key(prompt_id) -> tuple:
     """A total order over int and str ids (ints first)."""
     return (isinstance(prompt_id, str), prompt_id)
-
-
-def _normalize_ids(ids) -> list:
-    if isinstance(ids, Tensor):
-        ids = ids.tolist()
-    out = []
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, (int, str)):
-            raise ValueError(f"prompt ids must be int or str (checkpointable), got {i!r} of type {type(i).__name__}")
-        out.append(i)
-    return out
 
 
 def _check_step(step) -> int:
