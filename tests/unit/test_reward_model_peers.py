@@ -61,8 +61,14 @@ def trl_rewards(rm_path, prompts, completions, completion_ids):
     if not trl.__version__.startswith("1.16"):
         pytest.skip(f"TRL {trl.__version__} installed; the parity is pinned to 1.16")
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from transformers import AutoModelForSequenceClassification, TrainerState
     from trl import GRPOTrainer
+
+    # accelerate keeps its state in process-wide singletons: an earlier test of the session that ran under an
+    # initialized torch.distributed leaves it "distributed", and TRL's gather would then call all_gather on a
+    # process group that is gone. One process, one CPU, as a user's single-process TRL run is.
+    AcceleratorState._reset_state(reset_partial_state=True)
 
     tok = load_tokenizer(rm_path)
     model = AutoModelForSequenceClassification.from_pretrained(rm_path, num_labels=1).eval()  # (as in __init__)
