@@ -4,16 +4,17 @@
     print(describe())                                               # every option, its type, default and help
 
 ``root.py``: the root ``Config`` and the rules that span sections; ``sections.py``: model ... logging;
-``data.py``: data; ``dapo.py``: dynamic_sampling, overlong; ``fields.py``: the field helpers (``opt``, ``_check``);
+``data.py``: data;
+``algo.py``: algo (pruning); ``dapo.py``: dynamic_sampling, overlong; ``fields.py``: the field helpers (``opt``, ``_check``);
 ``loading.py``: YAML, overrides, coercion, the option catalogue.
 """
+from megatron_dppo.config.algo import AlgoConfig
 from megatron_dppo.config.dapo import DynamicSamplingConfig, OverlongConfig
 from megatron_dppo.config.data import DataConfig
 from megatron_dppo.config.loading import all_keys, coerce, describe, load_config, parse_override, set_option
 from megatron_dppo.config.root import Config
 from megatron_dppo.config.sections import (
     LOSS_PRESET_NAMES,
-    AlgoConfig,
     CheckpointConfig,
     EvalConfig,
     LoggingConfig,

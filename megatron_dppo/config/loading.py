@@ -1,8 +1,8 @@
 """Typed run configuration: dataclasses <- YAML file <- ``key.sub=value`` command-line overrides.
 
 Every option is documented exactly once, in its field's ``help`` where its section is defined (``sections.py``,
-``data.py``, ``dapo.py``; ``megatron-dppo train --help-config`` prints them all). The root ``Config`` and the rules
-that span sections are ``root.py``; this module loads it. Loading goes:
+``data.py``, ``algo.py``, ``dapo.py``; ``megatron-dppo train --help-config`` prints them all). The root ``Config``
+and the rules that span sections are ``root.py``; this module loads it. Loading goes:
 
 1. ``Config()`` defaults;
 2. the YAML file's sections overwrite them (``load_config(path)``);
