@@ -4,9 +4,8 @@
     print(describe())                                               # every option, its type, default and help
 
 ``root.py``: the root ``Config`` and the rules that span sections; ``sections.py``: model ... logging;
-``data.py``: data;
-``algo.py``: algo (pruning); ``dapo.py``: dynamic_sampling, overlong; ``fields.py``: the field helpers (``opt``, ``_check``);
-``loading.py``: YAML, overrides, coercion, the option catalogue.
+``data.py``: data; ``algo.py``: algo (pruning); ``dapo.py``: dynamic_sampling, overlong; ``fields.py``: the field
+helpers (``opt``, ``_check``); ``loading.py``: YAML, overrides, coercion, the option catalogue.
 """
 from megatron_dppo.config.algo import AlgoConfig
 from megatron_dppo.config.dapo import DynamicSamplingConfig, OverlongConfig
