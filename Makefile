@@ -30,7 +30,7 @@ peers: .peers/verl/.installed
 	$(BIN)/pip install --quiet --no-deps --target .peers/verl -r requirements/verl-peer.txt
 	touch $@
 
-# The CPU quickstart: a tiny Qwen2 learns arithmetic with a warm start then DPPO (~2-3 min on 2 cores).
+# The CPU quickstart: a tiny Qwen2 learns arithmetic with a warm start then DPPO (about 1 min on 2 cores).
 # Starts over each time; the reward curve lands in runs/quickstart/reward_curve.png.
 demo: venv
 	rm -rf runs/quickstart
