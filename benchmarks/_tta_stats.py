@@ -383,3 +383,13 @@ def analyse(runs: dict, arms: list[str], seeds: list[int], prereg: dict, family:
             "by_interval": series,
             "overall": {k: mean_ci([_mean(r["series"][k]) for r in raw]) for k in raw[0]["series"]}}
     return out
+
+
+def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% (z = 1.96) Wilson interval of a proportion k / n."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = k / n
+    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (
+        1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
 from pathlib import Path
 
-
-def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (
-        1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tta_stats import wilson  # noqa: E402
 
 
 def curve(run: Path, samples: int) -> list[dict]:
@@ -36,7 +33,7 @@ def curve(run: Path, samples: int) -> list[dict]:
         point = {"rl_steps": r["step"] + 1, "rl_cpu_s": cpu.get(r["step"], 0.0)}
         point.update({k: v for k, v in r.items() if k.startswith("eval/")})
         key = next(k for k in r if k.startswith("eval/") and k.endswith("/pass@1"))
-        point["pass@1"], point["pass@1_ci95"] = r[key], wilson(r[key], samples)
+        point["pass@1"], point["pass@1_ci95"] = r[key], wilson(r[key] * samples, samples)
         out.append(point)
     return out
 

@@ -17,25 +17,16 @@ step). Whether GRPO then gains >= 0.10 within the budget is the training runs' q
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, machine, write_json  # noqa: E402
+from _tta_stats import wilson  # noqa: E402
 
 CANDIDATES = ("list_max", "addition", "expression", "letter_count")
 RANGE = (0.05, 0.5)
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return (math.nan, math.nan)
-    p = k / n
-    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (
-        1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def measure(config: str, task: str, n: int, seed: int) -> dict:
