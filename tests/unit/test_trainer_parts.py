@@ -137,8 +137,8 @@ def test_phase_timer_counts_cpu_seconds_of_work_not_of_waiting():
     with timer("sleep"):
         time.sleep(0.3)
     assert timer.cpu_seconds < 0.1
-    start = time.process_time()
     with timer("busy"):  # spin until this process has used 0.25 CPU s (however loaded the machine is)
+        start = time.process_time()  # read after the timer's own start, so the timer sees at least these 0.25 s
         while time.process_time() - start < 0.25:
             pass
     # (process_time counts every thread of the process, so the busy phase's wall time is not a bound on it)
