@@ -55,16 +55,10 @@ test-vllm: venv
 	bash .ci/vllm.sh
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-trl .peers build *.egg-info
+	rm -rf $(VENV) .venv-vllm .peers build *.egg-info
 
-# Step time vs TRL's GRPOTrainer on the quickstart's work (benchmarks/vs_trl.py); TRL gets its own venv, .venv-trl.
-# A benchmark, not a test: ~15-25 min on 2 cores. Results: runs/vs_trl/vs_trl.json.
-.venv-trl/.installed:
-	$(PY) -m venv .venv-trl
-	.venv-trl/bin/pip install --quiet --upgrade pip
-	.venv-trl/bin/pip install --quiet torch==2.13.0 transformers==5.24.0 tokenizers==0.23.3 sentencepiece==0.2.3 \
-		safetensors==0.8.0 numpy==2.4.6 trl==1.13.0 requests
-	touch $@
-
-bench-trl: venv .venv-trl/.installed
+# Step time vs TRL's GRPOTrainer (benchmarks/vs_trl.py; TRL 1.16 of requirements/cpu.txt, in the main venv).
+# A benchmark, not a test: ~5 min on an idle 2-core box. Results: runs/vs_trl/vs_trl.json. The real model:
+# benchmarks/vs_trl.py --work smollm2 (docs/benchmarks.md section 14).
+bench-trl: venv
 	$(BIN)/python benchmarks/vs_trl.py

@@ -1,7 +1,8 @@
 """Step time against TRL's ``GRPOTrainer`` on the quickstart's own work: TRL GRPO vs our GRPO vs our DPPO.
 
-    make bench-trl                                   # installs TRL into .venv-trl once, then runs this
+    make bench-trl                                   # = the line below
     .venv/bin/python benchmarks/vs_trl.py --seeds 3 --steps 16 [--out runs/vs_trl]
+    .venv/bin/python benchmarks/vs_trl.py --work smollm2 --seeds 1 --steps 5     # a real pretrained model
 
 The work (identical for the three methods)
 ------------------------------------------
@@ -30,8 +31,19 @@ and at equal wall time (the last 3 steps each run finished within the shortest r
 step finished in that time). Our rollout reward is the run's headline ``reward/mean``: for DPPO the unbiased
 (1/pi) estimate over ALL drawn prompts, pruned ones included, so the same population as GRPO's and TRL's.
 
-TRL runs in its own virtual environment (``.venv-trl``, see the Makefile) so that its pins never touch the
-main one; transformers is pinned to the main environment's version there.
+The real-model work (``--work smollm2``)
+-----------------------------------------
+The same three methods on ``examples/smollm2_list_max_cpu.yaml``: SmolLM2-135M-Instruct (the GGUF the venv carries,
+converted once into the example's ``model.gguf_cache``; every method loads that HF folder), the list_max prompts
+(512 training instances per seed) rendered ONCE by our prompt formatter (SmolLM2's chat template, the example's
+system prompt) and given to TRL as that text, so both tokenize the same string; 8 prompts x G=8 per step, at most
+32 new tokens, reward 1 when the last number of the completion is the list's maximum (``final_number_reward``,
+re-stated in the TRL worker); Adam lr 1e-5, clip 1.0, everything else as above. Our DPPO is ``algo.pruner=dppo``
+with its defaults. Our phases split the step into generation and training; the train phase's FLOP per CPU second
+against ``torch.mm``'s is ``benchmarks/real_step_profile.py``.
+
+TRL is the one of the main environment (``requirements/cpu.txt``, the parity tests' peer), in its own process
+that imports nothing from this package; ``--trl-python`` names another environment's Python.
 """
 from __future__ import annotations
 
@@ -43,11 +55,27 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("trl-grpo", "ours-grpo", "ours-dppo")
-PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS, LR = 64, 8, 6, 5e-4
+
+
+@dataclass(frozen=True)
+class Work:
+    """One comparison's fixed work (module docstring)."""
+
+    config: str
+    prompts_per_step: int
+    group: int
+    max_new_tokens: int
+    lr: float
+    reward: str  # the TRL worker's re-stated reward: "arithmetic" or "final_number"
+
+
+WORKS = {"quickstart": Work("examples/quickstart.yaml", 64, 8, 6, 5e-4, "arithmetic"),
+         "smollm2": Work("examples/smollm2_list_max_cpu.yaml", 8, 8, 32, 1e-5, "final_number")}
 
 
 # ==============================================================================================================
@@ -68,8 +96,14 @@ def _run(cmd: list[str], log: Path) -> float:
     return time.time() - t0
 
 
-def prepare(out: Path, python: str) -> Path:
-    """Warm start once with our trainer and export it to HF (weights + tokenizer): ``<out>/hf``."""
+def prepare(out: Path, python: str, work: str) -> Path:
+    """The HF folder every method starts from: for the quickstart, our warm start trained once and exported
+    (weights + tokenizer, ``<out>/hf``); for SmolLM2, the example's GGUF converted once into its cache."""
+    if work == "smollm2":
+        from megatron_dppo.config import load_config
+        from megatron_dppo.run.build import resolve_model_dir
+
+        return resolve_model_dir(load_config(str(REPO / WORKS[work].config), [])).resolve()
     hf = out / "hf"
     if (hf / "config.json").is_file():
         return hf
@@ -82,23 +116,34 @@ def prepare(out: Path, python: str) -> Path:
     return hf
 
 
-def write_prompts(out: Path, seed: int) -> Path:
-    """The 512 quickstart training prompts of ``seed`` (our trainer draws them from the same generator)."""
-    from megatron_dppo.run.build import arithmetic_task
+def write_prompts(out: Path, seed: int, work: str, hf: Path) -> Path:
+    """512 training prompts of ``seed``, as the text the model reads (our trainer draws from the same generator):
+    the quickstart's raw arithmetic prompts; list_max questions rendered by our formatter (chat template and system
+    prompt of the example), so that TRL is given exactly the string our engine tokenizes."""
     from megatron_dppo.config import load_config
+    from megatron_dppo.run.build import _formatter, arithmetic_task, procedural_task
 
     path = out / f"prompts-{seed}.jsonl"
-    cfg = load_config(str(REPO / "examples" / "quickstart.yaml"), [f"train.seed={seed}"])
-    records = arithmetic_task(cfg).records(cfg.data.arithmetic_train_size, "train")
-    path.write_text("".join(json.dumps({"prompt": r.prompt, "gold": str(r.gold)}) + "\n" for r in records))
+    cfg = load_config(str(REPO / WORKS[work].config), [f"train.seed={seed}"])
+    if work == "quickstart":
+        rows = [{"prompt": r.prompt, "gold": str(r.gold)}
+                for r in arithmetic_task(cfg).records(cfg.data.arithmetic_train_size, "train")]
+    else:
+        from transformers import AutoTokenizer
+
+        formatter = _formatter(cfg, AutoTokenizer.from_pretrained(hf))
+        rows = [{"prompt": formatter.render(r.prompt), "gold": str(r.gold)}
+                for r in procedural_task(cfg).records(512, "train", start=512 * (seed - 1))]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
-def run_ours(method: str, out: Path, hf: Path, seed: int, steps: int, python: str) -> list[dict]:
+def run_ours(method: str, out: Path, hf: Path, seed: int, steps: int, python: str, work: str) -> list[dict]:
     result = out / "runs" / f"{method}-s{seed}.json"
     pruner = "dppo" if method == "ours-dppo" else "none"
-    _run([python, str(Path(__file__).resolve()), "_ours", "--result", str(result), "--steps", str(steps + 1),
-          f"model.path={hf}", f"model.tokenizer={hf}", "train.sft_steps=0", f"train.seed={seed}",
+    model = [f"model.path={hf}", f"model.tokenizer={hf}"] if work == "quickstart" else []  # (smollm2: its GGUF)
+    _run([python, str(Path(__file__).resolve()), "_ours", "--config", WORKS[work].config, "--result", str(result),
+          "--steps", str(steps + 1), *model, "train.sft_steps=0", f"train.seed={seed}", "train.cpu_threads=1",
           f"algo.pruner={pruner}", "loss.kl_coef=0.0", "eval.every=0", "logging.plot=false",
           f"train.output_dir={out / 'runs' / f'{method}-s{seed}'}"], out / f"{method}-s{seed}.log")
     return json.loads(result.read_text())
@@ -107,6 +152,7 @@ def run_ours(method: str, out: Path, hf: Path, seed: int, steps: int, python: st
 def ours_worker(argv: list[str]) -> None:
     """Our trainer's RL steps (no checkpoints, no eval), each timed in wall and process-CPU seconds."""
     p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
     p.add_argument("--result", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("overrides", nargs="*")
@@ -117,7 +163,7 @@ def ours_worker(argv: list[str]) -> None:
     from megatron_dppo.run.setup import setup, teardown
     from megatron_dppo.train.loop import rl_step
 
-    cfg = load_config(str(REPO / "examples" / "quickstart.yaml"), a.overrides)
+    cfg = load_config(str(REPO / a.config), a.overrides)
     run = setup(cfg, resume=False)
     torch.set_num_threads(1)
     steps = []
@@ -133,9 +179,10 @@ def ours_worker(argv: list[str]) -> None:
     Path(a.result).write_text(json.dumps(steps))
 
 
-def run_trl(out: Path, hf: Path, prompts: Path, seed: int, steps: int, trl_python: str) -> list[dict]:
+def run_trl(out: Path, hf: Path, prompts: Path, seed: int, steps: int, trl_python: str, work: str) -> list[dict]:
     result = out / "runs" / f"trl-grpo-s{seed}.json"
     _run([trl_python, str(Path(__file__).resolve()), "_trl", "--hf", str(hf), "--prompts", str(prompts),
+          "--work", json.dumps(asdict(WORKS[work])),
           "--seed", str(seed), "--steps", str(steps + 1), "--result", str(result),
           "--workdir", str(out / "runs" / f"trl-grpo-s{seed}")], out / f"trl-grpo-s{seed}.log")
     return json.loads(result.read_text())
@@ -205,26 +252,29 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=16, help="measured steps per run (after one warm-up step; DPPO's "
                    "prompt pruning acts from step 9 on, once prompts have a history)")
-    p.add_argument("--out", default="runs/vs_trl")
+    p.add_argument("--work", choices=sorted(WORKS), default="quickstart", help="the quickstart's 1.6M-parameter "
+                   "model on arithmetic, or SmolLM2-135M-Instruct on list_max (module docstring)")
+    p.add_argument("--out", default=None, help="default runs/vs_trl (quickstart), runs/vs_trl_smollm2")
     p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
-    p.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
+    p.add_argument("--trl-python", default=str(REPO / ".venv" / "bin" / "python"),
+                   help="a Python with TRL (the main venv has the TRL of requirements/cpu.txt, the parity tests' peer)")
     args = p.parse_args()
-    out = (REPO / args.out).resolve()
+    out = (REPO / (args.out or ("runs/vs_trl" if args.work == "quickstart" else f"runs/vs_trl_{args.work}"))).resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
-    hf = prepare(out, args.python)
+    hf = prepare(out, args.python, args.work)
     runs: dict[str, list] = {m: [] for m in METHODS}
     for i, seed in enumerate(range(1, args.seeds + 1)):
-        prompts = write_prompts(out, seed)
+        prompts = write_prompts(out, seed, args.work, hf)
         order = METHODS[i % 3:] + METHODS[: i % 3]
         for m in order:
             print(f"seed {seed}: {m} ...", flush=True)
             if m == "trl-grpo":
-                runs[m].append(run_trl(out, hf, prompts, seed, args.steps, args.trl_python))
+                runs[m].append(run_trl(out, hf, prompts, seed, args.steps, args.trl_python, args.work))
             else:
-                runs[m].append(run_ours(m, out, hf, seed, args.steps, args.python))
+                runs[m].append(run_ours(m, out, hf, seed, args.steps, args.python, args.work))
             print(f"  median s/step {_median([s['time'] for s in runs[m][-1][1:]]):.3f}", flush=True)
-    meta = {"seeds": args.seeds, "steps": args.steps, "load_before": load_before, "load_after": os.getloadavg()[0],
+    meta = {"work": args.work, **asdict(WORKS[args.work]), "seeds": args.seeds, "steps": args.steps, "load_before": load_before, "load_after": os.getloadavg()[0],
             "cpu_count": os.cpu_count()}
     summary = summarize(runs)
     print_summary(summary, meta)
@@ -238,10 +288,24 @@ def main() -> None:
 _INTEGER_RE = re.compile(r"-?\d+")
 
 
+_NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+
+
 def arithmetic_reward(completion: str, gold: str) -> float:
     """== megatron_dppo.rewards.math.arithmetic_reward."""
     text = completion.strip()
     return float(bool(_INTEGER_RE.fullmatch(text)) and int(text) == int(str(gold).strip()))
+
+
+def final_number_reward(completion: str, gold: str) -> float:
+    """== megatron_dppo.rewards.math.final_number_reward (the last number written equals the gold number)."""
+    from fractions import Fraction
+
+    numbers = _NUMBER_RE.findall(completion.replace("\\$", "").replace("$", ""))
+    return float(bool(numbers) and Fraction(numbers[-1].replace(",", "")) == Fraction(str(gold).strip()))
+
+
+TRL_REWARDS = {"arithmetic": arithmetic_reward, "final_number": final_number_reward}
 
 
 def trl_worker(argv: list[str]) -> None:
@@ -250,7 +314,10 @@ def trl_worker(argv: list[str]) -> None:
         p.add_argument(name, required=True)
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--work", required=True, help="the Work's fields, as JSON")
     a = p.parse_args(argv)
+    work = Work(**json.loads(a.work))
+    score = TRL_REWARDS[work.reward]
 
     import torch
 
@@ -265,7 +332,7 @@ def trl_worker(argv: list[str]) -> None:
     model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=torch.float32)
 
     def reward(completions, gold, **_):
-        return [arithmetic_reward(c, g) for c, g in zip(completions, gold)]
+        return [score(c, g) for c, g in zip(completions, gold)]
 
     steps: list[dict] = []
 
@@ -280,13 +347,13 @@ def trl_worker(argv: list[str]) -> None:
             if logs and "reward" in logs and steps:
                 steps[-1]["reward"] = float(logs["reward"])
                 steps[-1]["generated_tokens"] = float(logs.get("completions/mean_length", 0.0)) * \
-                    PROMPTS_PER_STEP * GROUP
+                    work.prompts_per_step * work.group
 
     config = GRPOConfig(
         output_dir=a.workdir, seed=a.seed, max_steps=a.steps, use_cpu=True, bf16=False,
-        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, num_generations=GROUP, steps_per_generation=1,
-        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=MAX_NEW_TOKENS,
-        temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+        per_device_train_batch_size=work.prompts_per_step * work.group, num_generations=work.group,
+        steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
+        max_completion_length=work.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, learning_rate=work.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, beta=0.0,
         epsilon=0.2, loss_type="grpo", scale_rewards="group", logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
