@@ -169,7 +169,7 @@ class RewardModelConfig:
                 "completion]; text = prompt text + completion text; auto = tokens when the tokenizers match, else "
                 "chat when the reward model has a chat template, else text.")
     weight: float = opt(1.0, "Weight of the model's score in the training reward: r = weight * model + "
-                             "rule_weight * rule.")
+                             "rule_weight * rule (+ an episode's environment step rewards, unweighted).")
     rule_weight: float = opt(0.0, "Weight of the rule reward (reward.fn) in the training reward (0 = train on "
                                   "the model alone; the rule reward is still computed for the metrics).")
     dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "Parameter/compute dtype of the reward model.")

@@ -156,21 +156,26 @@ def generate_episodes_shard(side: RolloutSide, shard: list[Prompt], n: int, samp
 def score(side: RolloutSide, rollout: Rollout, step: int, tag: str = "reward") -> torch.Tensor:
     """The rewards [Bk, G] of ``rollout``: the rule reward (``score_rule``) and, with a reward model, its scores
     (``score_model``) combined as reward.model.weight * model + reward.model.rule_weight * rule (module
-    docstring). ``tag`` keeps the seeds of sampled judge verdicts apart between the scorings of a step."""
-    rule = score_rule(side.scorer, rollout, side.cfg.train.group_size)
+    docstring); an episode's environment step rewards add to either, unweighted (the reward model and the rule judge
+    the last answer; the environment's rewards are for the steps). ``tag`` keeps the seeds of sampled judge verdicts
+    apart between the scorings of a step."""
+    rule = score_rule(side.scorer, rollout, side.cfg.train.group_size, with_env=False)
+    env = rollout.env_rewards()
     if side.reward_model is None:
-        return rule
+        return rule if env is None else rule + env
     m = side.cfg.reward.model
     with scoring_window(side):
         model = score_model(side, rollout, step, tag)
     rollout.rule_rewards, rollout.model_rewards = rule, model
-    return m.weight * model + m.rule_weight * rule if m.rule_weight else m.weight * model
+    combined = m.weight * model + m.rule_weight * rule if m.rule_weight else m.weight * model
+    return combined if env is None else combined + env
 
 
-def score_rule(scorer: Any, rollout: Rollout, group_size: int) -> torch.Tensor:
+def score_rule(scorer: Any, rollout: Rollout, group_size: int, with_env: bool = True) -> torch.Tensor:
     """Rule rewards [Bk, G]: each rank scores a shard of the completions, results gathered on all ranks; a sample
     whose reward function failed scores 0 and is counted in ``rollout.reward_failures`` (and ``reward_timeouts``). An
-    episode's reward is reward.fn of its last assistant turn plus the sum of its environment's step rewards."""
+    episode's reward is reward.fn of its last assistant turn plus (``with_env``) the sum of its environment's step
+    rewards."""
     items = [(text, p.gold, f"{p.id}#{i}") for p, texts in zip(rollout.prompts, rollout.texts)
              for i, text in enumerate(texts)]
 
@@ -186,7 +191,7 @@ def score_rule(scorer: Any, rollout: Rollout, group_size: int) -> torch.Tensor:
     if not rollout.prompts:
         return torch.zeros(0, group_size)
     rewards = torch.tensor(flat, dtype=torch.float32).view(len(rollout.prompts), rollout.group_size or 1)
-    env_rewards = rollout.env_rewards()  # episodes: the environment's own reward adds to the task reward
+    env_rewards = rollout.env_rewards() if with_env else None  # episodes: the environment's own reward adds
     return rewards if env_rewards is None else rewards + env_rewards
 
 

@@ -254,6 +254,16 @@ def test_training_reward_combines_model_and_rule_by_their_weights(tmp_path, tok,
     direct = side.reward_model.score([[Sample(p.token_ids, c, p.text, t) for c, t in zip(cs, ts)] for p, cs, ts in
                                       zip(rollout.prompts, rollout.completions, rollout.texts)]).scores
     assert torch.allclose(rollout.model_rewards, torch.tensor(direct))
+    # episodes: the environment's step rewards add unweighted, beside the weighted model and rule (they were scaled
+    # by rule_weight as part of the rule reward, and dropped at the default rule_weight 0)
+    for rule_weight in (2.0, 0.0):
+        side = _side(tmp_path, tok, classifier, weight=0.5, rule_weight=rule_weight)
+        rollout = _rollout(tok)
+        env = torch.tensor([[0.25, -0.5, 0.0, 1.0]] * 3)
+        rollout.env_rewards = lambda: env
+        rewards = score(side, rollout, step=0)
+        assert rollout.rule_rewards[:, 0].tolist() == [1.0, 1.0, 1.0] and rollout.rule_rewards[:, 1:].sum() == 0
+        assert torch.allclose(rewards, 0.5 * rollout.model_rewards + rule_weight * rollout.rule_rewards + env)
 
 
 def test_a_failing_reward_model_stops_the_run_naming_model_and_batch(tmp_path, tok, classifier):
