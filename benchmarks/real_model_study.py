@@ -2,7 +2,7 @@
 
     python benchmarks/real_model_study.py --write-prereg   # once, then commit docs/benchmarks/real_model_prereg.json
     python benchmarks/real_model_study.py                  # the runs (resumable: run it again after any stop)
-    python benchmarks/real_model_study.py --report         # the analysis, from the runs' metrics only
+    python benchmarks/real_model_study.py --report         # the analysis and its figure, from the runs' metrics
 
 Model and task: ``examples/smollm2_list_max_cpu.yaml`` (SmolLM2-135M-Instruct, "the largest of five numbers",
 a procedurally generated task whose test lists are held out: none of them is a training list). Three arms, nothing
@@ -149,6 +149,33 @@ def markdown(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(rep: dict, path: Path) -> Path:
+    """Held-out pass@1 against RL CPU seconds: every run's evaluations (thin) and each arm's mean over seeds at the
+    protocol's points (0, the half budget, the budget; thick)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (arm, rs) in enumerate(rep["runs"].items()):
+        color = f"C{i}"
+        for r in rs.values():
+            ax.plot([p[0] for p in r["points"]], [p[1] for p in r["points"]], color=color, alpha=0.3, lw=0.8)
+        a, budget = rep["arms"][arm], rep["protocol"]["budget_s"]
+        ax.plot([0, rep["protocol"]["eval_every_cpu_s"], budget], [a["base"]["mean"], a["mid"]["mean"],
+                a["final"]["mean"]], color=color, lw=2.2, marker="o", label=f"{arm} (mean of {len(rs)} seeds)")
+    ax.set_xlabel("RL CPU seconds (process CPU of the steps, evaluation excluded)")
+    ax.set_ylabel("held-out pass@1")
+    ax.set_title("SmolLM2-135M-Instruct on list_max, equal CPU budget per run")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=REPO / "runs" / "real_model_study")
@@ -170,6 +197,7 @@ def main(argv=None) -> int:
         rep = analyse(args.work, protocol)
         (args.work / "report.json").write_text(json.dumps(rep, indent=1))
         print(markdown(rep))
+        print(f"figure: {plot(rep, args.work / 'real_model_study.png')}")
         return 0
     if protocol != PROTOCOL:
         sys.exit(f"{args.prereg} differs from this script's PROTOCOL: the protocol is fixed before the runs")

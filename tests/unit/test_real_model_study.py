@@ -56,3 +56,4 @@ def test_endpoints_are_read_after_the_step_that_crosses_the_budget(tmp_path):
     assert t["n"] == 3 and t["lo"] < t["mean"] < t["hi"]
     assert all(0 <= rep["tests"][f"{a}-{b}:final"]["p_holm"] <= 1 for a, b in protocol["comparisons"])
     assert "dppo - filter" in R.markdown(rep)
+    assert R.plot(rep, tmp_path / "study.png").stat().st_size > 0
