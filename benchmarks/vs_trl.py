@@ -1,4 +1,5 @@
-"""Step time against TRL's ``GRPOTrainer`` on the quickstart's own work: TRL GRPO vs our GRPO vs our DPPO.
+"""Step time against TRL's ``GRPOTrainer`` on the same work (the quickstart's, or a real model's): TRL GRPO vs our
+GRPO vs our DPPO.
 
     make bench-trl                                   # = the line below
     .venv/bin/python benchmarks/vs_trl.py --seeds 3 --steps 16 [--out runs/vs_trl]
@@ -274,8 +275,8 @@ def main() -> None:
             else:
                 runs[m].append(run_ours(m, out, hf, seed, args.steps, args.python, args.work))
             print(f"  median s/step {_median([s['time'] for s in runs[m][-1][1:]]):.3f}", flush=True)
-    meta = {"work": args.work, **asdict(WORKS[args.work]), "seeds": args.seeds, "steps": args.steps, "load_before": load_before, "load_after": os.getloadavg()[0],
-            "cpu_count": os.cpu_count()}
+    meta = {"work": args.work, **asdict(WORKS[args.work]), "seeds": args.seeds, "steps": args.steps,
+            "load_before": load_before, "load_after": os.getloadavg()[0], "cpu_count": os.cpu_count()}
     summary = summarize(runs)
     print_summary(summary, meta)
     (out / "vs_trl.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
