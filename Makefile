@@ -55,7 +55,7 @@ test-vllm: venv
 	bash .ci/vllm.sh
 
 clean:
-	rm -rf $(VENV) .venv-vllm .peers build *.egg-info
+	rm -rf $(VENV) .venv-vllm .venv-trl .peers build *.egg-info
 
 # Step time vs TRL's GRPOTrainer (benchmarks/vs_trl.py; TRL 1.16 of requirements/cpu.txt, in the main venv).
 # A benchmark, not a test: ~5 min on an idle 2-core box. Results: runs/vs_trl/vs_trl.json. The real model:
