@@ -17,16 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tta_stats import wilson  # noqa: E402
+from study_runner import cumulative_cpu, read_records  # noqa: E402
 
 
 def curve(run: Path, samples: int) -> list[dict]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    cpu, out = {}, []
-    total = 0.0
-    for r in records:
-        if r.get("phase") == "rl":
-            total += r.get("time/step_cpu", 0.0)
-            cpu[r["step"]] = total
+    records = read_records(run)
+    cpu, out = dict(cumulative_cpu(records)), []
     for r in records:
         if r.get("phase") != "eval":
             continue
