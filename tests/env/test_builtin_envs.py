@@ -63,9 +63,12 @@ def test_sandbox_runs_code_and_reports_errors():
     assert (ok.stdout, ok.returncode, ok.ok, ok.timed_out) == ("45\n", 0, True, False)
     err = run_python("raise ValueError('bad')", timeout_s=30)
     assert err.returncode == 1 and "ValueError: bad" in err.stderr and not err.ok
-    isolated = run_python("import os, sys; print(os.getcwd().split('/')[-1].startswith('dppo-tool-'), "
-                          "'PYTHONPATH' in os.environ, sys.flags.isolated)", timeout_s=30)
-    assert isolated.stdout.split() == ["True", "False", "1"]
+    isolated = run_python("import os, sys; print(os.getcwd(), 'PYTHONPATH' in os.environ, sys.flags.isolated, "
+                          "os.listdir('.'))", timeout_s=30)
+    assert isolated.stdout.split() == ["/tmp", "False", "1", "[]"] and isolated.limits in ("cgroup", "rlimit")
+    legacy = run_python("import os; print(os.getcwd().split('/')[-1].startswith('dppo-tool-'))", timeout_s=30,
+                        isolation="none")
+    assert legacy.stdout.split() == ["True"] and legacy.limits == "none"
 
 
 def test_sandbox_hang_is_killed_at_the_timeout():
@@ -75,12 +78,14 @@ def test_sandbox_hang_is_killed_at_the_timeout():
     assert time.monotonic() - start < 5
 
 
-def test_sandbox_child_processes_do_not_outlive_the_call(tmp_path):
+def test_sandbox_child_processes_do_not_outlive_the_call_without_isolation(tmp_path):
+    """isolation=none still kills the call's process group (under bwrap the code cannot write the host path; the
+    same property, daemons included, is in test_sandbox_hostile.py)."""
     marker = tmp_path / "pid"
     code = ("import os, subprocess, sys\n"
             f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
             f"open({str(marker)!r}, 'w').write(str(p.pid))\nprint('started')\n")
-    result = run_python(code, timeout_s=30.0)
+    result = run_python(code, timeout_s=30.0, isolation="none")
     assert result.stdout == "started\n", result
     pid = int(marker.read_text())
     deadline = time.monotonic() + 5
@@ -123,10 +128,20 @@ def test_python_tool_turns_every_failure_into_an_observation():
         check_step(s)
 
 
-def test_a_sandbox_that_cannot_start_raises():
-    """The one failure that is not an observation (the episode loop turns it into an env_error finish)."""
+def test_a_sandbox_that_cannot_start_raises(monkeypatch):
+    """The one failure that is not an observation (the episode loop turns it into an env_error finish): a missing
+    interpreter, and bubblewrap failing to set up a call mid-run (here: a mount whose source vanished)."""
     with pytest.raises(OSError):
         run_python("print(1)", python="/nonexistent/python3")
+    import megatron_dppo.env.bubblewrap as bubblewrap
+    from megatron_dppo.env.sandbox import SandboxError
+
+    assert run_python("pass", timeout_s=30).ok  # the start-up check passed (and is cached): a later call fails
+    real = bubblewrap.command
+    monkeypatch.setattr(bubblewrap, "command", lambda *a, **k: real(*a, **k)[:1] + [
+        "--ro-bind", "/nonexistent-dppo-mount", "/x"] + real(*a, **k)[1:])
+    with pytest.raises(SandboxError, match="bubblewrap did not start the call.*nonexistent-dppo-mount"):
+        run_python("print(1)", timeout_s=30)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -171,7 +171,7 @@ def test_python_tool_hang_is_an_observation_and_a_missing_interpreter_an_env_err
             return Step(messages=[{"role": "tool", "content": sandbox.run_python("1", python="/nonexistent").stdout}])
 
     episodes, _ = run(setup, respond, Missing, n=1)
-    assert {(e.finish_reason, "FileNotFoundError" in e.error) for [e] in episodes} == {("env_error", True)}
+    assert {(e.finish_reason, "SandboxError" in e.error) for [e] in episodes} == {("env_error", True)}
 
 
 class GreetingEnv:
