@@ -101,15 +101,14 @@ def build_train_batch(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneR
     token_ids, prompt_lengths, adv, weight, rewards, origin, comp_lengths = [], [], [], [], [], [], []
     masks, trained = rollout.loss_masks, rollout.lengths()
     for row, q in enumerate(kept_rows):
-        prompt = rollout.prompts[row]
         for i in range(G):
             if not bool(total_cut.keep[q, i]):
                 continue
             if masks is not None and not trained[row, i]:  # an episode whose environment failed at reset: no
                 continue  # sampled token, no loss term (its reward still counts in its group's advantages)
-            completion = rollout.completions[row][i]
-            token_ids.append(prompt.token_ids + completion)
-            prompt_lengths.append(len(prompt.token_ids))
+            completion, prompt_ids = rollout.completions[row][i], rollout.prompt_ids(row, i)  # (an episode's own)
+            token_ids.append(prompt_ids + completion)
+            prompt_lengths.append(len(prompt_ids))
             adv.append(float(advantages[row, i]))
             weight.append(float(total_cut.weight[q, i]))
             rewards.append(float(rollout.rewards[row, i]))
