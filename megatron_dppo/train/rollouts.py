@@ -243,6 +243,43 @@ def score_model(side: RolloutSide, rollout: Rollout, step: int, tag: str = "rewa
     return torch.tensor(rows, dtype=torch.float32).view(len(rollout.prompts), G) if rows else torch.zeros(0, G)
 
 
+def counted_episodes(cfg, rollout: Rollout) -> torch.Tensor | None:
+    """[Bk, G] bool: the completions that count in their group's advantage statistics, the loss and the prompt
+    state; None when all do (single-turn completions, or env.errors=score). With env.errors=exclude (the default)
+    an episode that ended with env_error does not: its environment failed, not the policy (verl's and TRL's tool
+    loops do not score infrastructure errors as task failures either). The loss denominator still counts it as a
+    unit of the drawn batch, like any unit with no loss term (docs/environments.md, "Environment errors")."""
+    if rollout.episodes is None or cfg.env is None or cfg.env.errors != "exclude":
+        return None
+    counted = torch.tensor([[e.finish_reason != "env_error" for e in eps] for eps in rollout.episodes],
+                           dtype=torch.bool).view(len(rollout.episodes), rollout.group_size or 1)
+    return None if bool(counted.all()) else counted
+
+
+def counted_groups(counted: torch.Tensor | None, num_rows: int):
+    """(rows, pick) per number n >= 2 of counted members: ``pick(t)`` is ``t`` [Bk, G] restricted to those rows and
+    their counted members, [len(rows), n]. All rows with everything counted when ``counted`` is None; a row with
+    fewer than 2 counted members is in none (nothing to compare: the prompt state keeps what it had)."""
+    if counted is None:
+        return [(list(range(num_rows)), lambda t: t)] if num_rows else []
+    sizes = counted.sum(dim=1)
+    out = []
+    for n in sorted(set(sizes.tolist()) - {0, 1}):
+        rows = (sizes == n).nonzero().flatten()
+        out.append((rows.tolist(), lambda t, rows=rows, n=n: t[rows][counted[rows]].view(len(rows), n)))
+    return out
+
+
+def error_metrics(cfg, rollout: Rollout) -> dict[str, float]:
+    """With env.errors=exclude: env/errors_excluded (episodes left out) and env/groups_without_signal (groups left
+    with fewer than 2 episodes: advantage 0). Empty otherwise."""
+    counted = counted_episodes(cfg, rollout)
+    if counted is None:
+        return {}
+    return {"env/errors_excluded": float((~counted).sum()),
+            "env/groups_without_signal": float((counted.sum(dim=1) < 2).sum())}
+
+
 def reward_model_samples(rollout: Rollout) -> list[list[Sample]]:
     """[Bk][G] what the reward model scores of each completion: its prompt and its answer, whatever the template
     (reward.model.template only decides how the pair is rendered, docs/reward_models.md). A single-turn

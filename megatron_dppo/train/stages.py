@@ -18,7 +18,7 @@ from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, PruneResult, comb
 from megatron_dppo.data import Prompt
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.run.state import TrainSide
-from megatron_dppo.train.rollouts import Rollout, filter_rewards
+from megatron_dppo.train.rollouts import Rollout, counted_episodes, filter_rewards
 
 
 # ==============================================================================================================
@@ -75,6 +75,9 @@ def select_completions(side: TrainSide, prompt_cut: PruneResult, rollout: Rollou
             decided = _drop(decided, zero_variance_filter(filter_rewards(side.cfg, rollout)).keep)
         if cfg.overlong.filter:  # overlong filtering: truncated completions leave the loss (and D, see denominator)
             decided = _drop(decided, rollout.finished(advantages.shape[1]))
+        counted = counted_episodes(cfg, rollout)
+        if counted is not None:  # env_error episodes (env.errors=exclude) leave the loss; D keeps them as units
+            decided = _drop(decided, counted)
     decided = D.broadcast_object(decided)
     if decided is None:  # no prompt survived prompt pruning
         B = len(prompt_cut.keep)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import test_pruning as TP
-from megatron_dppo.algo.advantages import compute_advantages
+from megatron_dppo.algo.advantages import compute_advantages, group_advantages
 from megatron_dppo.algo.losses import loss_numerator
 from megatron_dppo.algo.prompt_history import PromptHistory
 from megatron_dppo.config import load_config
@@ -34,7 +34,7 @@ from megatron_dppo.run.state import RolloutSide, TrainSide
 from megatron_dppo.train import stages
 from megatron_dppo.train.dapo import select_rows
 from megatron_dppo.train.draw import history_costs, select_prompts
-from megatron_dppo.train.rollouts import Rollout
+from megatron_dppo.train.rollouts import Rollout, counted_episodes
 
 DT = torch.float64
 B, G = 6, 4
@@ -264,6 +264,47 @@ def test_an_episode_without_a_sampled_token_is_not_packed():
     assert batch.denominator == B * G  # the unit still counts in the full-batch denominator
 
 
+def test_env_error_episodes_leave_the_group_statistics_the_loss_and_the_prompt_state():
+    """env.errors=exclude (the default): an env_error episode takes no part in its group's mean and std (the other
+    episodes' advantages are those of their group without it), is not trained, and the prompt state records the
+    group without it; a group left with one episode gets advantage 0 and leaves the prompt state as it was.
+    env.errors=score keeps the old behaviour: the error scored as a failed task, everywhere."""
+    from megatron_dppo.algo.advantages import group_advantages
+    from megatron_dppo.train.draw import update_prompt_state
+    from megatron_dppo.train.rollouts import counted_episodes, error_metrics
+
+    rollout = with_errors(make_rollout())
+    cfg = make_config("algo.pruner=none")
+    assert cfg.env.errors == "exclude"
+    counted = counted_episodes(cfg, rollout)
+    advantages = group_advantages(rollout.rewards, counted, "grpo")
+    for q in range(B):
+        members = counted[q].nonzero().flatten()
+        expected = (compute_advantages(rollout.rewards[q, members].view(1, -1), "grpo").flatten()
+                    if len(members) >= 2 else torch.zeros(len(members)))
+        torch.testing.assert_close(advantages[q, members], expected)
+        assert bool((advantages[q, ~counted[q]] == 0).all())
+    assert error_metrics(cfg, rollout) == {"env/errors_excluded": 6.0, "env/groups_without_signal": 1.0}
+    rollout_side, side = sides(cfg, rollout)
+    prompt_cut = select_prompts(rollout_side, rollout.prompts, 0)
+    _, total_cut = stages.select_completions(side, prompt_cut, rollout, advantages, 0)
+    batch = stages.build_train_batch(side, rollout.prompts, prompt_cut, rollout, advantages, total_cut)
+    assert sorted(batch.origin) == sorted((q, i) for q in range(B) for i in range(G) if (q, i) not in ERRORS)
+    assert batch.denominator == B * G  # the drawn batch's constant: every unit counts, errors included
+    rollout_side.history.update(["q4"], torch.full((1, G), 7.0))  # q4's earlier score: kept (one episode left)
+    update_prompt_state(rollout_side, rollout, rollout.rewards, advantages, version=0)
+    scores = rollout_side.history.scores([p.id for p in rollout.prompts])
+    for q in (0, 1, 2, 3, 5):
+        members = counted[q]
+        assert float(scores[q]) == pytest.approx(float(advantages[q, members].abs().mean()))
+    assert float(scores[4]) == 7.0
+    # env.errors=score: the old behaviour
+    old = make_config("algo.pruner=none", "env.errors=score")
+    assert counted_episodes(old, rollout) is None and error_metrics(old, rollout) == {}
+    with pytest.raises(ValueError, match="env.errors"):
+        make_config("env.errors=drop")
+
+
 def test_history_records_episode_costs_only_for_the_cost_aware_rule():
     rollout = make_rollout()
     advantages = compute_advantages(rollout.rewards, "grpo")
@@ -342,10 +383,20 @@ def step_value(rollout_side, side, rollout, advantages, step, logp, old, ref, ma
     return torch.cat([loss.detach().view(1), grad[mask]])
 
 
-def monte_carlo(extra, weight_one=False, monkeypatch=None, draws=DRAWS):
-    rollout = make_rollout()
+ERRORS = ((1, 0), (2, 1), (2, 3), (4, 2), (4, 0), (4, 1))  # (prompt, episode) that end with env_error
+
+
+def with_errors(rollout: Rollout, errors=ERRORS) -> Rollout:
+    for q, i in errors:
+        rollout.episodes[q][i].finish_reason = "env_error"
+        rollout.truncated[q][i] = False
+    return rollout
+
+
+def monte_carlo(extra, weight_one=False, monkeypatch=None, draws=DRAWS, errors=()):
+    rollout = with_errors(make_rollout(), errors)
     logp, old, ref, mask = tables(rollout)
-    advantages = compute_advantages(rollout.rewards, "grpo")
+    advantages = group_advantages(rollout.rewards, counted_episodes(make_config(*extra), rollout), "grpo")
     cfg = make_config("algo.dppo_keep=optimal", "algo.dppo_keep_cost=tokens", "algo.r_q=0.4", "algo.r_o=0.5",
                       "algo.keep_floor=0.1", *extra)
     rollout_side, side = sides(cfg, rollout)
@@ -378,6 +429,14 @@ def test_dppo_with_cost_aware_episodes_is_unbiased_through_the_stages(aggregatio
     assert float((losses != losses[0]).double().mean()) > 0.5  # the draws differ: pruning acts at both levels
     z = TP.mc_z(samples, full)
     assert z.max() < TP.Z_OK, f"max z {z.max():.2f} at statistic {int(z.argmax())} (0 = loss, then gradient)"
+
+
+def test_dppo_with_env_errors_left_out_is_unbiased_through_the_stages():
+    """env.errors=exclude: the env_error episodes leave the loss (deterministically, given the rollout) and their
+    group's advantage statistics; D stays the full drawn batch's constant. The pruned loss and gradient are then
+    unbiased for the unpruned batch's, errors left out the same way."""
+    samples, full = monte_carlo(("loss.aggregation=seq_mean_token_mean",), errors=ERRORS)
+    assert TP.mc_z(samples, full).max() < TP.Z_OK
 
 
 def test_negative_control_unweighted_survivors_fail_the_same_test(monkeypatch):
