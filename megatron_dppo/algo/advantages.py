@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 from ._checks import check_finite, check_float_tensor
@@ -108,6 +109,30 @@ def compute_advantages(rewards: Tensor, estimator: str = "grpo", eps: float = 1e
             f"expected {tuple(rewards.shape)}"
         )
     return advantages
+
+
+def group_advantages(rewards: Tensor, counted: Tensor | None, estimator: str = "grpo", eps: float = 1e-6) -> Tensor:
+    """Advantages [B, G] with each group's statistics over its ``counted`` [B, G] members only (the others, e.g.
+    episodes whose environment failed, get 0 and take no part in their group's mean or std). A group with fewer
+    than max(2, the estimator's minimum) counted members has nothing to compare: all its advantages are 0.
+    ``counted`` None or all True: exactly ``compute_advantages``."""
+    if counted is None or bool(counted.all()):
+        return compute_advantages(rewards, estimator, eps)
+    counted = torch.as_tensor(counted, dtype=torch.bool)
+    if counted.shape != rewards.shape:
+        raise ValueError(f"counted must have the shape of rewards {tuple(rewards.shape)}, got {tuple(counted.shape)}")
+    smallest = max(2, ADVANTAGE_ESTIMATORS.get(estimator).min_group_size)
+    sizes = counted.sum(dim=1)
+    out = torch.zeros(rewards.shape, dtype=rewards.dtype if rewards.is_floating_point() else torch.float32)
+    for n in sorted(set(sizes.tolist())):
+        if n < smallest:
+            continue
+        rows = (sizes == n).nonzero().flatten()
+        adv = compute_advantages(rewards[rows][counted[rows]].view(len(rows), n), estimator, eps)
+        block = out[rows]
+        block[counted[rows]] = adv.flatten().to(out.dtype)
+        out[rows] = block
+    return out
 
 
 def advantage_estimators() -> list[str]:

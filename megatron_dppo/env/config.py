@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 TOKEN_CHECKS = ("strict", "warn", "off")
+ERROR_MODES = ("exclude", "score")
 
 
 def _opt(default: Any, help: str) -> Any:  # noqa: A002 - the config sections' spelling (config/fields.opt)
@@ -39,6 +40,13 @@ class EnvConfig:
                                       "identity checks (sampled ids verbatim, each turn's context = the episode so "
                                       "far) always run.")
     chat_template_kwargs: dict = _opt({}, "Extra keyword arguments of apply_chat_template (e.g. {tools: [...]}).")
+    errors: str = _opt("exclude", "Episodes that end with env_error (a reset or step that raised, timed out or was "
+                                  "malformed: the infrastructure failed, not the policy): exclude = out of their "
+                                  "group's advantage statistics (mean, std over the other episodes), the loss and the "
+                                  "prompt state, counted in env/errors_excluded; a group left with fewer than 2 "
+                                  "episodes gets advantage 0 and leaves the prompt state as it was "
+                                  "(env/groups_without_signal). score = the old behaviour: scored like any episode "
+                                  "(the rule of its last turn + its step rewards so far), as a failed task.")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,6 +74,8 @@ class EnvConfig:
         t = self.step_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"env.step_timeout_s must be a finite number of seconds > 0, got {t!r}")
+        if self.errors not in ERROR_MODES:
+            raise ValueError(f"env.errors must be one of {ERROR_MODES}, got {self.errors!r}")
         if self.token_check not in TOKEN_CHECKS:
             raise ValueError(f"env.token_check must be one of {TOKEN_CHECKS}, got {self.token_check!r}")
 

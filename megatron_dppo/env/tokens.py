@@ -100,11 +100,11 @@ class ChatTokens:
                                      for i, m in enumerate(tools)]
         return message
 
-    def _closed_assistant(self, assistant: dict) -> tuple[list[int], int]:
+    def _closed_assistant(self, assistant: dict) -> tuple[list[int], int, int, list[int]]:
         """(ids of the synthetic conversation ending with ``assistant``, where the assistant's content and closing
-        tokens start): the part before the message and, when the rendered message begins with the template's
-        generation prompt (``<|im_start|>assistant\\n``), that header are skipped, so a header token is never taken
-        for an end of turn."""
+        tokens start, where the message starts, the generation prompt's ids): the part before the message and, when
+        the rendered message begins with the template's generation prompt (``<|im_start|>assistant\\n``), that
+        header are skipped, so a header token is never taken for an end of turn."""
         key = repr(assistant)
         if key not in self._close_cache:
             head = self._synthetic_head()
@@ -117,13 +117,13 @@ class ChatTokens:
             start = len(before)
             if header and closed[start: start + len(header)] == header:
                 start += len(header)
-            self._close_cache[key] = (closed, start)
+            self._close_cache[key] = (closed, start, len(before), header)
         return self._close_cache[key]
 
     def ends_turn(self, token_id: int) -> bool:
         """Whether a turn that stopped at ``token_id`` can be continued: the template closes assistant turns with
         that token (e.g. ``<|im_end|>``; not a bare EOS like ``<|endoftext|>`` that ChatML never renders)."""
-        closed, start = self._closed_assistant(self._synthetic_assistant([]))
+        closed, start, _, _ = self._closed_assistant(self._synthetic_assistant([]))
         return int(token_id) in closed[start:]
 
     def observation_ids(self, messages: Sequence[dict], turn_end_id: int) -> list[int]:
@@ -132,17 +132,77 @@ class ChatTokens:
         if not messages:
             raise ValueError("observation_ids needs at least one message")
         assistant = self._synthetic_assistant(messages)
-        closed, start = self._closed_assistant(assistant)
+        closed, start, message_start, header = self._closed_assistant(assistant)
         ends = [i for i in range(start, len(closed)) if closed[i] == int(turn_end_id)]
         if not ends:
             raise TokenDriftError(f"token {turn_end_id} does not close an assistant turn in this chat template; an "
                                   "episode can only continue after a turn ended by the template's end-of-turn token")
         full = self.render_ids(self._synthetic_head() + [assistant] + list(messages), True)
-        if full[: len(closed)] != closed:
-            roles = [m.get("role") for m in messages]
+        roles = [m.get("role") for m in messages]
+        # Only the ids AFTER the assistant's end-of-turn token are used (the sampled turn stands verbatim in the
+        # stream). The assistant message itself may render differently once it is no longer the last one (Qwen3
+        # writes an empty <think> block into the last assistant message only): that part is not compared.
+        if full[:message_start] != closed[:message_start]:
             raise TokenDriftError(f"the chat template is not append-only: appending {roles} messages changes the "
                                   "tokens of the conversation before them")
-        return full[ends[-1] + 1:]
+        body = message_start + _first_difference(header, full[message_start:])
+        closing = [i for i in range(body, len(full)) if full[i] == int(turn_end_id)]
+        tail = closed[ends[-1] + 1:]  # what the template writes after the end-of-turn token (ChatML: "\n")
+        if len(closing) < len(ends) or full[closing[len(ends) - 1] + 1:][: len(tail)] != tail:
+            raise TokenDriftError(f"the chat template is not append-only: appending {roles} messages changes what "
+                                  f"follows the end-of-turn token {turn_end_id} of the assistant turn before them")
+        return full[closing[len(ends) - 1] + 1:]
+
+    def probe(self, stop_ids: Sequence[int], token_check: str = "strict") -> list[str]:
+        """Start-up check that episodes can run on this chat template, before step 0 (not at the first tool step,
+        mid-run): for every stop id that closes assistant turns, observation ids for a ``tool`` and a ``user``
+        message (a role the template cannot render at all is skipped), and the render audit of a synthetic two-turn
+        episode built as the episode loop builds one. Raises TokenDriftError when no observation role can follow an
+        assistant turn, or (``token_check="strict"``) when the render audit fails for every role: a template that
+        rewrites earlier turns (Qwen3 writes an empty <think> block into the last assistant message only) makes that
+        audit fail on every multi-turn episode while the streams themselves are right. Returns the problems found
+        otherwise (for a warning)."""
+        problems: list[str] = []
+        passed = 0
+        for end in [int(t) for t in stop_ids if self.ends_turn(int(t))][:1]:
+            drift: list[str] = []
+            for role in ("tool", "user"):
+                message = [{"role": role, "content": "2"}]
+                try:
+                    self.observation_ids(message, end)
+                except TokenDriftError as err:
+                    drift.append(f"{role}: {err}")
+                    continue
+                except Exception:  # noqa: BLE001 - the template does not render this role (jinja raises anything)
+                    continue
+                problem = self._probe_audit(message, end)
+                if problem is not None:
+                    problems.append(f"a {role} observation: {problem}")
+                else:
+                    passed += 1
+            if len(drift) == 2:
+                raise TokenDriftError(f"episodes cannot continue after a turn on this chat template ({'; '.join(drift)})")
+            problems += drift
+        # strict: only when no role passes (an environment answers in one role; a tokenizer may lack another's
+        # marker, as the tiny SentencePiece one lacks <|tool|>): the problems of the others are returned
+        if problems and not passed and token_check == "strict":
+            raise TokenDriftError("the render audit (env.token_check=strict) fails on a synthetic two-turn episode with "
+                                  f"this chat template: {'; '.join(problems)}. The chat template renders a conversation "
+                                  "differently from the token stream the episode loop builds (e.g. it rewrites earlier "
+                                  "assistant turns); set env.token_check=warn or off if that is expected")
+        return problems
+
+    def _probe_audit(self, observation: list[dict], end: int) -> str | None:
+        """The render audit of a synthetic episode: turn "1", the observation, turn "3", each sampled as the
+        canonical ids of its text + ``end``."""
+        head = self._synthetic_head()
+        trajectory = Trajectory(self.prompt_ids(head))
+        encode = lambda text: list(self.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+        trajectory.append_sampled(encode("1") + [end], [0.0] * (len(encode("1")) + 1))
+        trajectory.append_observation(self.observation_ids(observation, end))
+        trajectory.append_sampled(encode("3") + [end], [0.0] * (len(encode("3")) + 1))
+        conversation = conversation_messages(self.tokenizer, trajectory, [observation], [end])
+        return audit_render(self, trajectory, head, conversation, final_stop=True)
 
 
 # --------------------------------------------------------------------------------------------------------------

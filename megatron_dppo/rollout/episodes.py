@@ -49,7 +49,9 @@ _warned_render = False
 class Episode:
     """One finished episode (see ``env/tokens.py`` for the token fields).
 
-    prompt_ids:      the prompt the episode started from (the task's, or re-rendered with ``reset`` messages)
+    prompt_ids:      the prompt the episode started from (the task's, or re-rendered with ``reset`` messages):
+                     the context every turn was sampled from and every sequence built of the episode starts with
+    reset_messages:  the messages ``reset`` added after the task's (usually none)
     token_ids / loss_mask / logprobs: the stream after the prompt and its per-token data (behaviour log-probs)
     finish_reason:   ``env.protocol.FINISH_REASONS``
     reward:          sum of the environment's step rewards
@@ -74,10 +76,23 @@ class Episode:
     messages: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
+    reset_messages: list[dict] = field(default_factory=list)
 
     @property
     def num_trained(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def final_ids(self) -> list[int]:
+        """The last assistant turn's sampled ids (its stop token included): the last run of loss-mask 1 in the
+        stream (turns are separated by observations, which are never empty: they end with the generation prompt)."""
+        end = len(self.loss_mask)
+        while end and not self.loss_mask[end - 1]:
+            end -= 1
+        start = end
+        while start and self.loss_mask[start - 1]:
+            start -= 1
+        return list(self.token_ids[start:end])
 
     @property
     def final_text(self) -> str:
@@ -326,7 +341,8 @@ def _finish(e: _Running, chat: ChatTokens, env_cfg: EnvConfig) -> Episode:
     return Episode(prompt_ids=e.traj.prompt_ids, token_ids=e.traj.token_ids, loss_mask=e.traj.loss_mask,
                    logprobs=e.traj.logprobs, finish_reason=e.finish,
                    reward=e.reward, turns=len(e.sampled), tool_calls=e.counts[0], tool_errors=e.counts[1],
-                   tool_timeouts=e.counts[2], texts=e.texts, messages=messages, seconds=e.seconds, error=e.error)
+                   tool_timeouts=e.counts[2], texts=e.texts, messages=messages, seconds=e.seconds, error=e.error,
+                   reset_messages=e.prompt_messages[len(e.task.messages):])
 
 
 def _report_render_problem(problem: str, mode: str) -> None:

@@ -434,6 +434,25 @@ def build_env(cfg: Config, tokenizer) -> tuple[Any, Any]:
     return factory, chat
 
 
+def probe_chat(cfg: Config, chat, stop_ids: list[int]) -> None:
+    """Before step 0: whether multi-turn episodes can run on the chat template (``ChatTokens.probe``: observation
+    ids after a turn that stopped at one of ``stop_ids``, and the render audit of a synthetic episode under
+    env.token_check). A template that cannot work is a ValueError naming it; the audit's problems that do not
+    stop the run (token_check=warn, or one observation role failing while another passes) are logged once. No-op without an ``env`` section."""
+    if chat is None:
+        return
+    from megatron_dppo.env import TokenDriftError
+
+    try:
+        problems = chat.probe(stop_ids, cfg.env.token_check)
+    except TokenDriftError as err:
+        raise ValueError(f"env.name={cfg.env.name!r}: {err} (model.chat_template, env.chat_template_kwargs)") from None
+    if problems and cfg.env.token_check != "off":
+        logging.getLogger("megatron_dppo.rollout").warning(
+            "render audit (env.token_check=%s): it fails on a synthetic episode with this chat template for %s",
+            cfg.env.token_check, "; ".join(problems))
+
+
 def eos_ids(tokenizer, hf_config: dict) -> list[int]:
     ids = hf_config.get("eos_token_id", tokenizer.eos_token_id)
     ids = ids if isinstance(ids, list) else [ids]

@@ -22,6 +22,7 @@ from megatron_dppo.run.build import (
     check_output_dirs,
     check_pretrained_weights,
     eos_ids,
+    probe_chat,
     full_hf_config,
     is_converted_checkpoint,
     load_eval_sets,
@@ -65,6 +66,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     env_factory, chat = build_env(cfg, tokenizer)  # (multi-turn episodes; imports a user's environment module)
     model_dir = resolve_model_dir(cfg)
     hf_config = build_hf_config(cfg, tokenizer, model_dir)
+    probe_chat(cfg, chat, eos_ids(tokenizer, hf_config))  # a chat template episodes cannot run on: before step 0
     arch = ModelArch.from_hf_config(hf_config)
     validate_parallel(arch, parallel, D.world_size())
     check_pretrained_weights(cfg, model_dir, arch)
@@ -152,6 +154,7 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
     env_factory, chat = build_env(cfg, tokenizer)  # (the workers run the episodes)
     model_dir = resolve_model_dir(cfg)
     hf_config = build_hf_config(cfg, tokenizer, model_dir)
+    probe_chat(cfg, chat, eos_ids(tokenizer, hf_config))
     arch = ModelArch.from_hf_config(hf_config)
     loss_cfg, estimator = build_loss(cfg)
     prompts, _ = load_train_prompts(cfg, tokenizer, arch)

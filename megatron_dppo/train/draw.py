@@ -26,7 +26,7 @@ from megatron_dppo.dist import collectives as D
 from megatron_dppo.run.metrics import PhaseTimer
 from megatron_dppo.run.state import RolloutSide
 from megatron_dppo.train.dapo import keep_all, refill_groups
-from megatron_dppo.train.rollouts import Rollout, generate, score
+from megatron_dppo.train.rollouts import Rollout, counted_episodes, counted_groups, generate, score
 from megatron_dppo.train.screen import Screens, screen_and_continue
 
 
@@ -111,15 +111,19 @@ def update_prompt_state(side: RolloutSide, rollout: Rollout, rewards: torch.Tens
     history takes its score of the ``advantages`` (mean |A|) or of the ``rewards`` (their spread), and for the
     cost-aware keep rule the groups' mean episode tokens. Every rank calls it with the same groups."""
     prompts = rollout.prompts
+    groups = counted_groups(counted_episodes(side.cfg, rollout), len(prompts))  # (env_error episodes left out)
     if isinstance(side.history, PromptPosterior):
-        if prompts:
-            side.history.update([p.id for p in prompts], rewards, version, lengths=rollout.lengths())
+        for rows, pick in groups:
+            side.history.update([prompts[r].id for r in rows], pick(rewards), version, lengths=pick(rollout.lengths()))
         if screens is not None:
             stopped, screen_rewards, screen_lengths = screens.not_continued()
             if stopped:
                 side.history.update([p.id for p in stopped], screen_rewards, version, lengths=screen_lengths)
-    elif prompts:
-        side.history.update([p.id for p in prompts], advantages, rewards, costs=history_costs(side, rollout))
+    else:
+        costs = history_costs(side, rollout)
+        for rows, pick in groups:
+            side.history.update([prompts[r].id for r in rows], pick(advantages), pick(rewards),
+                                costs=None if costs is None else costs[rows])
 
 
 def history_costs(side: RolloutSide, rollout: Rollout) -> torch.Tensor | None:

@@ -15,7 +15,9 @@ from megatron_dppo.train.rollouts import generate, score_rule
 
 def evaluate(side: RolloutSide, step: int) -> dict[str, float]:
     """For every eval set: pass@1 (mean correctness over eval.samples samples) and unbiased pass@k (the rollout
-    side's engine, here or on a rollout worker; sampling seeds from (seed, step, "eval/<set>", shard))."""
+    side's engine, here or on a rollout worker; sampling seeds from (seed, step, "eval/<set>", shard)). Correct =
+    the rule reward (the eval set's reward.fn) > 0; an episode's environment step rewards and a reward model's
+    scores never count (docs/reward_models.md)."""
     cfg, out = side.cfg, {}
     for name, prompts in side.eval_sets.items():
         start = time.perf_counter()

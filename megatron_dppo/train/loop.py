@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_dppo.algo.advantages import compute_advantages
+from megatron_dppo.algo.advantages import group_advantages
 from megatron_dppo.config import Config
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.dist.placement import roles
@@ -60,7 +60,7 @@ from megatron_dppo.train.dapo import overlong_metrics
 from megatron_dppo.train.draw import DrawnBatch, draw_batch, prompt_state_metrics, update_prompt_state
 from megatron_dppo.train.evaluation import evaluate
 from megatron_dppo.train.plan import RatePlanner
-from megatron_dppo.train.rollouts import training_rewards
+from megatron_dppo.train.rollouts import counted_episodes, error_metrics, training_rewards
 from megatron_dppo.train.stages import (
     build_train_batch,
     correct_rollout_mismatch,
@@ -107,8 +107,8 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     #    the groups go into the per-prompt state the prompt level reads (mean |A| or the rewards' spread:
     #    algo.history_score; or the posterior's counts of the raw rewards, dated by the weight version).
     rewards = training_rewards(cfg, rollout)
-    advantages = compute_advantages(rewards, trainer.estimator, trainer.loss_cfg.advantage_eps) if kept \
-        else torch.zeros(0, cfg.train.group_size)
+    advantages = group_advantages(rewards, counted_episodes(cfg, rollout), trainer.estimator,
+                                  trainer.loss_cfg.advantage_eps) if kept else torch.zeros(0, cfg.train.group_size)
     update_prompt_state(side, rollout, rewards, advantages, drawn.version, screens=drawn.screens)
 
     # 6. Completion-level pruning -> per-completion keep mask and weight 1/(pi_q * pi_{i|q}).
@@ -159,6 +159,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     if drawn.refilled is not None:  # reward/* over every generated group, dynamic_sampling/*
         metrics.update(drawn.refilled.metrics())
     metrics.update(overlong_metrics(cfg, rollout))
+    metrics.update(error_metrics(cfg, rollout))  # (env.errors=exclude: env_error episodes left out)
     metrics.update(reward_model_metrics(cfg, prompt_cut, rollout))  # (reward.model: agreement with the rule)
     metrics.update(async_metrics(run, drawn))
     metrics.update(timer.as_metrics())

@@ -50,7 +50,7 @@ class Rollout:
     rewards: torch.Tensor | None = None  # [Bk, G] float32 (episodes: reward.fn of the text + the env's reward)
     reward_failures: int = 0  # samples scored 0 because the reward function failed (all ranks)
     reward_timeouts: int = 0  # of which timed out (reward.timeout_s or reward.step_budget_s)
-    rule_rewards: torch.Tensor | None = None  # [Bk, G] the rule reward (reward.fn), when a reward model is set
+    rule_rewards: torch.Tensor | None = None  # [Bk, G] the rule reward (reward.fn) alone, set by ``score``
     model_rewards: torch.Tensor | None = None  # [Bk, G] the reward model's scores, when it is set
     reward_model_seconds: float = 0.0  # scoring time of the reward model (the slowest shard)
     reward_model_failed: int = 0  # groups scored 0 because the reward model failed (reward.model.on_error=zero)
@@ -87,11 +87,20 @@ class Rollout:
                 .view(len(self.episodes), self.group_size or 1)
         return torch.tensor([[len(c) for c in comps] for comps in self.completions], dtype=torch.float64)
 
+    def prompt_ids(self, row: int, i: int) -> list[int]:
+        """The prompt completion ``i`` of row ``row`` was sampled from: the data set's prompt, or an episode's own
+        (re-rendered with the messages its environment's ``reset`` returned; the G episodes of one prompt may
+        differ). Every sequence the trainer and the reward model build starts with it."""
+        if self.episodes is not None:
+            return list(self.episodes[row][i].prompt_ids)
+        return list(self.prompts[row].token_ids)
+
     def total_tokens(self) -> torch.Tensor:
-        """[Bk, G] every token of each sequence (float64): prompt + completion (an episode's whole stream). What a
-        sequence costs to pack and train: the cost of the cost-aware keep rule (algo.dppo_keep_cost=tokens)."""
-        return torch.tensor([[len(p.token_ids) + len(c) for c in comps]
-                             for p, comps in zip(self.prompts, self.completions)], dtype=torch.float64) \
+        """[Bk, G] every token of each sequence (float64): its prompt (``prompt_ids``) + completion (an episode's
+        whole stream). What a sequence costs to pack and train: the cost of the cost-aware keep rule
+        (algo.dppo_keep_cost=tokens)."""
+        return torch.tensor([[len(self.prompt_ids(row, i)) + len(c) for i, c in enumerate(comps)]
+                             for row, comps in enumerate(self.completions)], dtype=torch.float64) \
             .view(len(self.prompts), self.group_size or 1)
 
     def finished(self, group_size: int) -> torch.Tensor:
@@ -159,23 +168,24 @@ def score(side: RolloutSide, rollout: Rollout, step: int, tag: str = "reward") -
     docstring); an episode's environment step rewards add to either, unweighted (the reward model and the rule judge
     the last answer; the environment's rewards are for the steps). ``tag`` keeps the seeds of sampled judge verdicts
     apart between the scorings of a step."""
-    rule = score_rule(side.scorer, rollout, side.cfg.train.group_size, with_env=False)
+    rule = score_rule(side.scorer, rollout, side.cfg.train.group_size)
+    rollout.rule_rewards = rule  # what counts as solved (reward/pass_rate), whatever else the training reward adds
     env = rollout.env_rewards()
     if side.reward_model is None:
         return rule if env is None else rule + env
     m = side.cfg.reward.model
     with scoring_window(side):
         model = score_model(side, rollout, step, tag)
-    rollout.rule_rewards, rollout.model_rewards = rule, model
+    rollout.model_rewards = model
     combined = m.weight * model + m.rule_weight * rule if m.rule_weight else m.weight * model
     return combined if env is None else combined + env
 
 
-def score_rule(scorer: Any, rollout: Rollout, group_size: int, with_env: bool = True) -> torch.Tensor:
+def score_rule(scorer: Any, rollout: Rollout, group_size: int) -> torch.Tensor:
     """Rule rewards [Bk, G]: each rank scores a shard of the completions, results gathered on all ranks; a sample
     whose reward function failed scores 0 and is counted in ``rollout.reward_failures`` (and ``reward_timeouts``). An
-    episode's reward is reward.fn of its last assistant turn plus (``with_env``) the sum of its environment's step
-    rewards."""
+    episode's rule reward is reward.fn of its last assistant turn alone (its environment's step rewards are part of
+    the training reward, ``score``, never of correctness: evaluation and reward/pass_rate read this)."""
     items = [(text, p.gold, f"{p.id}#{i}") for p, texts in zip(rollout.prompts, rollout.texts)
              for i, text in enumerate(texts)]
 
@@ -190,9 +200,7 @@ def score_rule(scorer: Any, rollout: Rollout, group_size: int, with_env: bool = 
     flat = [r for r, _ in scored]
     if not rollout.prompts:
         return torch.zeros(0, group_size)
-    rewards = torch.tensor(flat, dtype=torch.float32).view(len(rollout.prompts), rollout.group_size or 1)
-    env_rewards = rollout.env_rewards() if with_env else None  # episodes: the environment's own reward adds
-    return rewards if env_rewards is None else rewards + env_rewards
+    return torch.tensor(flat, dtype=torch.float32).view(len(rollout.prompts), rollout.group_size or 1)
 
 
 def filter_rewards(cfg, rollout: Rollout) -> torch.Tensor:
@@ -208,8 +216,7 @@ def score_model(side: RolloutSide, rollout: Rollout, step: int, tag: str = "rewa
     rank with one ``RewardModelError`` naming the model and the groups (reward.model.on_error=stop), or scores its
     groups 0 and counts them in ``rollout.reward_model_failed`` (on_error=zero)."""
     rm, cfg = side.reward_model, side.cfg
-    groups = [[Sample(p.token_ids, ids, p.text or "", text) for ids, text in zip(comps, texts)]
-              for p, comps, texts in zip(rollout.prompts, rollout.completions, rollout.texts)]
+    groups = reward_model_samples(rollout)
     shard_index, num_shards = rm.engine.shard()
 
     def score_shard(shard: list[list[Sample]], index: int) -> list[tuple]:
@@ -234,6 +241,59 @@ def score_model(side: RolloutSide, rollout: Rollout, step: int, tag: str = "rewa
     rollout.reward_model_unparsed = sum(u for _, _, _, u in scored)
     rows = [g if g is not None else [0.0] * G for g, _, _, _ in scored]
     return torch.tensor(rows, dtype=torch.float32).view(len(rollout.prompts), G) if rows else torch.zeros(0, G)
+
+
+def counted_episodes(cfg, rollout: Rollout) -> torch.Tensor | None:
+    """[Bk, G] bool: the completions that count in their group's advantage statistics, the loss and the prompt
+    state; None when all do (single-turn completions, or env.errors=score). With env.errors=exclude (the default)
+    an episode that ended with env_error does not: its environment failed, not the policy (verl's and TRL's tool
+    loops do not score infrastructure errors as task failures either). The loss denominator still counts it as a
+    unit of the drawn batch, like any unit with no loss term (docs/environments.md, "Environment errors")."""
+    if rollout.episodes is None or cfg.env is None or cfg.env.errors != "exclude":
+        return None
+    counted = torch.tensor([[e.finish_reason != "env_error" for e in eps] for eps in rollout.episodes],
+                           dtype=torch.bool).view(len(rollout.episodes), rollout.group_size or 1)
+    return None if bool(counted.all()) else counted
+
+
+def counted_groups(counted: torch.Tensor | None, num_rows: int):
+    """(rows, pick) per number n >= 2 of counted members: ``pick(t)`` is ``t`` [Bk, G] restricted to those rows and
+    their counted members, [len(rows), n]. All rows with everything counted when ``counted`` is None; a row with
+    fewer than 2 counted members is in none (nothing to compare: the prompt state keeps what it had)."""
+    if counted is None:
+        return [(list(range(num_rows)), lambda t: t)] if num_rows else []
+    sizes = counted.sum(dim=1)
+    out = []
+    for n in sorted(set(sizes.tolist()) - {0, 1}):
+        rows = (sizes == n).nonzero().flatten()
+        out.append((rows.tolist(), lambda t, rows=rows, n=n: t[rows][counted[rows]].view(len(rows), n)))
+    return out
+
+
+def error_metrics(cfg, rollout: Rollout) -> dict[str, float]:
+    """With env.errors=exclude: env/errors_excluded (episodes left out) and env/groups_without_signal (groups left
+    with fewer than 2 episodes: advantage 0). Empty otherwise."""
+    counted = counted_episodes(cfg, rollout)
+    if counted is None:
+        return {}
+    return {"env/errors_excluded": float((~counted).sum()),
+            "env/groups_without_signal": float((counted.sum(dim=1) < 2).sum())}
+
+
+def reward_model_samples(rollout: Rollout) -> list[list[Sample]]:
+    """[Bk][G] what the reward model scores of each completion: its prompt and its answer, whatever the template
+    (reward.model.template only decides how the pair is rendered, docs/reward_models.md). A single-turn
+    completion: the prompt's ids and text, the completion's ids and decoded text. A multi-turn episode: the prompt
+    it was sampled from (its ids, ``Rollout.prompt_ids``; its text, the question followed by the contents of the
+    messages the environment's ``reset`` added, one paragraph each) and its LAST assistant turn (the sampled ids,
+    stop token included, and their text): the answer, as the rule reward judges it; the turns before it and the
+    observations are the environment's to reward (its step rewards)."""
+    if rollout.episodes is None:
+        return [[Sample(p.token_ids, ids, p.text or "", text) for ids, text in zip(comps, texts)]
+                for p, comps, texts in zip(rollout.prompts, rollout.completions, rollout.texts)]
+    return [[Sample(e.prompt_ids, e.final_ids,
+                    "\n\n".join(t for t in [p.text or ""] + [m["content"] for m in e.reset_messages] if t), e.final_text)
+             for e in episodes] for p, episodes in zip(rollout.prompts, rollout.episodes)]
 
 
 def training_rewards(cfg, rollout: Rollout) -> torch.Tensor:

@@ -18,7 +18,7 @@ from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, PruneResult, comb
 from megatron_dppo.data import Prompt
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.run.state import TrainSide
-from megatron_dppo.train.rollouts import Rollout, filter_rewards
+from megatron_dppo.train.rollouts import Rollout, counted_episodes, filter_rewards
 
 
 # ==============================================================================================================
@@ -75,6 +75,9 @@ def select_completions(side: TrainSide, prompt_cut: PruneResult, rollout: Rollou
             decided = _drop(decided, zero_variance_filter(filter_rewards(side.cfg, rollout)).keep)
         if cfg.overlong.filter:  # overlong filtering: truncated completions leave the loss (and D, see denominator)
             decided = _drop(decided, rollout.finished(advantages.shape[1]))
+        counted = counted_episodes(cfg, rollout)
+        if counted is not None:  # env_error episodes (env.errors=exclude) leave the loss; D keeps them as units
+            decided = _drop(decided, counted)
     decided = D.broadcast_object(decided)
     if decided is None:  # no prompt survived prompt pruning
         B = len(prompt_cut.keep)
@@ -101,15 +104,14 @@ def build_train_batch(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneR
     token_ids, prompt_lengths, adv, weight, rewards, origin, comp_lengths = [], [], [], [], [], [], []
     masks, trained = rollout.loss_masks, rollout.lengths()
     for row, q in enumerate(kept_rows):
-        prompt = rollout.prompts[row]
         for i in range(G):
             if not bool(total_cut.keep[q, i]):
                 continue
             if masks is not None and not trained[row, i]:  # an episode whose environment failed at reset: no
                 continue  # sampled token, no loss term (its reward still counts in its group's advantages)
-            completion = rollout.completions[row][i]
-            token_ids.append(prompt.token_ids + completion)
-            prompt_lengths.append(len(prompt.token_ids))
+            completion, prompt_ids = rollout.completions[row][i], rollout.prompt_ids(row, i)  # (an episode's own)
+            token_ids.append(prompt_ids + completion)
+            prompt_lengths.append(len(prompt_ids))
             adv.append(float(advantages[row, i]))
             weight.append(float(total_cut.weight[q, i]))
             rewards.append(float(rollout.rewards[row, i]))

@@ -24,7 +24,8 @@ def step_metrics(prompt_cut: PruneResult, completion_cut: PruneResult | None, to
     m = rollout_metrics(prompt_cut, rollout, group_size)
     if len(batch):
         m["reward/mean_kept"] = float(batch.rewards.mean())
-        m["reward/pass_rate_kept"] = float((batch.rewards > 0).float().mean())
+        solved = solved_rewards(rollout)
+        m["reward/pass_rate_kept"] = sum(float(solved[row, i] > 0) for row, i in batch.origin) / len(batch)
         m["reward/mean_kept_weighted"] = float((batch.rewards * batch.seq_weights).sum() / batch.seq_weights.sum())
     # kept fraction and ESS per level: prompt (of drawn prompts), completion (of generated completions), total
     # (trained sequences of the B*G drawn units)
@@ -48,8 +49,9 @@ def rollout_metrics(prompt_cut: PruneResult, rollout: Rollout, group_size: int) 
         # pruning every pi_q = 1 and this is the plain mean. reward/mean_generated and reward/std are raw over the
         # generated completions, reward/mean_kept over the trained sequences.
         m["reward/mean"] = ht_prompt_mean(prompt_cut, r.mean(dim=1))
-        m["reward/pass_rate"] = ht_prompt_mean(prompt_cut, (r > 0).float().mean(dim=1))
-        m["reward/prompt_solve_rate"] = ht_prompt_mean(prompt_cut, (r > 0).any(dim=1).float())
+        solved = solved_rewards(rollout) > 0  # the rule's verdict, not the training reward's sign
+        m["reward/pass_rate"] = ht_prompt_mean(prompt_cut, solved.float().mean(dim=1))
+        m["reward/prompt_solve_rate"] = ht_prompt_mean(prompt_cut, solved.any(dim=1).float())
         m["reward/zero_variance_groups"] = ht_prompt_mean(prompt_cut, (r == r[:, :1]).all(dim=1).float())
     if flat.numel():
         m["reward/mean_generated"] = float(flat.mean())
@@ -70,6 +72,13 @@ def rollout_metrics(prompt_cut: PruneResult, rollout: Rollout, group_size: int) 
         m.update(episode_metrics(episodes))
         m["tokens/episode_mean"] = sum(len(e.token_ids) for e in episodes) / len(episodes) if episodes else 0.0
     return m
+
+
+def solved_rewards(rollout: Rollout) -> torch.Tensor:
+    """[Bk, G] the reward whose sign says "solved": the rule reward (reward.fn) alone, without an environment's step
+    rewards (a shaping reward would turn a wrong answer into a pass, a penalty a right one into a failure) or a
+    reward model's score. A rollout scored without ``rollouts.score`` (no rule reward recorded) uses its rewards."""
+    return rollout.rule_rewards if rollout.rule_rewards is not None else rollout.rewards
 
 
 def reward_model_metrics(cfg, prompt_cut: PruneResult, rollout: Rollout) -> dict[str, float]:

@@ -6,6 +6,8 @@ without an unknown piece, so the render audit stays strict.
   a reward of ``per_turn`` for each turn that has text. With ``DPPO_TEST_KILL_WHEN=<file>`` in the environment the
   process SIGKILLs itself in the first ``step`` after that file appears (a checkpoint's ``latest`` pointer): a
   kill -9 of the run in the middle of an episode (environments stepping, turns in flight).
+* ``Briefed``: ``Talk`` whose ``reset`` returns a user message of digits, different between the G episodes of a
+  prompt: the prompt every turn is sampled from is the task's re-rendered with it; ``per_turn`` for every turn.
 * ``Faulty``: the failures a tool-using run meets, chosen per episode from its seed: a ``step`` that hangs past
   ``env.step_timeout_s``, a ``step`` that raises, a ``reset`` that raises, and tool calls run for real in the
   ``python`` sandbox (``megatron_dppo.env.python_tool``): an endless loop (killed at its timeout) and a process
@@ -42,6 +44,21 @@ class Talk:
         if self.done >= self.turns:
             return Step(done=True, reward=reward)
         return Step(messages=[{"role": "user", "content": "1"}], reward=reward)
+
+
+class Briefed(Talk):
+    """``Talk`` whose ``reset`` shows the task a message of its own (as an OpenEnv environment does): a user
+    message of digits that differs between the episodes of one prompt (drawn from the episode's seed), and a
+    reward of ``per_turn`` for every turn (a shaping reward, text or not)."""
+
+    def reset(self, task, seed):
+        super().reset(task, seed)
+        return [{"role": "user", "content": str(seed % 10) * (1 + seed % 3)}]
+
+    def step(self, turn):  # a shaping reward for every turn, text or not
+        step = super().step(turn)
+        step.reward = self.per_turn
+        return step
 
 
 FAULTS = ("hang", "raise", "tool_hang", "tool_crash", "ok")

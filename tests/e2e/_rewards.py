@@ -36,3 +36,8 @@ def solved_or_parity(completion: str, gold) -> float:
 def constant(completion: str, gold) -> float:
     """1 for everything: every group has one reward for all (dynamic sampling can never fill a batch)."""
     return 1.0
+
+
+def never(completion: str, gold) -> float:
+    """0 for everything: nothing is ever correct (what evaluation must report, whatever an environment rewards)."""
+    return 0.0

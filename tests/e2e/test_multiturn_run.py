@@ -10,6 +10,8 @@ have one to three turns):
 * environments and tools that hang or crash end only their episode (a hung ``step`` past env.step_timeout_s, a
   raising ``step`` or ``reset``: finish reason env_error) or become observations (the real python sandbox running
   an endless loop or aborting: tool_timeouts, tool_errors), and the run finishes every step;
+* an environment whose ``reset`` returns messages (different ones for the G episodes of a prompt) trains on the
+  prompt each episode was sampled from: the trainer's log-probs equal the engine's;
 * separate placement: the rollout worker runs the episodes, and a fixed-staleness run resumed from a mid-run
   checkpoint (its in-flight batches of episodes saved with it) equals the straight run.
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from _e2e_helpers import read_metrics, run_cli, stable_metrics, tiny_config, write_config
+from _e2e_helpers import TINY_MODEL, read_metrics, run_cli, stable_metrics, tiny_config, write_config
 
 ENV_FAMILY = ("env/", "tokens/trained_share", "tokens/episode_mean", "time/episode_")
 TALK = {"name": "tests.e2e._envs:Talk", "max_turns": 3, "max_tokens": 24, "kwargs": {"turns": 3, "per_turn": 0.5}}
@@ -73,6 +75,29 @@ def test_episodes_train_and_a_kill9_mid_episode_resumes_to_the_straight_run(tmp_
     resumed = run_cli(config)
     assert "resuming" in resumed.stdout
     assert stable_metrics(read_metrics(killed)) == stable_metrics(read_metrics(straight))
+
+
+def test_episodes_train_on_the_prompt_their_reset_messages_made(tmp_path):
+    """An environment whose reset returns messages (each episode its own): the trainer's sequences start with the
+    episode's re-rendered prompt, the one the engine sampled every turn from. The trainer's log-probs of the sampled
+    tokens then equal the engine's to float32 noise (rollout/logprob_abs_diff); trained on the data set's prompt
+    instead (the context the policy never saw) they differ by whole nats.
+
+    Evaluation scores the rule alone: with a rule that is never satisfied, pass@1 is 0 although the environment
+    rewards every turn with text (0.5 each: shaping counted as correctness would pass nearly every sample)."""
+    out = tmp_path / "briefed"
+    env = dict(TALK, name="tests.e2e._envs:Briefed", max_tokens=16)
+    cfg = tiny_config(out, env=env, data={"template": "chat"}, train={"steps": 2}, rollout={"max_new_tokens": 8},
+                      eval={"reward": "tests.e2e._rewards:never"},
+                      model={"hf_config": dict(TINY_MODEL, max_position_embeddings=64)})
+    run_cli(write_config(tmp_path / "a.yaml", cfg))
+    records = _rl(read_metrics(out))
+    assert len(records) == 2 and all(r["env/turns_mean"] >= 1.0 for r in records)
+    assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in records), [r["rollout/logprob_abs_diff"] for r in records]
+    assert all(r["env/reward_mean"] > 0 for r in records)  # the environment did reward turns
+    evals = [r for r in read_metrics(out) if r.get("phase") == "eval"]
+    scores = {k: v for r in evals for k, v in r.items() if k.endswith(("/pass@1", "/pass@2", "/reward_mean"))}
+    assert evals and scores and all(v == 0.0 for v in scores.values()), scores
 
 
 def test_hanging_and_crashing_tools_and_environments_do_not_stop_the_run(tmp_path):

@@ -181,3 +181,81 @@ def test_a_header_token_is_not_an_end_of_turn(smol_tokenizer):
     chat = ChatTokens(tok)
     assert not chat.ends_turn(tok.convert_tokens_to_ids("<|im_start|>"))
     assert chat.ends_turn(tok.convert_tokens_to_ids(IM_END))
+
+
+# A Qwen3-family chat template, written for this test with the behaviour that matters: the assistant message after
+# the last user query gets a <think> block when it is the LAST message (empty when it has no reasoning) or has
+# reasoning; earlier ones are rendered plain; tool results are user turns wrapped in <tool_response>; assistant
+# tool calls are <tool_call> JSON; enable_thinking=false writes an empty <think> block into the generation prompt.
+QWEN3_STYLE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and not (message.content.startswith('<tool_response>')"
+    " and message.content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set content = message.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{%- if message.tool_calls %}{%- for call in message.tool_calls %}"
+    "{%- if (loop.first and content) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' + (call.function.arguments | tojson)"
+    " + '}\\n</tool_call>' }}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_a_qwen3_style_template_gives_observation_ids_at_the_first_tool_step(smol_tokenizer, thinking):
+    """The synthetic assistant message renders differently once it is no longer the last one (its empty <think>
+    block goes), but only the ids after its <|im_end|> are used, and those are what the template writes after any
+    assistant turn: the observation, then the next generation prompt. They equal the real conversation's."""
+    tok = smol_tokenizer
+    kwargs = {"chat_template": QWEN3_STYLE, **({} if thinking else {"enable_thinking": False})}
+    chat = ChatTokens(tok, chat_template_kwargs=kwargs)
+    end = tok.convert_tokens_to_ids(IM_END)
+    gen = "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
+    tool = chat.observation_ids([{"role": "tool", "content": "408"}], end)
+    assert tok.decode(tool) == f"\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n{gen}"
+    user = chat.observation_ids([{"role": "user", "content": "go on"}], end)
+    assert tok.decode(user) == f"\n<|im_start|>user\ngo on<|im_end|>\n{gen}"
+    # the same ids follow a real sampled turn with reasoning in the real conversation
+    prompt = [{"role": "user", "content": "12*34?"}]
+    turn = {"role": "assistant", "content": "<think>\nmultiply\n</think>\n\n<calc>12*34</calc>"}
+    real = chat.render_ids(prompt + [turn, {"role": "tool", "content": "408"}], True)
+    assert real[-len(tool):] == tool and tok.decode(real[:-len(tool)]).endswith(IM_END)
+
+
+def test_a_template_whose_render_audit_cannot_hold_fails_at_start_up(smol_tokenizer):
+    """The start-up probe: ChatML passes; the Qwen3-style template (it writes an empty <think> block into the last
+    assistant message, which the sampled turn need not have) fails the strict render audit before step 0, and
+    with token_check=warn the problem is returned instead; a template that changes the conversation before an
+    observation fails whatever token_check says."""
+    tok = smol_tokenizer
+    end = tok.convert_tokens_to_ids(IM_END)
+    assert ChatTokens(tok).probe([end]) == []
+    qwen = ChatTokens(tok, chat_template_kwargs={"chat_template": QWEN3_STYLE})
+    with pytest.raises(TokenDriftError, match="env.token_check=warn or off"):
+        qwen.probe([tok.convert_tokens_to_ids("<|endoftext|>"), end])
+    assert qwen.probe([end], token_check="warn")
+    upper = ("{% for m in messages %}{% if loop.last %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+             "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>\n{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(TokenDriftError, match="append-only"):
+        ChatTokens(tok, chat_template_kwargs={"chat_template": upper}).probe([end], token_check="off")

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import test_pruning as TP
-from megatron_dppo.algo.advantages import compute_advantages
+from megatron_dppo.algo.advantages import compute_advantages, group_advantages
 from megatron_dppo.algo.losses import loss_numerator
 from megatron_dppo.algo.prompt_history import PromptHistory
 from megatron_dppo.config import load_config
@@ -34,7 +34,7 @@ from megatron_dppo.run.state import RolloutSide, TrainSide
 from megatron_dppo.train import stages
 from megatron_dppo.train.dapo import select_rows
 from megatron_dppo.train.draw import history_costs, select_prompts
-from megatron_dppo.train.rollouts import Rollout
+from megatron_dppo.train.rollouts import Rollout, counted_episodes
 
 DT = torch.float64
 B, G = 6, 4
@@ -104,7 +104,7 @@ def sides(cfg, rollout: Rollout):
 # --------------------------------------------------------------------------------------------------------------
 def test_rollout_of_episodes_counts_trained_tokens_and_adds_the_environment_reward():
     from megatron_dppo.rewards import RewardScorer
-    from megatron_dppo.train.rollouts import score_rule
+    from megatron_dppo.train.rollouts import score, score_rule
 
     rollout = make_rollout()
     trained = torch.tensor([[sum(e.loss_mask) for e in eps] for eps in rollout.episodes], dtype=DT)
@@ -117,11 +117,99 @@ def test_rollout_of_episodes_counts_trained_tokens_and_adds_the_environment_rewa
     assert rollout.finish_reasons[1] == ["length", "max_turns", "stop", "length"]
     scorer = RewardScorer("arithmetic", isolation="inline")
     try:
-        rewards = score_rule(scorer, rollout, G)  # texts "0".."3" against gold "0": 1 for i = 0
+        rule = score_rule(scorer, rollout, G)  # texts "0".."3" against gold "0": 1 for i = 0
+        side, _ = sides(make_config(), rollout)
+        side.scorer = scorer
+        rewards = score(side, rollout, step=0)
     finally:
         scorer.close()
     task = torch.tensor([[1.0, 0.0, 0.0, 0.0]] * B)
-    torch.testing.assert_close(rewards, task + rollout.env_rewards())
+    torch.testing.assert_close(rule, task)  # the rule reward alone: what correctness (evaluation) reads
+    torch.testing.assert_close(rewards, task + rollout.env_rewards())  # the training reward adds the env's
+    torch.testing.assert_close(rollout.rule_rewards, task)
+
+
+def test_pass_rates_count_the_rule_never_the_environments_step_rewards():
+    """reward/pass_rate, reward/prompt_solve_rate and reward/pass_rate_kept are the rule's verdict: a shaping
+    reward (here +0.25 or +0.5 on most wrong answers) does not make a wrong answer a pass, and a penalty (-1.5 on the
+    right ones) does not make a right one a failure."""
+    from megatron_dppo.rewards import RewardScorer
+    from megatron_dppo.train.dapo import keep_all
+    from megatron_dppo.train.rollouts import score
+    from megatron_dppo.train.step_metrics import step_metrics
+
+    rollout = make_rollout()
+    for q, eps in enumerate(rollout.episodes):
+        eps[0].reward = -1.5  # the right answer ("0") penalized; the wrong ones keep their 0, 0.25, 0.5
+    side, train_side = sides(make_config("algo.pruner=none"), rollout)
+    side.scorer = RewardScorer("arithmetic", isolation="inline")
+    try:
+        rollout.rewards = score(side, rollout, step=0)
+    finally:
+        side.scorer.close()
+    assert bool((rollout.rewards[:, 1:] > 0).any()) and bool((rollout.rewards[:, 0] < 0).all())
+    prompt_cut = keep_all(B)
+    advantages = compute_advantages(rollout.rewards, "grpo")
+    completion_cut, total_cut = stages.select_completions(train_side, prompt_cut, rollout, advantages, 0)
+    batch = stages.build_train_batch(train_side, rollout.prompts, prompt_cut, rollout, advantages, total_cut)
+    m = step_metrics(prompt_cut, completion_cut, total_cut, rollout, batch, G)
+    assert m["reward/pass_rate"] == 0.25 and m["reward/prompt_solve_rate"] == 1.0
+    assert m["reward/pass_rate_kept"] == 0.25 and len(batch) == B * G
+
+
+def test_episodes_train_and_cost_the_prompt_their_reset_messages_made():
+    """Each episode was sampled from its own prompt (the task's re-rendered with the messages its environment's
+    reset returned; the G episodes of one prompt differ): the trained sequences start with it (token ids, prompt
+    lengths, the packed labels and loss mask), the cost-aware keep rule counts its tokens, and the reward model
+    reads it, never the data set's prompt."""
+    rollout = make_rollout()
+    for q, eps in enumerate(rollout.episodes):
+        for i, e in enumerate(eps):
+            e.prompt_ids = rollout.prompts[q].token_ids + [61 + i] * (1 + i)  # + the reset message, per episode
+            e.reset_messages = [{"role": "user", "content": f"hint {i}"}]
+    total = torch.tensor([[len(e.prompt_ids) + len(e.token_ids) for e in eps] for eps in rollout.episodes], dtype=DT)
+    torch.testing.assert_close(rollout.total_tokens(), total)
+    cfg = make_config("algo.pruner=none")
+    rollout_side, side = sides(cfg, rollout)
+    prompt_cut = select_prompts(rollout_side, rollout.prompts, 0)
+    advantages = compute_advantages(rollout.rewards, "grpo")
+    _, total_cut = stages.select_completions(side, prompt_cut, rollout, advantages, 0)
+    batch = stages.build_train_batch(side, rollout.prompts, prompt_cut, rollout, advantages, total_cut)
+    episodes = [rollout.episodes[r][i] for r, i in batch.origin]
+    assert batch.token_ids == [e.prompt_ids + e.token_ids for e in episodes]
+    assert batch.prompt_lengths == [len(e.prompt_ids) for e in episodes]
+    for mb in stages.pack(side, batch)[0]:  # the loss positions are the sampled tokens after the episode's prompt
+        for sid, a in zip(mb.sample_ids.tolist(), mb.cu_seqlens_padded.tolist()[:-1]):
+            e = episodes[sid]
+            labels = torch.arange(len(e.loss_mask)) + a + len(e.prompt_ids) - 1
+            assert mb.labels[labels].tolist() == e.token_ids
+            assert mb.loss_mask[labels].tolist() == [float(m) for m in e.loss_mask]
+    from megatron_dppo.train.rollouts import reward_model_samples
+
+    samples = reward_model_samples(rollout)
+    for q, (eps, group) in enumerate(zip(rollout.episodes, samples)):
+        for i, (e, sample) in enumerate(zip(eps, group)):
+            assert list(sample.prompt_ids) == e.prompt_ids
+            assert sample.prompt_text == f"q{q}\n\nhint {i}"
+
+
+def test_the_reward_model_reads_the_last_assistant_turn_under_every_template():
+    """One meaning for every template: the reward model scores an episode's prompt and its LAST assistant turn
+    (the answer the rule judges). ``tokens`` takes that turn's sampled ids (stop token included), not the whole
+    stream with the observations; ``chat``/``text``/judges its decoded text."""
+    from megatron_dppo.train.rollouts import reward_model_samples
+
+    rollout = make_rollout()
+    multi = [e for eps in rollout.episodes for e in eps if e.turns > 1]
+    assert multi
+    for eps, group in zip(rollout.episodes, reward_model_samples(rollout)):
+        for e, sample in zip(eps, group):
+            last = max(k for k, m in enumerate(e.loss_mask) if m)
+            first = max((k + 1 for k, m in enumerate(e.loss_mask[:last]) if not m), default=0)
+            assert list(sample.completion_ids) == e.token_ids[first:last + 1]
+            assert sample.completion_text == e.final_text and list(sample.prompt_ids) == e.prompt_ids
+            if e.turns > 1:
+                assert len(sample.completion_ids) < len(e.token_ids)  # the observations and earlier turns are not in
 
 
 def test_the_batch_carries_each_episodes_mask_and_counts_trained_tokens():
@@ -174,6 +262,47 @@ def test_an_episode_without_a_sampled_token_is_not_packed():
     batch = stages.build_train_batch(side, rollout.prompts, prompt_cut, rollout, advantages, total_cut)
     assert (3, 2) not in batch.origin and len(batch) == B * G - 1
     assert batch.denominator == B * G  # the unit still counts in the full-batch denominator
+
+
+def test_env_error_episodes_leave_the_group_statistics_the_loss_and_the_prompt_state():
+    """env.errors=exclude (the default): an env_error episode takes no part in its group's mean and std (the other
+    episodes' advantages are those of their group without it), is not trained, and the prompt state records the
+    group without it; a group left with one episode gets advantage 0 and leaves the prompt state as it was.
+    env.errors=score keeps the old behaviour: the error scored as a failed task, everywhere."""
+    from megatron_dppo.algo.advantages import group_advantages
+    from megatron_dppo.train.draw import update_prompt_state
+    from megatron_dppo.train.rollouts import counted_episodes, error_metrics
+
+    rollout = with_errors(make_rollout())
+    cfg = make_config("algo.pruner=none")
+    assert cfg.env.errors == "exclude"
+    counted = counted_episodes(cfg, rollout)
+    advantages = group_advantages(rollout.rewards, counted, "grpo")
+    for q in range(B):
+        members = counted[q].nonzero().flatten()
+        expected = (compute_advantages(rollout.rewards[q, members].view(1, -1), "grpo").flatten()
+                    if len(members) >= 2 else torch.zeros(len(members)))
+        torch.testing.assert_close(advantages[q, members], expected)
+        assert bool((advantages[q, ~counted[q]] == 0).all())
+    assert error_metrics(cfg, rollout) == {"env/errors_excluded": 6.0, "env/groups_without_signal": 1.0}
+    rollout_side, side = sides(cfg, rollout)
+    prompt_cut = select_prompts(rollout_side, rollout.prompts, 0)
+    _, total_cut = stages.select_completions(side, prompt_cut, rollout, advantages, 0)
+    batch = stages.build_train_batch(side, rollout.prompts, prompt_cut, rollout, advantages, total_cut)
+    assert sorted(batch.origin) == sorted((q, i) for q in range(B) for i in range(G) if (q, i) not in ERRORS)
+    assert batch.denominator == B * G  # the drawn batch's constant: every unit counts, errors included
+    rollout_side.history.update(["q4"], torch.full((1, G), 7.0))  # q4's earlier score: kept (one episode left)
+    update_prompt_state(rollout_side, rollout, rollout.rewards, advantages, version=0)
+    scores = rollout_side.history.scores([p.id for p in rollout.prompts])
+    for q in (0, 1, 2, 3, 5):
+        members = counted[q]
+        assert float(scores[q]) == pytest.approx(float(advantages[q, members].abs().mean()))
+    assert float(scores[4]) == 7.0
+    # env.errors=score: the old behaviour
+    old = make_config("algo.pruner=none", "env.errors=score")
+    assert counted_episodes(old, rollout) is None and error_metrics(old, rollout) == {}
+    with pytest.raises(ValueError, match="env.errors"):
+        make_config("env.errors=drop")
 
 
 def test_history_records_episode_costs_only_for_the_cost_aware_rule():
@@ -254,10 +383,20 @@ def step_value(rollout_side, side, rollout, advantages, step, logp, old, ref, ma
     return torch.cat([loss.detach().view(1), grad[mask]])
 
 
-def monte_carlo(extra, weight_one=False, monkeypatch=None, draws=DRAWS):
-    rollout = make_rollout()
+ERRORS = ((1, 0), (2, 1), (2, 3), (4, 2), (4, 0), (4, 1))  # (prompt, episode) that end with env_error
+
+
+def with_errors(rollout: Rollout, errors=ERRORS) -> Rollout:
+    for q, i in errors:
+        rollout.episodes[q][i].finish_reason = "env_error"
+        rollout.truncated[q][i] = False
+    return rollout
+
+
+def monte_carlo(extra, weight_one=False, monkeypatch=None, draws=DRAWS, errors=()):
+    rollout = with_errors(make_rollout(), errors)
     logp, old, ref, mask = tables(rollout)
-    advantages = compute_advantages(rollout.rewards, "grpo")
+    advantages = group_advantages(rollout.rewards, counted_episodes(make_config(*extra), rollout), "grpo")
     cfg = make_config("algo.dppo_keep=optimal", "algo.dppo_keep_cost=tokens", "algo.r_q=0.4", "algo.r_o=0.5",
                       "algo.keep_floor=0.1", *extra)
     rollout_side, side = sides(cfg, rollout)
@@ -290,6 +429,14 @@ def test_dppo_with_cost_aware_episodes_is_unbiased_through_the_stages(aggregatio
     assert float((losses != losses[0]).double().mean()) > 0.5  # the draws differ: pruning acts at both levels
     z = TP.mc_z(samples, full)
     assert z.max() < TP.Z_OK, f"max z {z.max():.2f} at statistic {int(z.argmax())} (0 = loss, then gradient)"
+
+
+def test_dppo_with_env_errors_left_out_is_unbiased_through_the_stages():
+    """env.errors=exclude: the env_error episodes leave the loss (deterministically, given the rollout) and their
+    group's advantage statistics; D stays the full drawn batch's constant. The pruned loss and gradient are then
+    unbiased for the unpruned batch's, errors left out the same way."""
+    samples, full = monte_carlo(("loss.aggregation=seq_mean_token_mean",), errors=ERRORS)
+    assert TP.mc_z(samples, full).max() < TP.Z_OK
 
 
 def test_negative_control_unweighted_survivors_fail_the_same_test(monkeypatch):
