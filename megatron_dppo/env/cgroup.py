@@ -59,14 +59,15 @@ def _own_paths() -> dict[str, str]:
 
 
 def _parent_dirs() -> tuple[str, dict[str, str]] | str:
-    """("v1" | "v2", {controller: the directory new groups are made in}) or the reason there is none."""
+    """("v1" | "v2", {controller: the directory new groups are made in}) or the reason there is none. On v1 the
+    ``cpuacct`` hierarchy is used too where it is mounted (the call's CPU seconds; optional)."""
     mounts, own = _mounts(), _own_paths()
     v1 = {}
-    for controller in ("memory", "pids"):
+    for controller in ("memory", "pids", "cpuacct"):
         point = next((m for m, kind, opts in mounts if kind == "cgroup" and controller in opts), None)
         if point is not None and controller in own:
             v1[controller] = point + own[controller].rstrip("/")
-    if len(v1) == 2:
+    if "memory" in v1 and "pids" in v1:
         return "v1", v1
     point = next((m for m, kind, _ in mounts if kind == "cgroup2"), None)
     if point is not None and "" in own:
@@ -80,7 +81,7 @@ def _parent_dirs() -> tuple[str, dict[str, str]] | str:
         if missing:
             return (f"the cgroup v2 group {base} does not delegate the {' and '.join(sorted(missing))} controller(s) "
                     "to its children (cgroup.subtree_control)")
-        return "v2", {"memory": base, "pids": base}
+        return "v2", {"memory": base, "pids": base, "cpuacct": base}
     if v1:
         return f"only the {', '.join(v1)} cgroup v1 hierarchy is mounted (memory and pids are both needed)"
     return "no cgroup hierarchy with the memory and pids controllers is mounted"
@@ -116,7 +117,7 @@ class CallCgroup:
         name = f"{_PREFIX}{os.getpid()}-{next(_counter)}"
         self.dirs: dict[str, str] = {}
         try:
-            for controller in ("memory", "pids"):
+            for controller in parents:
                 path = os.path.join(parents[controller], name)
                 if path not in self.dirs.values():
                     os.mkdir(path, 0o755)
@@ -176,6 +177,21 @@ class CallCgroup:
                 except (ProcessLookupError, PermissionError):
                     pass
             time.sleep(0.005)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds used by every process of the call (v2 ``cpu.stat``, v1 ``cpuacct.usage``); None where the
+        host gives no CPU accounting. The call's processes are not the caller's children once bubblewrap's pid
+        namespace reaps them, so the caller's RUSAGE_CHILDREN does not see this."""
+        if "cpuacct" not in self.dirs:
+            return None
+        if self.layout == "v2":
+            usec = _read_int_fields(os.path.join(self.dirs["cpuacct"], "cpu.stat")).get("usage_usec")
+            return None if usec is None else usec / 1e6
+        try:
+            with open(os.path.join(self.dirs["cpuacct"], "cpuacct.usage"), encoding="ascii") as f:
+                return int(f.read().strip()) / 1e9
+        except (OSError, ValueError):
+            return None
 
     def events(self) -> dict[str, int]:
         """{"oom_kills": processes the memory limit killed, "memory_hits": times the limit was reached,

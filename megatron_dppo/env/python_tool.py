@@ -53,13 +53,15 @@ class PythonToolEnv:
     max_processes (processes and threads of the whole call at once), scratch_mb (the call's private scratch
     folder), max_output_chars (per stream in the observation), isolation ("bwrap": a security boundary, the
     default; "none": no isolation, unsafe, an explicit opt-in for machines where bubblewrap cannot run),
-    site_packages (the trainer's installed packages importable, read-only; False = the standard library only).
+    site_packages (the trainer's installed packages importable, read-only; False = the standard library only),
+    print_last (print the value of a final expression, as a notebook cell does: ``<python>48*97</python>`` is
+    answered 4656).
     docs/environments.md says what the boundary promises and what it does not."""
 
     def __init__(self, tag: str = "python", role: str = "tool", max_calls: int = 2, timeout_s: float = 5.0,
                  memory_mb: int | None = 512, cpu_s: int | None = None, max_processes: int | None = 32,
                  max_output_chars: int = 2000, scratch_mb: int = 64, isolation: str = "bwrap",
-                 site_packages: bool = True):
+                 site_packages: bool = True, print_last: bool = False):
         if role not in ("tool", "user"):
             raise ValueError(f"python tool role must be 'tool' or 'user', got {role!r}")
         if max_calls < 1 or max_output_chars < 1 or not timeout_s > 0:
@@ -73,6 +75,7 @@ class PythonToolEnv:
         if isinstance(scratch_mb, bool) or not isinstance(scratch_mb, int) or scratch_mb < 1:
             raise ValueError(f"python tool scratch_mb must be an integer >= 1, got {scratch_mb!r}")
         self.isolation, self.site_packages, self.scratch_mb = isolation, bool(site_packages), scratch_mb
+        self.print_last = bool(print_last)
         find_calls("", tag)  # validates the tag
         self.limits = limits_scope(isolation, None, self.site_packages)  # once per process: refuses here, early
 
@@ -92,7 +95,7 @@ class PythonToolEnv:
             result = run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb, cpu_s=self.cpu_s,
                                 max_output_bytes=4 * self.max_output_chars + 4, max_processes=self.max_processes,
                                 scratch_mb=self.scratch_mb, isolation=self.isolation,
-                                site_packages=self.site_packages)
+                                site_packages=self.site_packages, print_last=self.print_last)
             outputs.append(describe(result, self.max_output_chars, self.timeout_s))
             timeouts += result.timed_out
             errors += not result.ok and not result.timed_out

@@ -42,12 +42,23 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
 from megatron_dppo.env import bubblewrap, cgroup
 
 ISOLATIONS = ("bwrap", "none")
+_cpu_lock = threading.Lock()
+_cpu_total = [0.0]
+
+
+def cpu_seconds_total() -> float:
+    """CPU seconds of every sandboxed call this process made so far (where known: ``SandboxResult.cpu_s``). The
+    processes of a call under bubblewrap are reaped inside its pid namespace, so they never reach this process's
+    RUSAGE_CHILDREN; a CPU budget that charges tools reads this."""
+    with _cpu_lock:
+        return _cpu_total[0]
 
 _PRELUDE = r"""
 import resource, sys
@@ -72,7 +83,17 @@ with open(sys.argv[1], encoding="utf-8") as _f:
     _code = _f.read()
 del _limit, resource, _f
 _globals = {{"__name__": "__main__", "__builtins__": __builtins__}}
-exec(compile(_code, "<tool>", "exec"), _globals)
+if {print_last}:  # a notebook cell: the value of a final expression is printed (its repr; None is not)
+    import ast as _ast
+    _tree = _ast.parse(_code, "<tool>")
+    _last = _tree.body.pop() if _tree.body and isinstance(_tree.body[-1], _ast.Expr) else None
+    exec(compile(_tree, "<tool>", "exec"), _globals)
+    if _last is not None:
+        _value = eval(compile(_ast.Expression(_last.value), "<tool>", "eval"), _globals)
+        if _value is not None:
+            print(repr(_value))
+else:
+    exec(compile(_code, "<tool>", "exec"), _globals)
 """
 
 
@@ -92,7 +113,8 @@ class SandboxResult:
     SIGXFSZ, SIGSEGV, ...) or None; timed_out: killed after ``timeout_s``; seconds: wall-clock time;
     memory_exceeded: the call's memory limit killed a process (control group only); processes_refused: forks the
     call's process limit refused (control group only); limits: where the memory and process limits held: "cgroup"
-    (the whole call), "rlimit" (each process) or "none"."""
+    (the whole call), "rlimit" (each process) or "none"; cpu_s: CPU seconds of all the call's processes (control
+    group with CPU accounting, or isolation=none: the interpreter's own; None where unknown)."""
 
     stdout: str
     stderr: str
@@ -103,6 +125,7 @@ class SandboxResult:
     memory_exceeded: bool = False
     processes_refused: int = 0
     limits: str = "rlimit"
+    cpu_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -144,8 +167,10 @@ def limits_scope(isolation: str, python: str | None = None, site_packages: bool 
 
 def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int | None = 512, cpu_s: int | None = None,
                max_output_bytes: int = 16384, max_processes: int | None = 32, scratch_mb: int = 64,
-               isolation: str = "bwrap", site_packages: bool = True, python: str | None = None) -> SandboxResult:
-    """Run ``code`` under ``isolation`` (module docstring) and return what happened."""
+               isolation: str = "bwrap", site_packages: bool = True, print_last: bool = False,
+               python: str | None = None) -> SandboxResult:
+    """Run ``code`` under ``isolation`` (module docstring) and return what happened. ``print_last``: print the
+    value of a final expression statement, as a notebook cell does (``48*97`` prints 4656)."""
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     if max_output_bytes < 1:
@@ -159,7 +184,8 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int | None = 512
     scope = limits_scope(isolation, python, site_packages)
     memory = None if memory_mb is None else int(memory_mb) * 1024 * 1024
     rlimits = {"memory": memory, "cpu": int(cpu_s) if cpu_s is not None else int(timeout_s) + 1,
-               "fsize": int(max_output_bytes) + 1, "nproc": None if scope == "cgroup" else max_processes}
+               "fsize": int(max_output_bytes) + 1, "nproc": None if scope == "cgroup" else max_processes,
+               "print_last": bool(print_last)}
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dppo-tool-", ignore_cleanup_errors=True) as work:
         out_path, err_path = os.path.join(work, ".stdout"), os.path.join(work, ".stderr")
@@ -176,6 +202,8 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int | None = 512
                     timed_out, status = _run_bwrap(python, rlimits, site_packages, code_path, scratch_mb, out, err,
                                                    group, start + timeout_s)
                     events = group.events() if group is not None else {}
+                    if group is not None:
+                        events["cpu_s"] = group.cpu_seconds()
                 finally:
                     if group is not None:
                         group.remove()
@@ -183,12 +211,15 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int | None = 512
     if status is None:
         raise SandboxError(f"bubblewrap did not start the call: {stderr.strip() or 'no message'}")
     killed = status < 0
+    if events.get("cpu_s") is not None and isolation != "none":  # (isolation=none: already in RUSAGE_CHILDREN)
+        with _cpu_lock:
+            _cpu_total[0] += events["cpu_s"]
     return SandboxResult(stdout=stdout, stderr=stderr, returncode=None if timed_out else status,
                          signal_name=_signal_name(-status) if killed and not timed_out else
                          ("SIGKILL" if timed_out else None),
                          timed_out=timed_out, seconds=time.monotonic() - start,
                          memory_exceeded=events.get("oom_kills", 0) > 0,
-                         processes_refused=events.get("pids_refused", 0), limits=scope)
+                         processes_refused=events.get("pids_refused", 0), limits=scope, cpu_s=events.get("cpu_s"))
 
 
 _ENV = {"PATH": os.defpath, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
@@ -199,7 +230,14 @@ def _run_unisolated(python, rlimits, code_path, work, out, err, deadline):
     prelude = _PRELUDE.format(**rlimits, paths=[], started_fd=None)
     proc = subprocess.Popen([python, "-I", "-c", prelude, code_path], stdin=subprocess.DEVNULL, stdout=out,
                             stderr=err, cwd=work, env=_ENV, start_new_session=True)
-    return _wait_and_kill(proc, deadline, None), proc.returncode, {}
+    timed_out = not _wait_unreaped(proc.pid, deadline)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # still unreaped: its group id cannot have been reused
+    except (ProcessLookupError, PermissionError):
+        pass
+    _, status, usage = os.wait4(proc.pid, 0)  # reaped here, with the interpreter's CPU seconds
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return timed_out, proc.returncode, {"cpu_s": usage.ru_utime + usage.ru_stime}
 
 
 def _run_bwrap(python, rlimits, site_packages, code_path, scratch_mb, out, err, group, deadline):

@@ -162,3 +162,17 @@ def test_the_calculator_example_path_runs(tmp_path):
     run_cli(write_config(tmp_path / "plain.yaml", example), "env=null", "data.arithmetic_warm_start=answer",
             "rollout.max_new_tokens=8", f"train.output_dir={tmp_path / 'plain'}")
     assert not any(k.startswith("env/") for r in read_metrics(tmp_path / "plain") for k in r)
+
+
+def test_a_python_tool_run_without_bubblewrap_stops_before_step_0_with_one_line(tmp_path):
+    """No silent fallback to the unsafe mode: a machine without bubblewrap (here: hidden from PATH) refuses the
+    python tool at start-up, naming the missing piece and the explicit opt-in; with the opt-in the run trains."""
+    cfg = tiny_config(tmp_path / "run", env={"name": "python", "max_turns": 2, "max_tokens": 8, "kwargs": {}})
+    config = write_config(tmp_path / "python.yaml", cfg)
+    refused = run_cli(config, check=False, extra_env={"PATH": str(tmp_path / "empty-bin")})
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-3000:]
+    assert "bubblewrap is not installed" in lines[0] and "env.kwargs.isolation=none" in lines[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    run_cli(config, "env.kwargs={isolation: none}", extra_env={"PATH": str(tmp_path / "empty-bin")})
+    assert len(_rl(read_metrics(tmp_path / "run"))) == 4

@@ -128,6 +128,36 @@ def test_python_tool_turns_every_failure_into_an_observation():
         check_step(s)
 
 
+def test_print_last_answers_a_final_expression_like_a_notebook_cell():
+    assert run_python("x = 3\nx * 4", print_last=True, timeout_s=30).stdout == "12\n"
+    assert run_python("48*97", print_last=True, timeout_s=30).stdout == "4656\n"
+    assert run_python("print('a')", print_last=True, timeout_s=30).stdout == "a\n"  # None is not printed
+    assert run_python("48*97", timeout_s=30).stdout == ""  # off: a script, as python runs it
+    error = run_python("1/0", print_last=True, timeout_s=30)
+    assert "ZeroDivisionError" in error.stderr and 'File "<tool>", line 1' in error.stderr
+    env = PythonToolEnv(tag="calc", max_calls=1, print_last=True, timeout_s=30.0)
+    assert env.step(turn("<calc>48*97</calc>")).messages == [{"role": "tool", "content": "4656"}]
+
+
+def test_a_calls_cpu_seconds_are_counted_though_bubblewrap_reaps_its_processes():
+    from megatron_dppo.env import sandbox
+
+    before = sandbox.cpu_seconds_total()
+    busy = run_python("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass",
+                      timeout_s=30)
+    if busy.limits != "cgroup":
+        pytest.skip("CPU accounting needs a control group")
+    assert busy.cpu_s is not None and busy.cpu_s >= 0.3
+    assert sandbox.cpu_seconds_total() - before >= 0.3
+
+
+def test_python_tool_options_are_checked():
+    with pytest.raises(ValueError, match="isolation must be one of"):
+        PythonToolEnv(isolation="docker")
+    with pytest.raises(ValueError, match="scratch_mb"):
+        PythonToolEnv(scratch_mb=0)
+
+
 def test_a_sandbox_that_cannot_start_raises(monkeypatch):
     """The one failure that is not an observation (the episode loop turns it into an env_error finish): a missing
     interpreter, and bubblewrap failing to set up a call mid-run (here: a mount whose source vanished)."""
