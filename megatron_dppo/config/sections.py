@@ -21,7 +21,8 @@ LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "q", "k", "v", "gate", "up")
 
 @dataclass
 class LoraSection:
-    """LoRA: train low-rank adapters on the frozen pretrained model (docs/lora.md); the reference is the base."""
+    """LoRA: train low-rank adapters on the frozen pretrained model (docs/lora.md); the reference is the base, with
+    model.lora.init's adapter where there is one (frozen)."""
 
     rank: Optional[int] = opt(None, "r of every adapter; null = 16, or the rank of the adapter in model.lora.init.")
     alpha: Optional[float] = opt(None, "The adapter update is alpha / rank * B @ A (alpha / sqrt(rank) with "
@@ -39,8 +40,9 @@ class LoraSection:
                        "the base model exactly); the same adapters at every TP/PP layout.")
     init: Optional[str] = opt(None, "A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, "
                                     "e.g. trained with peft, or written by `megatron-dppo convert megatron-to-peft`)"
-                                    " to start from instead of a fresh adapter: a warm start. Its rank, alpha, "
-                                    "projections and use_rslora are used; set ones must agree.")
+                                    " to start from instead of a fresh adapter: a warm start. It is also the "
+                                    "reference policy's adapter (kept frozen: a KL term measures the distance from "
+                                    "it). Its rank, alpha, projections and use_rslora are used; set ones must agree.")
 
     def validate(self) -> None:
         _check(self.rank is None or self.rank >= 1, "model.lora.rank", self.rank, "null or an integer >= 1")

@@ -244,8 +244,8 @@ class PolicyEngine:
     must pass the same micro-batches; DP ranks pass their own.
 
     Attributes the trainer and ``checkpoint.py`` use: ``model_chunks`` (DDP-wrapped), ``reference_chunks``
-    (or None; always None with LoRA, whose reference is the base), ``optimizer`` (Megatron optimizer), ``step``
-    (optimizer updates done), ``arch``, ``parallel``, ``optim_cfg``, ``loss_cfg``, ``dtype``, ``device``,
+    (or None; always None with LoRA, whose reference runs the policy chunks: ``lora.reference_adapters``),
+    ``optimizer`` (Megatron optimizer), ``step`` (optimizer updates done), ``arch``, ``parallel``, ``optim_cfg``, ``loss_cfg``, ``dtype``, ``device``,
     ``lora`` (a ``LoraConfig`` or None) and ``lora_base`` (``set_lora_base``).
 
     ``logits_at_loss_positions`` (default True): ``train_step`` and ``fill_logprobs`` compute the output layer and
