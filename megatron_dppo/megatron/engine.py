@@ -245,8 +245,8 @@ class PolicyEngine:
 
     Attributes the trainer and ``checkpoint.py`` use: ``model_chunks`` (DDP-wrapped), ``reference_chunks``
     (or None; always None with LoRA, whose reference runs the policy chunks: ``lora.reference_adapters``),
-    ``optimizer`` (Megatron optimizer), ``step`` (optimizer updates done), ``arch``, ``parallel``, ``optim_cfg``, ``loss_cfg``, ``dtype``, ``device``,
-    ``lora`` (a ``LoraConfig`` or None) and ``lora_base`` (``set_lora_base``).
+    ``optimizer`` (Megatron optimizer), ``step`` (optimizer updates done), ``arch``, ``parallel``, ``optim_cfg``,
+    ``loss_cfg``, ``dtype``, ``device``, ``lora`` (a ``LoraConfig`` or None) and ``lora_base`` (``set_lora_base``).
 
     ``logits_at_loss_positions`` (default True): ``train_step`` and ``fill_logprobs`` compute the output layer and
     the vocabulary sums only at the loss positions (``logprobs.py``, "Logits where a loss is taken"); the update is
