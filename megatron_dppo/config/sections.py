@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from megatron_dppo.config.fields import _check, opt
 
@@ -332,11 +332,15 @@ class RolloutConfig:
 
 
 LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")
+#: The loss overrides for which null is a value of their own (off), so their default is "preset" (the preset's value);
+#: every other override's null is the preset's value.
+LOSS_NULL_MEANS_OFF = ("clip_ratio_c", "kl_clamp", "gspo_log_ratio_cap")
 
 
 @dataclass
 class LossConfig:
-    """Policy loss: a preset (docs/algorithms.md) plus optional per-field overrides (null = preset value)."""
+    """Policy loss: a preset (docs/algorithms.md) plus optional per-field overrides (null = preset value, except for
+    the overrides that can be off: ``LOSS_NULL_MEANS_OFF``, where "preset" is the preset's value and null is off)."""
 
     preset: Literal["grpo", "dapo", "gspo", "dr_grpo", "verl_grpo", "trl_grpo"] = opt(
         "grpo", "Loss preset: grpo (PPO clip, seq-mean-token-mean, std-normalized A), dapo (clip-higher 0.28, "
@@ -360,12 +364,13 @@ class LossConfig:
         None, "Override: advantage estimator on the full group.")
     advantage_eps: Optional[float] = opt(None, "Override: eps of the grpo advantage (r - mean) / (std + eps); "
                                                "presets use 1e-6 (verl), trl_grpo 1e-4 (TRL).")
-    clip_ratio_c: Optional[float] = opt(None, "Override: dual-clip bound c > 1 for tokens with A < 0 (objective "
-                                              "bounded below by c*A; verl's clip_ratio_c, default 3 there); null "
-                                              "in the preset = off.")
-    kl_clamp: Optional[float] = opt(None, "Override: clamp the k3 KL estimate to [-kl_clamp, kl_clamp] (and its "
-                                          "log-ratio to [-20, 20]) as verl's low_var_kl does with 10; k3 only, k1/k2 "
-                                          "ignore it.")
+    clip_ratio_c: Union[float, Literal["preset"], None] = opt(
+        "preset", "Override: dual-clip bound c > 1 for tokens with A < 0 (objective bounded below by c*A; verl's "
+                  "clip_ratio_c, 3 in verl_grpo, off in the other presets); preset = the preset's value, null = off.")
+    kl_clamp: Union[float, Literal["preset"], None] = opt(
+        "preset", "Override: clamp the k3 KL estimate to [-kl_clamp, kl_clamp] (and its log-ratio to [-20, 20]) as "
+                  "verl's low_var_kl does with 10 (verl_grpo; off in the other presets); k3 only, k1/k2 ignore it. "
+                  "preset = the preset's value, null = off.")
     rollout_correction: Optional[Literal["none", "tis", "mis"]] = opt(
         None, "Override: rollout/trainer mismatch correction of the policy-gradient term per token with u = "
               "exp(trainer old logp - rollout-engine logp): tis = truncated IS, clamp(u, cap_low, cap) (verl token "
@@ -385,11 +390,12 @@ class LossConfig:
               "pi_t/sg[pi_t], token t's gradient carries its own u_t. Identical without rollout_correction. "
               "Default autograd: it is the exact gradient of the GSPO objective the docs write, and leaves runs "
               "without rollout correction bit for bit as before; prefer stop_gradient with mis.")
-    gspo_log_ratio_cap: Optional[float] = opt(
-        None, "Override: GSPO only: clamp the log of the sequence ratio (log S; log s_t under stop_gradient) at "
-              "this value before exp, so the ratio is at most e^cap and gets no gradient where the clamp binds "
-              "(log S > cap; only negative-advantage terms reach it). 10 in verl_grpo (verl's "
-              "compute_policy_loss_gspo); null in the other presets = no cap.")
+    gspo_log_ratio_cap: Union[float, Literal["preset"], None] = opt(
+        "preset", "Override: GSPO only: clamp the log of the sequence ratio (log S; log s_t under stop_gradient) at "
+                  "this value before exp, so the ratio is at most e^cap and gets no gradient where the clamp binds "
+                  "(log S > cap; only negative-advantage terms reach it). 10 in verl_grpo (verl's "
+                  "compute_policy_loss_gspo), no cap in the other presets; preset = the preset's value, null = no "
+                  "cap.")
     kl_bias_correction: Optional[bool] = opt(
         None, "Override: multiply the KL term by the importance ratio (rho_t; S for gspo) with full autograd, "
               "TRL's use_bias_correction_kl (on in trl_grpo, off elsewhere); acts only with kl_coef > 0.")
@@ -401,11 +407,9 @@ class LossConfig:
         _check(self.kl_coef is None or self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "null or >= 0")
         _check(self.advantage_eps is None or self.advantage_eps >= 0, "loss.advantage_eps", self.advantage_eps,
                "null or >= 0")
-        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "loss.clip_ratio_c", self.clip_ratio_c,
-               "null or > 1")
-        _check(self.kl_clamp is None or self.kl_clamp > 0, "loss.kl_clamp", self.kl_clamp, "null or > 0")
-        _check(self.gspo_log_ratio_cap is None or self.gspo_log_ratio_cap > 0, "loss.gspo_log_ratio_cap",
-               self.gspo_log_ratio_cap, "null or > 0")
+        for name, bound in (("clip_ratio_c", 1), ("kl_clamp", 0), ("gspo_log_ratio_cap", 0)):
+            v = getattr(self, name)
+            _check(v in (None, "preset") or v > bound, f"loss.{name}", v, f"preset, null (off) or > {bound}")
         for name in ("rollout_correction_cap", "rollout_correction_cap_low"):
             v = getattr(self, name)
             _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
