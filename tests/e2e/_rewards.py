@@ -36,3 +36,14 @@ def solved_or_parity(completion: str, gold) -> float:
 def constant(completion: str, gold) -> float:
     """1 for everything: every group has one reward for all (dynamic sampling can never fill a batch)."""
     return 1.0
+
+
+def burns_cpu(completion: str, gold) -> float:
+    """``parity`` after spinning 50 ms of CPU: the CPU a process-isolated reward's workers spend, which a step's
+    CPU clock (train.cpu_budget_s) must count."""
+    import time
+
+    start = time.process_time()
+    while time.process_time() - start < 0.05:
+        pass
+    return parity(completion, gold)
