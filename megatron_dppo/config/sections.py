@@ -504,15 +504,21 @@ class TrainConfig:
         "bit and resumes exactly, because the checkpoint keeps the batches in flight (the trainer waits for them "
         "when it saves); each worker holds up to k + 1 versions of the weights in host memory.")
 
-    cpu_budget_s: Optional[float] = opt(None, "Stop the RL phase once its steps have used this many process CPU "
-                                               "seconds (time/step_cpu, summed over ranks and steps: generation to "
-                                               "weight push; evaluation, checkpoints and start-up excluded), or at "
-                                               "train.steps, whichever comes first; the last step is then evaluated "
-                                               "and checkpointed as the last of train.steps would be. For comparing "
-                                               "methods at equal compute (benchmarks/time_to_accuracy.py). The "
-                                               "seconds spent are checkpointed, so a resumed run stops where the "
-                                               "straight one would. rollout.placement=colocated only (the workers' "
-                                               "CPU is not in time/step_cpu). null = no budget.")
+    cpu_budget_s: Optional[float] = opt(None, "Stop the RL phase once its steps have used this many CPU seconds "
+                                               "(time/step_cpu, summed over ranks and steps: each whole step, "
+                                               "generation to weight push, with the CPU of child processes such as "
+                                               "process-isolated reward workers and tool sandboxes; evaluation, "
+                                               "checkpoints and start-up excluded), or at train.steps, whichever "
+                                               "comes first; the last step is then evaluated and checkpointed as the "
+                                               "last of train.steps would be. For comparing methods at equal compute "
+                                               "(benchmarks/time_to_accuracy.py). The seconds spent are "
+                                               "checkpointed and a resumed run goes on counting from them, but CPU "
+                                               "seconds are measured, not replayed: where a run stops varies as much "
+                                               "as its steps' CPU seconds do, resumed or not (two straight quickstart "
+                                               "runs on a shared 2-core machine: 20% apart over the same 12 steps), "
+                                               "and each restart pays its process warm-up again (two resumes: "
+                                               "0.03-0.06 CPU s, under a tenth of a quickstart step). rollout.placement=colocated only (the "
+                                               "workers' CPU is not in time/step_cpu). null = no budget.")
 
     def validate(self) -> None:
         _check(self.steps >= 0, "train.steps", self.steps, ">= 0")
