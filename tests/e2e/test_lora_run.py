@@ -110,11 +110,20 @@ def test_lora_run_trains_adapters_against_the_base_resumes_exactly_and_exports(t
     # the exported adapter as the warm start of a new run (model.lora.init): it is the reference too, so the KL is
     # exactly 0 at step 0 (its policy is not the base) and positive once the adapters moved
     warm = tmp_path / "warm"
-    cfg = lora_config(base, warm, train={"steps": 2}, logging={"audit_every": 0}, eval={"every": 0})
+    cfg = lora_config(base, warm, train={"steps": 2}, logging={"audit_every": 0}, eval={"every": 0},
+                      checkpoint={"every": 1})
     cfg["model"]["lora"] = {"init": str(tmp_path / "peft")}  # (rank, alpha, projections from the adapter)
     run_cli(write_config(tmp_path / "warm.yaml", cfg))
     warm_rl = _rl(read_metrics(warm))
     assert warm_rl[0]["train/kl"] == 0.0 and warm_rl[0]["train/grad_norm"] > 0 and warm_rl[1]["train/kl"] > 0
+    # resumed after step 1: the reference is the init adapter again (same KL), the policy the checkpoint's adapters
+    again = tmp_path / "warm_resumed"
+    shutil.copytree(warm, again)
+    shutil.rmtree(again / "checkpoints" / "step_00000002")
+    (again / "checkpoints" / "latest").write_text("step_00000001\n")
+    cfg["train"]["output_dir"] = str(again)
+    assert "RL step 1" in run_cli(write_config(tmp_path / "warm_resumed.yaml", cfg)).stdout
+    assert stable_metrics(read_metrics(again)) == stable_metrics(read_metrics(warm))
 
 
 @pytest.mark.slow
