@@ -89,6 +89,8 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if _is_optional(tp):
         return _type_name(_strip_optional(tp)) + " or null"
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
@@ -111,8 +113,15 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if _is_optional(tp):
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
             return None
-        return coerce(key, value, _strip_optional(tp))
+        tp = _strip_optional(tp)
     origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # e.g. a number or "preset": the first type that takes the value
+        for arg in get_args(tp):
+            try:
+                return coerce(key, value, arg)
+            except ValueError:
+                continue
+        raise bad
     if origin is Literal:
         choices = get_args(tp)
         if value in choices:

@@ -82,6 +82,10 @@ class Config:
             _check(self.overlong.buffer == 0, "algo.screen_k", self.algo.screen_k,
                    "0 with overlong.buffer > 0 (the penalty makes the training rewards continuous; the "
                    "continuation rule needs binary rewards)")
+            _check(not self.overlong.filter, "algo.screen_k", self.algo.screen_k,
+                   "0 with overlong.filter=true (its denominator counts the finished completions of the generated "
+                   "groups, each divided by its keep probability pi_q pi_c: it depends on the draw, and the "
+                   "weighted step is then not unbiased)")
             _check(self.reward.model.path is None, "algo.screen_k", self.algo.screen_k,
                    "0 with reward.model.path (a reward model's scores are continuous; the continuation rule needs "
                    "binary rewards)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from megatron_dppo.config.fields import _check, opt
 
@@ -21,7 +21,8 @@ LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "q", "k", "v", "gate", "up")
 
 @dataclass
 class LoraSection:
-    """LoRA: train low-rank adapters on the frozen pretrained model (docs/lora.md); the reference is the base."""
+    """LoRA: train low-rank adapters on the frozen pretrained model (docs/lora.md); the reference is the base, with
+    model.lora.init's adapter where there is one (frozen)."""
 
     rank: Optional[int] = opt(None, "r of every adapter; null = 16, or the rank of the adapter in model.lora.init.")
     alpha: Optional[float] = opt(None, "The adapter update is alpha / rank * B @ A (alpha / sqrt(rank) with "
@@ -39,8 +40,9 @@ class LoraSection:
                        "the base model exactly); the same adapters at every TP/PP layout.")
     init: Optional[str] = opt(None, "A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, "
                                     "e.g. trained with peft, or written by `megatron-dppo convert megatron-to-peft`)"
-                                    " to start from instead of a fresh adapter: a warm start. Its rank, alpha, "
-                                    "projections and use_rslora are used; set ones must agree.")
+                                    " to start from instead of a fresh adapter: a warm start. It is also the "
+                                    "reference policy's adapter (kept frozen: a KL term measures the distance from "
+                                    "it). Its rank, alpha, projections and use_rslora are used; set ones must agree.")
 
     def validate(self) -> None:
         _check(self.rank is None or self.rank >= 1, "model.lora.rank", self.rank, "null or an integer >= 1")
@@ -330,11 +332,15 @@ class RolloutConfig:
 
 
 LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")
+#: The loss overrides for which null is a value of their own (off), so their default is "preset" (the preset's value);
+#: every other override's null is the preset's value.
+LOSS_NULL_MEANS_OFF = ("clip_ratio_c", "kl_clamp", "gspo_log_ratio_cap")
 
 
 @dataclass
 class LossConfig:
-    """Policy loss: a preset (docs/algorithms.md) plus optional per-field overrides (null = preset value)."""
+    """Policy loss: a preset (docs/algorithms.md) plus optional per-field overrides (null = preset value, except for
+    the overrides that can be off: ``LOSS_NULL_MEANS_OFF``, where "preset" is the preset's value and null is off)."""
 
     preset: Literal["grpo", "dapo", "gspo", "dr_grpo", "verl_grpo", "trl_grpo"] = opt(
         "grpo", "Loss preset: grpo (PPO clip, seq-mean-token-mean, std-normalized A), dapo (clip-higher 0.28, "
@@ -358,12 +364,13 @@ class LossConfig:
         None, "Override: advantage estimator on the full group.")
     advantage_eps: Optional[float] = opt(None, "Override: eps of the grpo advantage (r - mean) / (std + eps); "
                                                "presets use 1e-6 (verl), trl_grpo 1e-4 (TRL).")
-    clip_ratio_c: Optional[float] = opt(None, "Override: dual-clip bound c > 1 for tokens with A < 0 (objective "
-                                              "bounded below by c*A; verl's clip_ratio_c, default 3 there); null "
-                                              "in the preset = off.")
-    kl_clamp: Optional[float] = opt(None, "Override: clamp the k3 KL estimate to [-kl_clamp, kl_clamp] (and its "
-                                          "log-ratio to [-20, 20]) as verl's low_var_kl does with 10; k3 only, k1/k2 "
-                                          "ignore it.")
+    clip_ratio_c: Union[float, Literal["preset"], None] = opt(
+        "preset", "Override: dual-clip bound c > 1 for tokens with A < 0 (objective bounded below by c*A; verl's "
+                  "clip_ratio_c, 3 in verl_grpo, off in the other presets); preset = the preset's value, null = off.")
+    kl_clamp: Union[float, Literal["preset"], None] = opt(
+        "preset", "Override: clamp the k3 KL estimate to [-kl_clamp, kl_clamp] (and its log-ratio to [-20, 20]) as "
+                  "verl's low_var_kl does with 10 (verl_grpo; off in the other presets); k3 only, k1/k2 ignore it. "
+                  "preset = the preset's value, null = off.")
     rollout_correction: Optional[Literal["none", "tis", "mis"]] = opt(
         None, "Override: rollout/trainer mismatch correction of the policy-gradient term per token with u = "
               "exp(trainer old logp - rollout-engine logp): tis = truncated IS, clamp(u, cap_low, cap) (verl token "
@@ -383,11 +390,12 @@ class LossConfig:
               "pi_t/sg[pi_t], token t's gradient carries its own u_t. Identical without rollout_correction. "
               "Default autograd: it is the exact gradient of the GSPO objective the docs write, and leaves runs "
               "without rollout correction bit for bit as before; prefer stop_gradient with mis.")
-    gspo_log_ratio_cap: Optional[float] = opt(
-        None, "Override: GSPO only: clamp the log of the sequence ratio (log S; log s_t under stop_gradient) at "
-              "this value before exp, so the ratio is at most e^cap and gets no gradient where the clamp binds "
-              "(log S > cap; only negative-advantage terms reach it). 10 in verl_grpo (verl's "
-              "compute_policy_loss_gspo); null in the other presets = no cap.")
+    gspo_log_ratio_cap: Union[float, Literal["preset"], None] = opt(
+        "preset", "Override: GSPO only: clamp the log of the sequence ratio (log S; log s_t under stop_gradient) at "
+                  "this value before exp, so the ratio is at most e^cap and gets no gradient where the clamp binds "
+                  "(log S > cap; only negative-advantage terms reach it). 10 in verl_grpo (verl's "
+                  "compute_policy_loss_gspo), no cap in the other presets; preset = the preset's value, null = no "
+                  "cap.")
     kl_bias_correction: Optional[bool] = opt(
         None, "Override: multiply the KL term by the importance ratio (rho_t; S for gspo) with full autograd, "
               "TRL's use_bias_correction_kl (on in trl_grpo, off elsewhere); acts only with kl_coef > 0.")
@@ -399,11 +407,9 @@ class LossConfig:
         _check(self.kl_coef is None or self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "null or >= 0")
         _check(self.advantage_eps is None or self.advantage_eps >= 0, "loss.advantage_eps", self.advantage_eps,
                "null or >= 0")
-        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "loss.clip_ratio_c", self.clip_ratio_c,
-               "null or > 1")
-        _check(self.kl_clamp is None or self.kl_clamp > 0, "loss.kl_clamp", self.kl_clamp, "null or > 0")
-        _check(self.gspo_log_ratio_cap is None or self.gspo_log_ratio_cap > 0, "loss.gspo_log_ratio_cap",
-               self.gspo_log_ratio_cap, "null or > 0")
+        for name, bound in (("clip_ratio_c", 1), ("kl_clamp", 0), ("gspo_log_ratio_cap", 0)):
+            v = getattr(self, name)
+            _check(v in (None, "preset") or v > bound, f"loss.{name}", v, f"preset, null (off) or > {bound}")
         for name in ("rollout_correction_cap", "rollout_correction_cap_low"):
             v = getattr(self, name)
             _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
@@ -498,15 +504,21 @@ class TrainConfig:
         "bit and resumes exactly, because the checkpoint keeps the batches in flight (the trainer waits for them "
         "when it saves); each worker holds up to k + 1 versions of the weights in host memory.")
 
-    cpu_budget_s: Optional[float] = opt(None, "Stop the RL phase once its steps have used this many process CPU "
-                                               "seconds (time/step_cpu, summed over ranks and steps: generation to "
-                                               "weight push; evaluation, checkpoints and start-up excluded), or at "
-                                               "train.steps, whichever comes first; the last step is then evaluated "
-                                               "and checkpointed as the last of train.steps would be. For comparing "
-                                               "methods at equal compute (benchmarks/time_to_accuracy.py). The "
-                                               "seconds spent are checkpointed, so a resumed run stops where the "
-                                               "straight one would. rollout.placement=colocated only (the workers' "
-                                               "CPU is not in time/step_cpu). null = no budget.")
+    cpu_budget_s: Optional[float] = opt(None, "Stop the RL phase once its steps have used this many CPU seconds "
+                                               "(time/step_cpu, summed over ranks and steps: each whole step, "
+                                               "generation to weight push, with the CPU of child processes such as "
+                                               "process-isolated reward workers and tool sandboxes; evaluation, "
+                                               "checkpoints and start-up excluded), or at train.steps, whichever "
+                                               "comes first; the last step is then evaluated and checkpointed as the "
+                                               "last of train.steps would be. For comparing methods at equal compute "
+                                               "(benchmarks/time_to_accuracy.py). The seconds spent are "
+                                               "checkpointed and a resumed run goes on counting from them, but CPU "
+                                               "seconds are measured, not replayed: where a run stops varies as much "
+                                               "as its steps' CPU seconds do, resumed or not (two straight quickstart "
+                                               "runs on a shared 2-core machine: 20% apart over the same 12 steps), "
+                                               "and each restart pays its process warm-up again (two resumes: "
+                                               "0.03-0.06 CPU s, under a tenth of a quickstart step). rollout.placement=colocated only (the "
+                                               "workers' CPU is not in time/step_cpu). null = no budget.")
 
     def validate(self) -> None:
         _check(self.steps >= 0, "train.steps", self.steps, ">= 0")

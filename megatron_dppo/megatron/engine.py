@@ -73,8 +73,9 @@ prefixed ``reference.``), so a resumed run has the same reference.
 LoRA (``lora=LoraConfig(...)``, ``megatron.lora``): adapters are attached to the policy chunks and every base
 parameter is frozen before DDP and the optimizer see them, so gradients, the optimizer state (also the
 DistributedOptimizer's), clipping and the grad norm cover the adapters only. The reference is then the policy's
-own frozen base with the adapters disabled (no second copy is built); ``compute_logprobs(model="reference")``
-runs the policy chunks inside ``lora.adapters_disabled``.
+own frozen base with the trained adapters off (no second copy of the model is built), plus the frozen starting
+adapters where ``lora.keep_as_reference`` recorded them (a run started from a PEFT adapter);
+``compute_logprobs(model="reference")`` runs the policy chunks inside ``lora.reference_adapters``.
 
 Precision: bf16 parameters with fp32 main params, fp32 gradient reduction and fp32 Adam state on GPU; fp32
 everywhere on CPU (``model.default_dtype``).
@@ -97,7 +98,7 @@ from . import compat
 from .cpu import ensure_device_backend
 from .logprobs import compute_logprobs as _forward_only_logprobs
 from .logprobs import batch_logprobs, forward_thd, run_pipeline_schedule
-from .lora import LoraBase, LoraConfig, add_lora_adapters, adapters_disabled, check_lora_supported
+from .lora import LoraBase, LoraConfig, add_lora_adapters, check_lora_supported, reference_adapters
 from .model import ModelArch, build_model_chunks, default_dtype, device_dtype_audit, engine_device
 from .moe import aux_loss_per_routed_token
 from .parallel import ParallelConfig
@@ -243,9 +244,9 @@ class PolicyEngine:
     must pass the same micro-batches; DP ranks pass their own.
 
     Attributes the trainer and ``checkpoint.py`` use: ``model_chunks`` (DDP-wrapped), ``reference_chunks``
-    (or None; always None with LoRA, whose reference is the base), ``optimizer`` (Megatron optimizer), ``step``
-    (optimizer updates done), ``arch``, ``parallel``, ``optim_cfg``, ``loss_cfg``, ``dtype``, ``device``,
-    ``lora`` (a ``LoraConfig`` or None) and ``lora_base`` (``set_lora_base``).
+    (or None; always None with LoRA, whose reference runs the policy chunks: ``lora.reference_adapters``),
+    ``optimizer`` (Megatron optimizer), ``step`` (optimizer updates done), ``arch``, ``parallel``, ``optim_cfg``,
+    ``loss_cfg``, ``dtype``, ``device``, ``lora`` (a ``LoraConfig`` or None) and ``lora_base`` (``set_lora_base``).
 
     ``logits_at_loss_positions`` (default True): ``train_step`` and ``fill_logprobs`` compute the output layer and
     the vocabulary sums only at the loss positions (``logprobs.py``, "Logits where a loss is taken"); the update is
@@ -465,7 +466,7 @@ class PolicyEngine:
         if model == "policy":
             chunks = self.model_chunks
         elif model == "reference" and self.lora is not None:
-            chunks, disabled = self.model_chunks, adapters_disabled(self.modules)
+            chunks, disabled = self.model_chunks, reference_adapters(self.modules)
         elif model == "reference":
             if self.reference_chunks is None:
                 raise ValueError("model='reference' but this engine has no reference model "

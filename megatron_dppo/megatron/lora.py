@@ -42,7 +42,9 @@ Mixture-of-Experts models: attention is adapted in every layer; expert MLPs and 
 ``fc1``/``fc2`` targets are refused for MoE models (their dense layers included) so the export stays one
 PEFT ``target_modules`` list that means the same modules on the HF model.
 
-The frozen base is the reference model: ``adapters_disabled(chunks)`` runs the same chunks without adapters.
+The reference model is the policy the run started from: ``reference_adapters(chunks)`` runs the same chunks with
+the trained adapters off and the frozen starting adapters on where ``keep_as_reference`` recorded them (a run that
+starts from a PEFT adapter, ``model.lora.init``), else without adapters (the frozen base, ``adapters_disabled``).
 ``merged(chunks)`` adds ``scaling * B @ A`` into the base weights for a while (merged export) and restores the
 exact base afterwards.
 """
@@ -155,6 +157,10 @@ class LoraPair(nn.Module):
         super().__init__()
         self.lora_A = nn.Parameter(torch.zeros(a_shape, device=device, dtype=dtype))
         self.lora_B = nn.Parameter(torch.zeros(b_shape, device=device, dtype=dtype))
+        # the frozen starting adapter of the reference policy (``keep_as_reference``; None: the reference is the base).
+        # Not persistent: a checkpoint holds the trained adapters, and a resume records the start again.
+        self.register_buffer("ref_A", None, persistent=False)
+        self.register_buffer("ref_B", None, persistent=False)
 
 
 class LoraAdapter(nn.Module):
@@ -176,6 +182,7 @@ class LoraAdapter(nn.Module):
         self.rank = cfg.rank
         self.part_shapes = dict(parts)  # full (out, in) of every part, adapted or not
         self.enabled = True
+        self.reference = False  # inside ``reference_adapters``: the frozen starting adapters, where recorded
         self.merged = False
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else None
         if layout == "qkv":
@@ -231,13 +238,20 @@ class LoraAdapter(nn.Module):
         with get_cuda_rng_tracker().fork():
             return self.dropout(x)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``scaling * B A x`` laid out as the base linear's output for its input ``x`` (this rank's part)."""
+    @property
+    def has_reference(self) -> bool:
+        """Whether ``keep_as_reference`` recorded starting adapters (the reference policy is then not the base)."""
+        return all(pair.ref_A is not None for pair in self.pairs.values())
+
+    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
+        """``scaling * B A x`` laid out as the base linear's output for its input ``x`` (this rank's part); with
+        ``reference`` of the frozen starting adapters (``keep_as_reference``; no dropout)."""
         from megatron.core.tensor_parallel import mappings
 
         names = list(self.pairs)
-        x = self._dropout(x)
-        a = torch.cat([self.pairs[n].lora_A for n in names], dim=0)  # [parts * r, in]
+        weights = {n: (p.ref_A, p.ref_B) if reference else (p.lora_A, p.lora_B) for n, p in self.pairs.items()}
+        x = x if reference else self._dropout(x)
+        a = torch.cat([weights[n][0] for n in names], dim=0)  # [parts * r, in]
         h = torch.matmul(x, a.t())
         if self.kind == "column":
             if self.sequence_parallel:
@@ -249,7 +263,7 @@ class LoraAdapter(nn.Module):
         elif self.tp > 1:
             h = mappings.reduce_from_tensor_model_parallel_region(h)
         hs = torch.split(h, self.rank, dim=-1)
-        outs = {n: torch.matmul(hn, self.pairs[n].lora_B.t()) * self.scaling for n, hn in zip(names, hs)}
+        outs = {n: torch.matmul(hn, weights[n][1].t()) * self.scaling for n, hn in zip(names, hs)}
         return self.combine(outs)
 
     def delta_weight(self) -> Tensor:
@@ -277,8 +291,12 @@ def _lora_hook(adapter: LoraAdapter):
         x = args[0] if args else next(iter(kwargs.values()))
         if isinstance(out, tuple):  # TE's fused norm + linear, return_layernorm_output: the adapter reads ln(x)
             out, x = out
-        if adapter.enabled and not adapter.merged:
+        if adapter.merged:
+            pass
+        elif adapter.enabled:
             out = out + adapter(x).to(out.dtype)
+        elif adapter.reference and adapter.has_reference:
+            out = out + adapter(x, reference=True).to(out.dtype)
         return out, bias
     return hook
 
@@ -403,6 +421,32 @@ def adapters_disabled(chunks: Sequence[nn.Module]):
 
 
 @contextlib.contextmanager
+def reference_adapters(chunks: Sequence[nn.Module]):
+    """The chunks compute the reference policy inside the block: the trained adapters off, the frozen starting
+    adapters on where ``keep_as_reference`` recorded them (else the frozen base, as ``adapters_disabled``)."""
+    found = [a for _, _, a in adapters(chunks)]
+    for a in found:
+        a.reference = True
+    try:
+        with adapters_disabled(chunks):
+            yield
+    finally:
+        for a in found:
+            a.reference = False
+
+
+@torch.no_grad()
+def keep_as_reference(chunks: Sequence[nn.Module]) -> None:
+    """Record the adapters as they are now (this rank's shards, e.g. a PEFT adapter just loaded as the start) as the
+    frozen adapters of the reference policy (``reference_adapters``): a KL term then measures the distance from
+    the policy the run started from, not from the bare base. Costs one more copy of the adapters."""
+    for _, _, adapter in adapters(chunks):
+        for pair in adapter.pairs.values():
+            pair.ref_A = pair.lora_A.detach().clone()
+            pair.ref_B = pair.lora_B.detach().clone()
+
+
+@contextlib.contextmanager
 def merged(chunks: Sequence[nn.Module]):
     """Inside the block every adapted base weight holds ``W + scaling * B @ A`` and the adapters are off (a
     merged model: e.g. ``convert.export_hf_weights`` exports it); afterwards the exact base weights are back."""
@@ -516,4 +560,5 @@ class LoraBase:
 
 __all__ = ["LoraConfig", "LoraBase", "LoraAdapter", "TARGET_GROUPS", "PROJECTIONS", "BASE_LINEAR",
            "check_lora_supported", "is_lora_param", "add_lora_adapters", "adapters", "has_lora", "lora_parameters",
-           "adapters_disabled", "merged", "full_lora_tensors", "load_full_lora_tensors", "base_checksum"]
+           "adapters_disabled", "reference_adapters", "keep_as_reference", "merged", "full_lora_tensors",
+           "load_full_lora_tensors", "base_checksum"]

@@ -15,13 +15,12 @@ abandoned, the run goes on). Bounds per episode: ``env.max_turns`` assistant tur
 after the prompt (sampled and observation), ``env.max_assistant_tokens`` sampled tokens, and the engine's
 ``sampling.max_new_tokens`` per turn. Finish reasons: ``env/protocol.py``.
 
-Seeds: turn 1 uses ``sampling.seed``; turn t > 1, budget group g uses a seed derived from (sampling.seed, t, g);
-environment e (prompt p, sample i) is reset with a seed derived from (``env_seed``, p, i). With a fixed seed the
-episodes are reproducible, so a resumed run replays them.
+Seeds (``dist.collectives.derive_seed``, to 31 bits): turn 1 uses ``sampling.seed``; turn t > 1, budget group g
+uses a seed derived from (sampling.seed, t, g); environment e (prompt p, sample i) is reset with a seed derived
+from (``env_seed``, p, i). With a fixed seed the episodes are reproducible, so a resumed run replays them.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import threading
@@ -29,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from megatron_dppo.dist import collectives as D
 from megatron_dppo.env.config import EnvConfig
 from megatron_dppo.env.protocol import Environment, MalformedStep, Task, Turn, check_messages, check_step
 from megatron_dppo.env.tokens import (
@@ -148,12 +148,6 @@ def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float, max_parallel:
     return results
 
 
-def derive_seed(*parts: Any) -> int:
-    """A 31-bit seed from a stable hash of ``parts`` (same on every process and Python version)."""
-    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") % (1 << 31)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # One running episode
 # --------------------------------------------------------------------------------------------------------------
@@ -223,7 +217,8 @@ def _start(tasks, prompt_ids, n, env_cfg, make_env, chat, env_seed) -> list[_Run
         if isinstance(env, _EnvFailure):
             calls.append(lambda err=env: err)
         else:
-            calls.append(lambda env=env, task=tasks[p], seed=derive_seed("env", env_seed, p, i): env.reset(task, seed))
+            seed = D.derive_seed("env", env_seed, p, i) % (1 << 31)
+            calls.append(lambda env=env, task=tasks[p], seed=seed: env.reset(task, seed))
     for e, result in zip(running, call_all(calls, env_cfg.step_timeout_s, env_cfg.max_parallel_steps)):
         try:
             extra = check_messages(_unwrap(result, "Environment.reset"), "Environment.reset")
@@ -275,7 +270,7 @@ def _generate_turn(engine, episodes: list[_Running], sampling: SamplingParams, e
         by_budget.setdefault(budget, []).append(e)
     for g, budget in enumerate(sorted(by_budget)):
         members = by_budget[budget]
-        seed = None if sampling.seed is None else derive_seed("turn", sampling.seed, turn, g)
+        seed = None if sampling.seed is None else D.derive_seed("turn", sampling.seed, turn, g) % (1 << 31)
         contexts = [e.traj.context() for e in members]
         groups = engine.generate(contexts, 1, _bounded(sampling, budget, seed))
         for e, context, group in zip(members, contexts, groups):

@@ -34,6 +34,11 @@ mode, returns ``logits.log_softmax(-1)`` of exactly the logits it samples from; 
 off FlashInfer's sampler, which exposes no log-probs. vLLM's default mode, ``raw_logprobs``, would instead return
 log_softmax of the logits before temperature and truncation: not the behaviour policy whenever T != 1.
 
+Seeds. With ``SamplingParams.seed`` set, request i of a generate() call gets the seed ``seed + i * n``
+(``request_seeds``): vLLM seeds child j of a request with n completions ``seed + j``, so every completion of the
+call has its own seed and two equal prompts get different samples (``seed + i`` gave prompt i's sample j the seed
+of prompt i + 1's sample j - 1).
+
 Stop tokens. The engine runs without a tokenizer (``skip_tokenizer_init``; prompts are token ids and text is
 never needed), so the EOS ids are read from the model's config.json / generation_config.json and passed as
 ``stop_token_ids`` together with the caller's. Token ids include the stop token.
@@ -202,6 +207,14 @@ def vllm_memory_utilization(requested: float, free_bytes: int, total_bytes: int,
                    "KV cache)", requested, gib(requested * total_bytes), gib(free_bytes), gib(total_bytes), fits,
                    gib(fits * total_bytes))
     return fits
+
+
+def request_seeds(seed: int | None, num_prompts: int, n: int) -> list[int | None]:
+    """The seed of each request of a generate() call of ``num_prompts`` prompts x ``n`` completions (all None
+    without a seed). vLLM seeds child j of a request ``seed + j`` (vllm.v1.engine.parallel_sampling), so request i
+    gets ``seed + i * n``: its children take seeds ``seed + i * n .. seed + i * n + n - 1``, disjoint from every
+    other request's."""
+    return [None if seed is None else seed + i * n for i in range(num_prompts)]
 
 
 def read_eos_token_ids(model_path: str | Path) -> list[int]:
@@ -420,7 +433,7 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[CompletionGroup]:
-        """n completions per prompt; request i uses seed ``sampling.seed + i`` when a seed is given."""
+        """n completions per prompt; with ``sampling.seed`` request i gets the seed ``request_seeds`` gives it."""
         from vllm import SamplingParams as VllmSamplingParams
 
         validate_prompts(prompt_token_ids, n)
@@ -433,10 +446,9 @@ class VLLMRolloutEngine:
         params = [
             VllmSamplingParams(
                 n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=sampling.max_new_tokens, stop_token_ids=stops, logprobs=0, detokenize=False,
-                seed=None if sampling.seed is None else sampling.seed + i,
+                max_tokens=sampling.max_new_tokens, stop_token_ids=stops, logprobs=0, detokenize=False, seed=seed,
             )
-            for i in range(len(prompt_token_ids))
+            for seed in request_seeds(sampling.seed, len(prompt_token_ids), n)
         ]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         if self.lora is not None and self._lora_request is None:

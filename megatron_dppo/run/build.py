@@ -18,6 +18,7 @@ import torch
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.algo.losses import LossConfig, resolve_loss_preset
 from megatron_dppo.config import Config
+from megatron_dppo.config.sections import LOSS_NULL_MEANS_OFF
 from megatron_dppo.data import Prompt
 
 
@@ -58,12 +59,12 @@ def _probe_writable(folder: Path, context: str) -> None:
 def build_loss(cfg: Config) -> tuple[LossConfig, str]:
     """The loss preset with the config's per-field overrides and the rollout's sampling temperature (every log-prob
     of the loss is tempered by it), and the advantage estimator."""
-    overrides = {k: getattr(cfg.loss, k) for k in ("policy_loss", "eps_low", "eps_high", "kl_coef", "kl_estimator",
-                                                   "aggregation", "advantage_eps", "clip_ratio_c", "kl_clamp",
-                                                   "rollout_correction", "rollout_correction_cap",
-                                                   "rollout_correction_cap_low", "gspo_gradient",
-                                                   "gspo_log_ratio_cap", "kl_bias_correction")
-                 if getattr(cfg.loss, k) is not None}
+    keys = ("policy_loss", "eps_low", "eps_high", "kl_coef", "kl_estimator", "aggregation", "advantage_eps",
+            "clip_ratio_c", "kl_clamp", "rollout_correction", "rollout_correction_cap", "rollout_correction_cap_low",
+            "gspo_gradient", "gspo_log_ratio_cap", "kl_bias_correction")
+    # null is the preset's value, except where null is a value of its own (off): there "preset" is
+    overrides = {k: v for k in keys if (v := getattr(cfg.loss, k)) != "preset"
+                 and (v is not None or k in LOSS_NULL_MEANS_OFF)}
     loss, estimator = resolve_loss_preset(cfg.loss.preset, **overrides, temperature=cfg.rollout.temperature)
     if cfg.algo.screens:  # the denominator must not depend on which continuations are generated
         from megatron_dppo.algo.screening import screening_denominator

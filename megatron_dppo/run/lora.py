@@ -10,7 +10,9 @@ What a LoRA run does differently, in order (``run.setup``):
 3. ``PolicyEngine(lora=...)``: adapters on the policy, every base weight frozen, no reference copy.
 4. The base always loads from ``model.path``, also on resume (a LoRA checkpoint holds the adapters and their
    optimizer state only); ``start_adapters`` records the base folder and checksum (a checkpoint refuses another
-   base) and, on a fresh start, loads ``model.lora.init``.
+   base) and loads ``model.lora.init``'s adapter, which is also kept, frozen, as the reference policy's adapter
+   (a KL term measures the distance from the policy the run started from); a resume then loads the trained
+   adapters from the checkpoint.
 5. ``rollout_weights``: a push carries the base when the engine has none (the first push of the process, or after
    a level-2 vLLM sleep), then the adapters (``convert.peft.export_rollout_weights``).
 """
@@ -69,8 +71,9 @@ def check_lora_run(cfg: Config, arch: Any, parallel: Any, lora: LoraConfig | Non
       Mixture-of-Experts model, q / k / v when tensor parallelism splits a query group);
     * a base without safetensors (a converted Megatron checkpoint, model.path = model/ + hf/): a LoRA checkpoint names
       its base by the SHA-256 of the HF folder's config.json and safetensors;
-    * a warm start (train.sft_steps) with a KL term: the warm start trains the adapters, so the base (the LoRA
-      reference) is not the warmed-up policy that a full fine-tuning run's KL is measured against;
+    * a warm start (train.sft_steps) with a KL term: the warm start trains the adapters, so the LoRA reference (the
+      base, or the base with model.lora.init's adapter) is not the warmed-up policy that a full fine-tuning run's
+      KL is measured against;
     * vLLM rollouts at a rank above the largest vLLM serves.
 
     Checked and supported (tests/megatron/test_lora.py, tests/e2e/test_lora_run.py): the gradient audit (it measures
@@ -90,9 +93,9 @@ def check_lora_run(cfg: Config, arch: Any, parallel: Any, lora: LoraConfig | Non
                          "the HF folder (or `megatron-dppo convert megatron-to-hf` it first)")
     if cfg.train.sft_steps > 0 and kl_coef > 0:
         raise ValueError(f"model.lora with train.sft_steps={cfg.train.sft_steps} and loss.kl_coef={kl_coef}: the "
-                         "warm start trains the adapters, and the LoRA reference is the base, not the warmed-up "
-                         "policy; set train.sft_steps=0 (start from a PEFT adapter with model.lora.init instead), "
-                         "or loss.kl_coef=0")
+                         "warm start trains the adapters, and the LoRA reference is the starting adapters (or the "
+                         "base), not the warmed-up policy; set train.sft_steps=0 (start from a PEFT adapter with "
+                         "model.lora.init instead: it is the reference then), or loss.kl_coef=0")
     if cfg.rollout.engine == "vllm":
         from megatron_dppo.rollout.vllm_engine import VLLM_LORA_RANKS
 
@@ -103,15 +106,20 @@ def check_lora_run(cfg: Config, arch: Any, parallel: Any, lora: LoraConfig | Non
 
 def start_adapters(engine: Any, cfg: Config, model_dir: Path, *, fresh: bool) -> None:
     """After the base weights are loaded: record the base (its folder's checksum goes into every checkpoint, and
-    a checkpoint of another base is refused) and, on a fresh start (``fresh``: no checkpoint to resume),
-    load ``model.lora.init``'s adapter."""
+    a checkpoint of another base is refused) and load ``model.lora.init``'s adapter, kept frozen as the reference
+    policy's adapter (``lora.keep_as_reference``: the KL is measured from the policy the run starts from). On a
+    resume (``fresh`` False) the checkpoint's trained adapters replace it in the policy afterwards; the reference
+    keeps it."""
     engine.set_lora_base(model_dir)
     init = cfg.model.lora.init
-    if fresh and init is not None:
+    if init is not None:
         from megatron_dppo.convert.peft import load_peft_adapter
+        from megatron_dppo.megatron.lora import keep_as_reference
 
         load_peft_adapter(engine.modules, init, engine.lora, engine.arch.num_layers)
-        engine.optimizer.reload_model_params()  # the fp32 main copies of the adapters (bf16 training)
+        keep_as_reference(engine.modules)
+        if fresh:
+            engine.optimizer.reload_model_params()  # the fp32 main copies of the adapters (bf16 training)
 
 
 def rollout_adapter_config(lora: LoraConfig | None) -> dict | None:

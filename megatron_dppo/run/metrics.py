@@ -17,20 +17,51 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def process_tree_cpu() -> float:
+    """CPU seconds (user + system) used so far by this process (every thread), by its child processes that ended
+    (and were waited for) and by its live descendants (e.g. the persistent workers of a process-isolated reward,
+    a tool's sandbox). A child that ends between two reads moves from the live to the ended count: read in this
+    order, it is never counted twice (at worst once later). The python tool's calls under bubblewrap are reaped
+    inside their own pid namespace, never by this process, so their ended CPU comes from their control groups
+    (``env.sandbox.cpu_seconds_total``)."""
+    import resource
+
+    import psutil
+
+    from megatron_dppo.env.sandbox import cpu_seconds_total
+
+    sandboxes = cpu_seconds_total()
+    ended = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = time.process_time() + ended.ru_utime + ended.ru_stime + sandboxes
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:  # ended meanwhile (counted once it is waited for) or not ours to read
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 class PhaseTimer:
     """Wall-clock seconds per named phase of one step: ``with timer("generate"): ...``; and the process CPU
     seconds (user + system, every thread of this process: ``time.process_time``) spent inside the same phases.
 
-    ``time/step`` is the sum of the phases' wall clock; ``cpu_seconds`` the sum of their CPU time on this rank (the
-    trainer sums it over ranks into ``time/step_cpu``); ``time_cpu/<phase>`` is each phase's CPU time on this rank.
-    CPU seconds are what a loaded, shared machine does not inflate much: they count the work, not the waiting for a
-    core. CPU time of child processes (e.g. a reward function run in a subprocess) is not included.
+    ``time/step`` is the sum of the phases' wall clock; ``cpu_seconds`` the sum of their CPU time on this rank;
+    ``time_cpu/<phase>`` is each phase's CPU time on this rank. ``step_cpu_seconds()`` is the CPU time of the whole
+    step on this rank since the timer was made, phases or not, child processes included (``process_tree_cpu``):
+    the trainer sums it over ranks into ``time/step_cpu``, what ``train.cpu_budget_s`` charges. CPU seconds are what
+    a loaded, shared machine does not inflate much: they count the work, not the waiting for a core.
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
         self.cpu_seconds = 0.0
+        self._tree_start = process_tree_cpu()
+
+    def step_cpu_seconds(self) -> float:
+        """CPU seconds of this process and its children since the timer was made (module docstring)."""
+        return process_tree_cpu() - self._tree_start
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:

@@ -163,7 +163,8 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics.update(reward_model_metrics(cfg, prompt_cut, rollout))  # (reward.model: agreement with the rule)
     metrics.update(async_metrics(run, drawn))
     metrics.update(timer.as_metrics())
-    metrics["time/step_cpu"] = D.sum_over_ranks(timer.cpu_seconds)  # process CPU seconds of the step, all ranks
+    # CPU seconds of the whole step (timed phases or not, child processes included), all ranks: train.cpu_budget_s
+    metrics["time/step_cpu"] = D.sum_over_ranks(timer.step_cpu_seconds())
     metrics.update(side.handover.take_metrics())  # GPU memory per handover phase (none on CPU)
     metrics["throughput/tokens_per_s"] = metrics["tokens/trained_sequences"] / max(metrics["time/step"], 1e-9)
     write_audit(run.audit, step, prompts, prompt_cut, rollout, advantages, total_cut, drawn.screens)

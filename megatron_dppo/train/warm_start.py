@@ -41,7 +41,7 @@ def sft_step(side: TrainSide, gold_pairs: list[tuple], step: int) -> dict[str, f
                "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"]}
     metrics.update(packing)
     metrics.update(timer.as_metrics())
-    metrics["time/step_cpu"] = D.sum_over_ranks(timer.cpu_seconds)  # process CPU seconds, all ranks (as RL steps)
+    metrics["time/step_cpu"] = D.sum_over_ranks(timer.step_cpu_seconds())  # the whole step's, all ranks (as RL steps)
     return metrics
 
 

@@ -41,3 +41,14 @@ def constant(completion: str, gold) -> float:
 def never(completion: str, gold) -> float:
     """0 for everything: nothing is ever correct (what evaluation must report, whatever an environment rewards)."""
     return 0.0
+
+
+def burns_cpu(completion: str, gold) -> float:
+    """``parity`` after spinning 50 ms of CPU: the CPU a process-isolated reward's workers spend, which a step's
+    CPU clock (train.cpu_budget_s) must count."""
+    import time
+
+    start = time.process_time()
+    while time.process_time() - start < 0.05:
+        pass
+    return parity(completion, gold)

@@ -9,7 +9,8 @@ pretrained stand-in base (``tiny_base``: a Hugging Face folder) and the grpo los
   and their Adam state);
 * ``megatron-dppo convert megatron-to-peft`` / ``megatron-to-hf`` export the run: PEFT's own model on the base with
   the exported adapter gives the merged export's logits, and the adapter tensors are the checkpoint's; the exported
-  adapter starts a new run (``model.lora.init``), whose policy at step 0 is then not the base (KL > 0);
+  adapter starts a new run (``model.lora.init``), and is its reference too: the KL estimate is exactly 0 at step 0
+  (not the distance from the bare base) and positive once the adapters moved;
 * separate placement (1 trainer + 1 HF rollout worker, max_staleness 0), whose versions after the first carry the
   adapters only, equals the colocated run bit for bit;
 * refused by name at start-up, before anything is written: LoRA with a warm start and a KL term.
@@ -106,12 +107,23 @@ def test_lora_run_trains_adapters_against_the_base_resumes_exactly_and_exports(t
     torch.testing.assert_close(merged, with_adapter, rtol=0, atol=1e-5)
     assert (merged - plain).abs().max() > 1e-3  # the adapters were trained
 
-    # the exported adapter as the warm start of a new run (model.lora.init): its policy is not the base at step 0
+    # the exported adapter as the warm start of a new run (model.lora.init): it is the reference too, so the KL is
+    # exactly 0 at step 0 (its policy is not the base) and positive once the adapters moved
     warm = tmp_path / "warm"
-    cfg = lora_config(base, warm, train={"steps": 1}, logging={"audit_every": 0}, eval={"every": 0})
+    cfg = lora_config(base, warm, train={"steps": 2}, logging={"audit_every": 0}, eval={"every": 0},
+                      checkpoint={"every": 1})
     cfg["model"]["lora"] = {"init": str(tmp_path / "peft")}  # (rank, alpha, projections from the adapter)
     run_cli(write_config(tmp_path / "warm.yaml", cfg))
-    assert _rl(read_metrics(warm))[0]["train/kl"] > 0
+    warm_rl = _rl(read_metrics(warm))
+    assert warm_rl[0]["train/kl"] == 0.0 and warm_rl[0]["train/grad_norm"] > 0 and warm_rl[1]["train/kl"] > 0
+    # resumed after step 1: the reference is the init adapter again (same KL), the policy the checkpoint's adapters
+    again = tmp_path / "warm_resumed"
+    shutil.copytree(warm, again)
+    shutil.rmtree(again / "checkpoints" / "step_00000002")
+    (again / "checkpoints" / "latest").write_text("step_00000001\n")
+    cfg["train"]["output_dir"] = str(again)
+    assert "RL step 1" in run_cli(write_config(tmp_path / "warm_resumed.yaml", cfg)).stdout
+    assert stable_metrics(read_metrics(again)) == stable_metrics(read_metrics(warm))
 
 
 @pytest.mark.slow

@@ -111,6 +111,21 @@ def _check_budget(out, budget: float, every: float) -> list[dict]:
     return rl
 
 
+def test_a_step_is_charged_its_whole_cpu_time_reward_workers_included(tmp_path):
+    """time/step_cpu (what train.cpu_budget_s charges) is the whole step's CPU time: the work outside the timed
+    phases (advantages, batch building, the gradient audit) and the CPU of child processes, here the persistent
+    workers of a process-isolated reward that spins 50 ms per sample. It used to be the timed phases only."""
+    out = tmp_path / "run"
+    sections = {"reward": {"fn": "tests.e2e._rewards:burns_cpu", "isolation": "process"},
+                "train": {"steps": 2, "sft_steps": 0}, "eval": {"every": 0}, "checkpoint": {"every": 0},
+                "logging": {"audit_every": 1}}
+    run_cli(write_config(tmp_path / "run.yaml", tiny_config(out, **sections)))
+    first = [r for r in read_metrics(out) if r["phase"] == "rl"][0]
+    phases = sum(v for k, v in first.items() if k.startswith("time_cpu/"))
+    # step 0 scores all 8 x 4 completions (no prompt history yet): >= 1.6 CPU s in the reward worker
+    assert first["time/step_cpu"] - phases >= 1.5, (first["time/step_cpu"], phases)
+
+
 @pytest.mark.multiproc
 def test_cpu_budget_stops_the_run_evaluates_at_equal_compute_and_resumes(tmp_path):
     out, budget, every = tmp_path / "budget", 1.5, 0.6

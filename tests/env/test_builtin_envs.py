@@ -151,6 +151,19 @@ def test_a_calls_cpu_seconds_are_counted_though_bubblewrap_reaps_its_processes()
     assert sandbox.cpu_seconds_total() - before >= 0.3
 
 
+def test_the_step_cpu_clock_charges_sandboxed_calls():
+    """train.cpu_budget_s charges the whole step, tools included: a call's processes are reaped inside bubblewrap's
+    pid namespace (never by the trainer), so the clock reads the calls' control groups."""
+    from megatron_dppo.run.metrics import PhaseTimer
+
+    timer = PhaseTimer()
+    busy = run_python("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass",
+                      timeout_s=30)
+    if busy.limits != "cgroup":
+        pytest.skip("CPU accounting needs a control group")
+    assert timer.step_cpu_seconds() >= 0.4
+
+
 def test_python_tool_options_are_checked():
     with pytest.raises(ValueError, match="isolation must be one of"):
         PythonToolEnv(isolation="docker")

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from _scripted import ScriptedEngine
+from megatron_dppo.dist import collectives as D
 from megatron_dppo.env.calculator import CalculatorEnv
 from megatron_dppo.env.config import EnvConfig
 from megatron_dppo.env.protocol import Step, Task
@@ -73,7 +74,7 @@ def test_calculator_episodes(setup):
     # turn 2: ONE call over all four running episodes with n = 1
     (first, n1, s1), (second, n2, s2) = engine.calls
     assert first == setup[3] and n1 == 2 and s1.seed == 11 and s1.max_new_tokens == 64
-    assert len(second) == 4 and n2 == 1 and s2.seed != 11
+    assert len(second) == 4 and n2 == 1 and s2.seed == D.derive_seed("turn", 11, 1, 0) % (1 << 31)  # (turn 1, group 0)
     assert second[0] == episodes[0][0].prompt_ids + episodes[0][0].token_ids[: len(second[0]) - len(setup[3][0])]
 
 
@@ -208,6 +209,8 @@ def test_seeds_reproduce_episodes_and_differ_per_episode(setup):
     a, _ = run(setup, calc_respond(tok), SeedEnv)
     b, _ = run(setup, calc_respond(tok), SeedEnv)
     assert seen[:4] == seen[4:] and len(set(seen[:4])) == 4
+    # one derive_seed for every seed of a run (the process layer's), to 31 bits: environment p, sample i
+    assert seen[:4] == [D.derive_seed("env", 0, p, i) % (1 << 31) for p in range(2) for i in range(2)]
     assert [[e.token_ids for e in g] for g in a] == [[e.token_ids for e in g] for g in b]
 
 

@@ -1,6 +1,7 @@
 """LoRA in the Megatron engine (``megatron.lora``, ``PolicyEngine(lora=...)``): adapters == merged weights, only
-adapters train (gradients, optimizer state, grad norm), the reference is the base model with adapters off, TP2 /
-TP2+SP / PP2 / DP2 with the DistributedOptimizer == one process, and adapter-only checkpoints resume exactly."""
+adapters train (gradients, optimizer state, grad norm), the reference is the base model with adapters off (or with
+the frozen starting adapters of model.lora.init), TP2 / TP2+SP / PP2 / DP2 with the DistributedOptimizer == one
+process, and adapter-only checkpoints resume exactly."""
 from __future__ import annotations
 
 import hashlib
@@ -245,6 +246,32 @@ def test_reference_logprobs_with_adapters_off_equal_the_base_models(world):
     _step(lora_engine, loss)
     for r, b in zip(lora_engine.compute_logprobs(batches, "reference"), base):
         assert torch.equal(r, b)
+
+
+def test_reference_keeps_the_starting_adapters(world):
+    """A run that starts from an adapter (model.lora.init: ``keep_as_reference``) has that adapter in its reference:
+    at the start the reference log-probs ARE the policy's, bit for bit (a KL term is exactly 0, not the distance
+    from the bare base), and after an update the reference is still the starting policy, not the base."""
+    from megatron_dppo.megatron import lora as L
+
+    arch = F.tiny_arch("qwen2", num_layers=2)
+    engine, loss = _engine(arch, _lora())  # non-zero starting adapters (adapter_tensors)
+    L.keep_as_reference(engine.modules)
+    base_engine, _ = _engine(arch, None, kl=0.0)
+    batches = F.rank_micro_batches(F.make_sequences(seed=4), loss, 0, 1, 1)
+    start = engine.compute_logprobs(batches, "policy")
+    base = base_engine.compute_logprobs(batches, "policy")
+    for r, p, b in zip(engine.compute_logprobs(batches, "reference"), start, base):
+        assert torch.equal(r, p) and (r - b).abs().max() > 1e-3
+    _, metrics = _step(engine, loss)
+    assert metrics["update_ok"] == 1.0
+    for r, p, now in zip(engine.compute_logprobs(batches, "reference"), start,
+                         engine.compute_logprobs(batches, "policy")):
+        assert torch.equal(r, p) and (now - p).abs().max() > 1e-4
+    with L.adapters_disabled(engine.modules):  # the bare base is still there underneath
+        for b, own in zip(base, engine.compute_logprobs(batches, "policy")):
+            assert torch.equal(b, own)
+    assert not any("ref_" in k for k in engine.modules[0].state_dict())  # checkpoints hold the trained adapters only
 
 
 def test_gradient_audit_measures_the_adapters_gradient(world):

@@ -136,3 +136,58 @@ def test_weight_push_api_by_version(version, api):
     from megatron_dppo.rollout.vllm_engine import weight_push_api
 
     assert weight_push_api(version) == api
+
+
+def fake_vllm_sampler(version: str = "0.32.0") -> types.ModuleType:
+    """vLLM's sampling seeds, copied from 0.32.0: a request with ``n`` completions and a ``seed`` fans out into n
+    children, child j seeded ``seed + j`` (``vllm/v1/engine/parallel_sampling.py``,
+    ``ParentRequest.get_child_info`` / ``_get_child_sampling_params``). Each child here draws its tokens from its
+    own seed alone, as a seeded child does in vLLM; the fake records every child's seed."""
+    module = fake_vllm(version, Worker032)
+    from types import SimpleNamespace
+
+    class SamplingParams(SimpleNamespace):
+        pass
+
+    def generate(self, prompts, params, use_tqdm=False, lora_request=None):
+        outputs = []
+        for prompt, p in zip(prompts, params):
+            children = []
+            for j in range(p.n):
+                seed = p.seed + j
+                self.child_seeds.append(seed)
+                draws = torch.randint(4, 64, (p.max_tokens,), generator=torch.Generator().manual_seed(seed))
+                tokens = draws.tolist()
+                logprobs = [{t: SimpleNamespace(logprob=-1.0)} for t in tokens]
+                children.append(SimpleNamespace(index=j, token_ids=tokens, logprobs=logprobs, finish_reason="length"))
+            outputs.append(SimpleNamespace(outputs=children))
+        return outputs
+
+    module.LLM.generate = generate
+    module.LLM.child_seeds = []
+    module.SamplingParams = SamplingParams
+    return module
+
+
+def test_every_completion_of_a_seeded_call_has_its_own_seed(monkeypatch, model_dir):
+    """With ``seed + i`` per request, prompt i's completion j and prompt i + 1's completion j - 1 shared a seed, so
+    two equal prompts got the same completions shifted by one. ``seed + i * n``: no two children share a seed."""
+    from megatron_dppo.rollout import SamplingParams
+    from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine, request_seeds
+
+    path, _ = model_dir
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm_sampler())
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engine = VLLMRolloutEngine(path, load_format="dummy")
+    engine.llm.child_seeds = []
+    n, prompts = 4, [[5, 6, 7], [5, 6, 7], [8, 9], [5, 6, 7]]
+    groups = engine.generate(prompts, n, SamplingParams(max_new_tokens=6, seed=1000))
+    seeds = engine.llm.child_seeds
+    assert len(seeds) == len(prompts) * n and len(set(seeds)) == len(seeds)
+    equal = [c.token_ids for q in (0, 1, 3) for c in groups[q].completions]
+    assert len({tuple(t) for t in equal}) == len(equal)  # equal prompts: 12 different completions
+    assert request_seeds(None, 3, n) == [None, None, None]
+    for start, count, k in ((0, 64, 8), (2**31 - 1, 5, 16), (7, 3, 1)):  # children of all requests are disjoint
+        children = [s + j for s in request_seeds(start, count, k) for j in range(k)]
+        assert len(set(children)) == count * k

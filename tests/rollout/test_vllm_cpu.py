@@ -82,6 +82,12 @@ def test_generate_matches_hf_and_reload_switches_weights(model_dirs):
     assert [len(g.completions) for g in groups] == [3, 3, 3]
     assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(first), groups) < 1e-4
     assert engine.generate(PROMPTS, 3, sampling)[0].completions[0].token_ids == groups[0].completions[0].token_ids
+    # equal prompts in one seeded call get different samples: vLLM seeds child j of a request seed + j, so request
+    # seeds seed + i made prompt 0's sample j + 1 prompt 1's sample j (7 seeds for these 12 completions)
+    same = engine.generate([PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[0]], 4, sampling)
+    samples = [tuple(c.token_ids) for q in (0, 1, 3) for c in same[q].completions]
+    shifted = [same[0].completions[j + 1].token_ids == same[1].completions[j].token_ids for j in range(3)]
+    assert not all(shifted) and len(set(samples)) > 7, samples
 
     new_model = AutoModelForCausalLM.from_pretrained(second)
     assert engine.load_weights(new_model.state_dict().items()) == len(new_model.state_dict())

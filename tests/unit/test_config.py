@@ -322,9 +322,12 @@ def test_posterior_screening_and_planner_options():
 @pytest.mark.parametrize("extra, named", [
     (["reward.model.path=/tmp"], "0 with reward.model.path"),
     (["env.name=noop", "env.max_tokens=256"], "0 with an env section"),
+    (["overlong.filter=true"], r"0 with overlong.filter=true \(its denominator"),
 ])
 def test_screening_is_refused_where_the_screens_cannot_be_joined(extra, named):
     """Screening's continuation rule reads binary rule rewards and joins single-turn screens to their continuations:
-    a reward model's continuous scores and multi-turn episodes are refused by name, not trained wrongly."""
+    a reward model's continuous scores and multi-turn episodes are refused by name, not trained wrongly. Overlong
+    filtering's denominator counts the finished completions of the generated groups over pi_q pi_c (it depends on
+    the draw, and the weight 1/(pi_q pi_c) is then no longer unbiased): refused as token_mean is."""
     with pytest.raises(ValueError, match="algo.screen_k=2 is invalid: expected " + named):
         _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.screen_k=2", *extra)

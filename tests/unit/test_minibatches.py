@@ -462,7 +462,9 @@ def test_slime_tis_and_icepop_weights():
 @pytest.mark.parametrize("override, match", [
     ("train.mini_batches=5", r"train.mini_batches=5 is invalid: expected an integer in \[1, train.prompts_per_step=4"),
     ("train.epochs=0", "train.epochs=0 is invalid"),
-    ("loss.clip_ratio_c=1.0", "loss.clip_ratio_c=1.0 is invalid: expected null or > 1"),
+    ("loss.clip_ratio_c=1.0", r"loss.clip_ratio_c=1.0 is invalid: expected preset, null \(off\) or > 1"),
+    ("loss.gspo_log_ratio_cap=big", "loss.gspo_log_ratio_cap='big' is invalid: expected float or one of 'preset' or "
+                                    "null"),
     ("loss.rollout_correction=foo", "loss.rollout_correction='foo' is invalid"),
     ("loss.kl_clamp=0", "loss.kl_clamp=0.0 is invalid"),
 ])
@@ -497,6 +499,27 @@ def test_presets_by_name_with_overrides():
     # the rollout's sampling temperature reaches the loss: every log-prob of the update is tempered by it
     tempered, _ = build_loss(load_config(None, ["rollout.temperature=0.7", "loss.preset=verl_grpo"], validate=False))
     assert tempered.temperature == 0.7 and tempered.kl_clamp == 10.0
+
+
+def test_a_preset_value_can_be_overridden_to_null_where_null_is_off(tmp_path):
+    """verl_grpo's gspo_log_ratio_cap 10, dual clip 3 and KL clamp 10: null on the command line or in the file turns
+    each off (it used to be dropped as 'not set', leaving the preset's value); the default and "preset" keep it."""
+    from megatron_dppo.config import load_config
+    from megatron_dppo.run.build import build_loss
+
+    base = ["loss.preset=verl_grpo", "loss.policy_loss=gspo"]
+    kept, _ = build_loss(load_config(None, base, validate=False))
+    assert kept.gspo_log_ratio_cap == 10.0 and kept.kl_clamp == 10.0
+    off, _ = build_loss(load_config(None, base + ["loss.gspo_log_ratio_cap=null", "loss.kl_clamp=null"],
+                                    validate=False))
+    assert off.gspo_log_ratio_cap is None and off.kl_clamp is None and off.policy_loss == "gspo"
+    path = tmp_path / "run.yaml"
+    path.write_text("loss:\n  preset: verl_grpo\n  clip_ratio_c: null\n  kl_clamp: preset\n  gspo_log_ratio_cap: 5\n")
+    cfg = load_config(path, [], validate=False)
+    cfg.loss.validate()
+    from_file, _ = build_loss(cfg)
+    assert (from_file.clip_ratio_c, from_file.kl_clamp, from_file.gspo_log_ratio_cap) == (None, 10.0, 5.0)
+    assert load_config(None, [], validate=False).loss.clip_ratio_c == "preset"
 
 
 def test_rollout_correction_stage_places_engine_logprobs_at_the_completion_tokens():

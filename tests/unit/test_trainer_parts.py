@@ -150,6 +150,31 @@ def test_phase_timer_counts_cpu_seconds_of_work_not_of_waiting():
     assert abs(m["time_cpu/busy"] + m["time_cpu/sleep"] - timer.cpu_seconds) < 1e-9
 
 
+def test_a_step_cpu_clock_counts_untimed_work_and_child_processes():
+    """What train.cpu_budget_s charges (``step_cpu_seconds``): this process's CPU outside any phase, a child that
+    ended and a child still alive (a persistent reward worker, a tool's sandbox) all count."""
+    import subprocess
+    import sys
+    import time
+
+    from megatron_dppo.run.metrics import PhaseTimer
+
+    spin = "import time\ns = time.process_time()\nwhile time.process_time() - s < 0.3: pass\n"
+    timer = PhaseTimer()
+    start = time.process_time()
+    while time.process_time() - start < 0.2:  # outside any phase
+        pass
+    subprocess.run([sys.executable, "-c", spin], check=True)  # a child that ends (and is waited for)
+    live = subprocess.Popen([sys.executable, "-c", spin + "print('done', flush=True)\ntime.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline().strip() == "done"  # it spent its 0.3 s and lives on
+        assert timer.cpu_seconds == 0.0 and timer.step_cpu_seconds() >= 0.2 + 0.3 + 0.3
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_the_time_per_phase_panel_stacks_the_phases_not_their_totals():
     """time/step_cpu (the CPU seconds of the whole step) was stacked on top of the phases it sums, so every bar of
     the dashboard's time panel was about twice the step; the panel stacks the phases only."""
