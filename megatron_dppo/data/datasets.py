@@ -218,9 +218,9 @@ def read_preference_pairs(path: str | Path) -> list[dict[str, str]]:
                                "is a JSON object with the texts prompt, chosen, rejected")
         pairs.append({name: _text(row[name], where, name) for name in PAIR_FIELDS})
     if len(pairs) < 2:
-        raise DatasetError(f"{path}: {'no preference pairs (the file is empty)' if not pairs else 'one preference pair'}"
-                           "; rm train needs at least 2 (the last 10% are held out), one JSON object with the texts "
-                           "prompt, chosen, rejected per line")
+        found = "no preference pairs (the file is empty)" if not pairs else "one preference pair"
+        raise DatasetError(f"{path}: {found}; rm train needs at least 2 (the last 10% are held out), one JSON "
+                           "object with the texts prompt, chosen, rejected per line")
     return pairs
 
 

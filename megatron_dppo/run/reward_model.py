@@ -58,7 +58,8 @@ def build_reward_model(cfg: Config, policy_tokenizer: Any, *, shard: tuple[int, 
                        vocab_size=int(hf.get("vocab_size", 0) or 0) or None)
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def check_reward_model_folder(path: Path) -> dict:

@@ -120,7 +120,8 @@ def results(tmp_path_factory):
     (data / "pairs_bad.jsonl").write_text(pair + '{"prompt": "7+5=", "chosen": \n' + pair)
     (data / "pairs_empty.jsonl").write_text("")
     (data / "pairs_number.jsonl").write_text(pair + "42\n" + pair)
-    (data / "pairs_latin1.jsonl").write_bytes(pair.encode() + b'{"prompt": "Caf\xe9", "chosen": "1", "rejected": "2"}\n')
+    (data / "pairs_latin1.jsonl").write_bytes(pair.encode()
+                                              + b'{"prompt": "Caf\xe9", "chosen": "1", "rejected": "2"}\n')
     (data / "pairs_nofield.jsonl").write_text(json.dumps({"prompt": "7+5=", "chosen": "12"}) + "\n" + pair)
 
     def files_case(name, train_file, tokenizer=with_chat, template="plain"):
