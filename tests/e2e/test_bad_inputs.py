@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from _e2e_helpers import PY, REPO, TINY_MODEL, damaged_parquet, env, free_port, read_metrics, run_cli, tiny_config, \
-    write_config
+from _e2e_helpers import PY, REPO, TINY_MODEL, damaged_parquet, env, free_port, make_read_only, read_metrics, \
+    run_cli, tiny_config, write_config
 
 CASES = {
     # name: (expected fragments of the error message, how to build the case)
@@ -71,17 +71,6 @@ def _tokenizer(path, chat_template):
 def _fingerprint(directory):
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def _make_read_only(directory):
-    """No one may write into ``directory``: chmod for a normal user; root ignores permission bits, so the
-    immutable attribute (chattr +i), which binds root too. Returns the undo function."""
-    if os.geteuid() != 0:
-        directory.chmod(0o555)
-        return lambda: directory.chmod(0o755)
-    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(directory)]).returncode != 0:
-        pytest.skip("running as root without chattr +i: no directory is unwritable for this process")
-    return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +181,7 @@ def results(tmp_path_factory):
     latin1 = tmp / "yaml_not_utf8.yaml"  # saved by an editor in Latin-1: the bad byte is on line 2
     latin1.write_bytes(b"# the tiny run\n# Jos\xe9's settings\n" + latin1.read_bytes())
     before = {name: _fingerprint(tmp / name / "run") for name in configs}
-    undo = _make_read_only(tmp / "output_dir_not_writable" / "run")
+    undo = make_read_only(tmp / "output_dir_not_writable" / "run")
     (tmp / "cases.json").write_text(json.dumps(argv))
     try:
         proc = subprocess.run([PY, str(REPO / "tests" / "e2e" / "_cli_cases.py"), str(tmp / "cases.json"),

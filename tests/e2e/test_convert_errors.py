@@ -11,21 +11,9 @@ import subprocess
 
 import pytest
 
-from _e2e_helpers import PY, REPO, env, free_port, run_cli, tiny_base, tiny_config, write_config
+from _e2e_helpers import PY, REPO, env, free_port, make_read_only, run_cli, tiny_base, tiny_config, write_config
 
 LOCATIONS = ("under_a_file", "under_proc", "read_only")
-
-
-def _make_read_only(directory):
-    """No one may write into ``directory`` (as in test_bad_inputs): chmod, or chattr +i as root. Undo function."""
-    import shutil
-
-    if os.geteuid() != 0:
-        directory.chmod(0o555)
-        return lambda: directory.chmod(0o755)
-    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(directory)]).returncode != 0:
-        pytest.skip("running as root without chattr +i: no directory is unwritable for this process")
-    return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +40,7 @@ def results(tmp_path_factory):
     (tmp / "read_only").mkdir()
     outside = {"under_a_file": tmp / "a_file" / "out", "under_proc": "/proc/dppo-no-such/out",
                "read_only": tmp / "read_only" / "out"}
-    undo = _make_read_only(tmp / "read_only")
+    undo = make_read_only(tmp / "read_only")
     cases = {}
     for tool, source in inputs.items():
         for where, out in outside.items():
