@@ -33,8 +33,8 @@ import torch
 
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.convert.hf_io import (
-    HFCheckpoint, copy_tokenizer_files, make_tokenizer_config_portable, portable_config, torch_dtype_name,
-    write_safetensors_shards)
+    HFCheckpoint, check_output_dir, copy_tokenizer_files, make_tokenizer_config_portable, portable_config,
+    read_config_json, torch_dtype_name, write_safetensors_shards)
 from megatron_dppo.convert.mapping import validate_hf_tensors
 from megatron_dppo.convert.validate import check_megatron_model
 
@@ -116,11 +116,6 @@ def _init_parallel(cfg: Any, arch: Any) -> None:
 
 def _tmp_name(final: Path) -> Path:
     return final.parent / f".{final.name}.partial"
-
-
-def _check_output(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not overwrite:
-        raise ValueError(f"output directory already exists: {out_dir} (pass overwrite=True / --overwrite)")
 
 
 def _run_atomically(out_dir: Path, body: Callable[[Path], None]) -> Path:
@@ -271,7 +266,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
     arch = arch_from_hf_config(source.config, f"HF config {hf_dir / 'config.json'}")
     parallel = _check_parallel(arch, tp, pp, ep=ep, etp=etp)
     validate_hf_tensors(source.shapes, arch)
-    _check_output(out_dir, overwrite)
+    check_output_dir(out_dir, overwrite)
 
     _init_parallel(parallel, arch)
     from megatron_dppo.convert.weights import load_hf_weights, unwrap_chunk
@@ -393,10 +388,10 @@ def _resolve_hf_config(ckpt_dir: Path, model_dir: Path, hf_config: str | os.Path
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
             raise ValueError(f"hf_config={hf_config}: {path} does not exist")
-        return json.loads(path.read_text()), path.parent, str(path)
+        return read_config_json(path), path.parent, str(path)
     for folder in (ckpt_dir / HF_SUBDIR, model_dir / HF_SUBDIR, model_dir.parent / HF_SUBDIR):
         if (folder / "config.json").is_file():
-            return json.loads((folder / "config.json").read_text()), folder, str(folder / "config.json")
+            return read_config_json(folder / "config.json"), folder, str(folder / "config.json")
     arch = _arch_from_checkpoint_meta(model_dir)
     if arch is None:
         raise ValueError(f"no HF config for {ckpt_dir}: no {ckpt_dir / HF_SUBDIR}/config.json and no architecture "
@@ -423,7 +418,7 @@ def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLi
     cfg, tokenizer_dir, cfg_source = _resolve_hf_config(ckpt_dir, model_dir, hf_config)
     arch = arch_from_hf_config(cfg, f"HF config from {cfg_source}")
     parallel = _check_parallel(arch, tp, pp, ep=ep, etp=etp)
-    _check_output(out_dir, overwrite)
+    check_output_dir(out_dir, overwrite)
     if dtype is None:
         name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         dtype = getattr(torch, name) if isinstance(getattr(torch, str(name), None), torch.dtype) else torch.float32

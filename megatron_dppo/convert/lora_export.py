@@ -88,7 +88,7 @@ def convert_lora_to_peft(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike
                          ep: int = 1, etp: int = 1, dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """The adapters of a LoRA training checkpoint as a PEFT adapter folder (``PeftModel.from_pretrained(base,
     out_dir)`` loads it; ``base_model_name_or_path`` is the recorded base folder). Collective over tp*pp ranks."""
-    from megatron_dppo.convert.checkpoint import _check_output
+    from megatron_dppo.convert.hf_io import check_output_dir
     from megatron_dppo.convert.peft import export_peft_adapter
 
     found = lora_checkpoint(ckpt_dir)
@@ -97,7 +97,7 @@ def convert_lora_to_peft(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike
                          "run with model.lora; a full run converts with megatron-to-hf)")
     path, meta = found
     out_dir = Path(out_dir).absolute()
-    _check_output(out_dir, overwrite)
+    check_output_dir(out_dir, overwrite)
     chunks, _, cfg = _chunks_with_adapters(path, meta, tp, pp, ep, etp)
     base = (meta.get("lora_base") or {}).get("path")
     written = export_peft_adapter(chunks, cfg, out_dir, base_model_name_or_path=base, dtype=dtype)
@@ -111,10 +111,10 @@ def convert_lora_to_merged_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.Pat
                               bucket_bytes: int = 256 * 1024 ** 2) -> Path:
     """The merged model of a LoRA training checkpoint (every adapted weight ``W + scaling * B @ A``) as an HF folder
     that transformers and vLLM load without LoRA. Collective over tp*pp ranks; rank 0 writes."""
-    from megatron_dppo.convert.checkpoint import (_check_output, _resolve_hf_config, _run_atomically,
-                                                  arch_from_hf_config, load_hf_folder)
-    from megatron_dppo.convert.hf_io import (copy_tokenizer_files, make_tokenizer_config_portable, portable_config,
-                                             write_safetensors_shards)
+    from megatron_dppo.convert.checkpoint import _resolve_hf_config, _run_atomically, arch_from_hf_config, \
+        load_hf_folder
+    from megatron_dppo.convert.hf_io import (check_output_dir, copy_tokenizer_files, make_tokenizer_config_portable,
+                                             portable_config, write_safetensors_shards)
     from megatron_dppo.convert.peft import export_merged_hf_weights
 
     found = lora_checkpoint(ckpt_dir)
@@ -125,7 +125,7 @@ def convert_lora_to_merged_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.Pat
     base_dir = _base_folder(meta, base, path)
     cfg, tokenizer_dir, source = _resolve_hf_config(Path(ckpt_dir), path, hf_config)
     arch_from_hf_config(cfg, f"HF config from {source}")
-    _check_output(out_dir, overwrite)
+    check_output_dir(out_dir, overwrite)
     if dtype is None:
         name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         dtype = getattr(torch, name) if isinstance(getattr(torch, str(name), None), torch.dtype) else torch.float32

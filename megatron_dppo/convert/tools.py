@@ -8,12 +8,15 @@
     python -m megatron_dppo.convert.gguf [GGUF] OUT_DIR                         (default: SmolLM2-135M-Instruct)
 
 A ValueError (bad config, unsupported model, missing/unexpected tensor, shape mismatch, TP/PP that does not
-shard the model, existing output) prints ``error: ...`` and exits with status 2; no output folder is left.
+shard the model, an output folder that exists or cannot be created: under a file, on a read-only or pseudo file
+system) prints ``error: ...`` and exits with status 2; no output folder is left. So does an OSError while reading
+or writing (the line names the file; a full disk exits with status 1).
 Set ``MEGATRON_DPPO_DEBUG=1`` for the traceback.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import time
@@ -33,24 +36,34 @@ def _parallel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
 
 
-def _run(fn: Callable[[], object]) -> int:
+def run_tool(fn: Callable[[], object]) -> int:
+    """Run one conversion (``fn`` returns the folder written): 0 and ``wrote FOLDER``, or one ``error:`` line and
+    status 2 for a ValueError or an OSError (a file that cannot be read or written, named; a full disk: status 1)."""
     owned = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     try:
         out = fn()
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         if os.environ.get("MEGATRON_DPPO_DEBUG"):
             raise
         if _is_rank0():  # the checks are the same on every rank, so is the error: rank 0 says it, once
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
         else:  # torchrun stops every worker as soon as one exits: let rank 0 exit (and report) first
             time.sleep(OTHER_RANKS_EXIT_DELAY_S)
-        return 2
+        return 1 if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT) else 2
     finally:
         if owned:  # tear down only the process groups this call created
             _destroy()
     if _is_rank0():
         print(f"wrote {out}")
     return 0
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message; an OSError's as ``FILE: reason`` (``FILE -> FILE2: reason`` for a rename)."""
+    if not isinstance(err, OSError) or not err.strerror:
+        return str(err)
+    where = " -> ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
+    return f"{where}: {err.strerror}" if where else err.strerror
 
 
 def _is_rank0() -> bool:
@@ -83,7 +96,7 @@ def hf_to_megatron_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from megatron_dppo.convert.checkpoint import convert_hf_to_megatron
 
-    return _run(lambda: convert_hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp,
+    return run_tool(lambda: convert_hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp,
                                                dtype=DTYPES[args.dtype], overwrite=args.overwrite,
                                                ep=args.ep, etp=args.etp))
 
@@ -109,13 +122,13 @@ def megatron_to_hf_main(argv: Sequence[str] | None = None) -> int:
     from megatron_dppo.convert.lora_export import convert_lora_to_merged_hf, lora_checkpoint
 
     if lora_checkpoint(args.ckpt_dir) is not None:  # adapters only: merged into their base
-        return _run(lambda: convert_lora_to_merged_hf(
+        return run_tool(lambda: convert_lora_to_merged_hf(
             args.ckpt_dir, args.out_dir, base=args.base, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
             dtype=DTYPES[args.dtype] if args.dtype else None, hf_config=args.hf_config, overwrite=args.overwrite,
             max_shard_bytes=int(args.max_shard_gb * 1024 ** 3)))
     if args.base is not None:
         parser.error("--base is for LoRA checkpoints; this checkpoint holds all weights")
-    return _run(lambda: convert_megatron_to_hf(
+    return run_tool(lambda: convert_megatron_to_hf(
         args.ckpt_dir, args.out_dir, tp=args.tp, pp=args.pp,
         dtype=DTYPES[args.dtype] if args.dtype else None, hf_config=args.hf_config, overwrite=args.overwrite,
         max_shard_bytes=int(args.max_shard_gb * 1024 ** 3), ep=args.ep, etp=args.etp))
@@ -136,6 +149,6 @@ def megatron_to_peft_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from megatron_dppo.convert.lora_export import convert_lora_to_peft
 
-    return _run(lambda: convert_lora_to_peft(args.ckpt_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
+    return run_tool(lambda: convert_lora_to_peft(args.ckpt_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
                                              etp=args.etp, dtype=DTYPES[args.dtype] if args.dtype else None,
                                              overwrite=args.overwrite))

@@ -195,6 +195,35 @@ def _json_object(raw: bytes, offset: int, where: str) -> dict | None:
     return row
 
 
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
+
+
+def read_preference_pairs(path: str | Path) -> list[dict[str, str]]:
+    """The preference pairs of a JSON lines file (``megatron-dppo rm train --pairs``): one object per line with the
+    texts ``prompt``, ``chosen`` and ``rejected`` (numbers are read as text). DatasetError naming the file and line
+    for a line that is not UTF-8, not JSON, not an object or lacks a text; at least 2 pairs (the last 10% are held
+    out)."""
+    path = Path(path)
+    if not path.exists():
+        raise DatasetFileNotFoundError(f"preference pairs file not found: {path}")
+    if not path.is_file():
+        raise DatasetError(f"preference pairs path is not a file: {path}")
+    pairs = []
+    for line_no, row in _iter_jsonl(path):
+        where = f"{path}:{line_no}"
+        missing = [name for name in PAIR_FIELDS if name not in row]
+        if missing:
+            keys = ", ".join(sorted(map(str, row))) or "none"
+            raise DatasetError(f"{where}: missing field(s) {', '.join(missing)} (the row has: {keys}); each line "
+                               "is a JSON object with the texts prompt, chosen, rejected")
+        pairs.append({name: _text(row[name], where, name) for name in PAIR_FIELDS})
+    if len(pairs) < 2:
+        found = "no preference pairs (the file is empty)" if not pairs else "one preference pair"
+        raise DatasetError(f"{path}: {found}; rm train needs at least 2 (the last 10% are held out), one JSON "
+                           "object with the texts prompt, chosen, rejected per line")
+    return pairs
+
+
 def _iter_parquet(path: Path) -> Iterator[tuple[int, dict]]:
     try:
         import pyarrow.parquet as pq

@@ -32,10 +32,12 @@ def build_reward_model(cfg: Config, policy_tokenizer: Any, *, shard: tuple[int, 
     from megatron_dppo.run.build import torch_dtype
 
     path = Path(m.path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"reward.model.path {str(path)!r} is not a Hugging Face model folder (no config.json)")
+    hf = check_reward_model_folder(path)
     tokenizer = load_tokenizer(path)
-    hf = json.loads((path / "config.json").read_text())
+    if not tokenizer("Is 7 + 5 = 12? yes", add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"reward.model.path {str(path)!r} has no tokenizer (no tokenizer.json, tokenizer.model or "
+                         "vocab.json: the tokenizer loaded from it encodes text to nothing); copy the reward model's "
+                         "tokenizer files into the folder (megatron-dppo rm train writes them)")
     max_length = int(hf.get("max_position_embeddings", 0) or 0) or None
     if m.engine == "hf":
         from megatron_dppo.rewards.hf_model import HFRewardEngine
@@ -54,6 +56,27 @@ def build_reward_model(cfg: Config, policy_tokenizer: Any, *, shard: tuple[int, 
     return RewardModel(engine, tokenizer, policy_tokenizer, kind=m.kind, template=m.template, judge=judge,
                        name=str(path), timeout_s=m.timeout_s, max_length=max_length,
                        vocab_size=int(hf.get("vocab_size", 0) or 0) or None)
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_reward_model_folder(path: Path) -> dict:
+    """The reward model folder's config.json (a dict), after checking it is a Hugging Face model folder with
+    weights: each failure is a ValueError naming the file and the fix, before any model or step."""
+    from megatron_dppo.convert.hf_io import read_config_json
+
+    if not (path / "config.json").is_file():
+        raise ValueError(f"reward.model.path {str(path)!r} is not a Hugging Face model folder (no config.json)")
+    try:
+        hf = read_config_json(path / "config.json")
+    except ValueError as err:
+        raise ValueError(f"reward.model.path: {err}") from None
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise ValueError(f"reward.model.path {str(path)!r} has no weights (none of {', '.join(WEIGHT_FILES)}); copy "
+                         "the model's weight files into the folder (megatron-dppo rm train writes a complete one)")
+    return hf
 
 
 def megatron_reward_engine(cfg: Config, path: Path):
@@ -89,6 +112,7 @@ def train_reward_model(cfg: Config, out: str | Path, *, pairs_file: str | None =
                        log_every: int = 0) -> dict:
     """Train a small Bradley-Terry reward model for the run ``cfg`` describes and save it to ``out`` (module
     docstring); returns its record (pairwise accuracy on the held-out pairs among it)."""
+    from megatron_dppo.data.datasets import read_preference_pairs
     from megatron_dppo.rewards.bradley_terry import BTConfig, small_classifier_config, train_bradley_terry
     from megatron_dppo.rewards.model_inputs import InputBuilder, Sample, resolve_template
     from megatron_dppo.run.build import _formatter, arithmetic_task, build_hf_config, build_tokenizer, \
@@ -99,23 +123,18 @@ def train_reward_model(cfg: Config, out: str | Path, *, pairs_file: str | None =
     D.set_cpu_threads(1, cfg.train.cpu_threads)
     out = Path(out)
     bt = bt or BTConfig()
+    if pairs_file is not None:  # (read and checked before anything is written)
+        rows = read_preference_pairs(pairs_file)
+        cut = len(rows) - max(1, len(rows) // 10)
+        train_rows, heldout_rows, source = rows[:cut], rows[cut:], str(pairs_file)
+    elif cfg.data.task != "arithmetic":
+        raise ValueError("rm train without --pairs generates pairs from the arithmetic task; with data.task="
+                         f"{cfg.data.task!r} give --pairs FILE.jsonl ({{prompt, chosen, rejected}} per line)")
     work = copy.deepcopy(cfg)
     work.train.output_dir = str(out)  # (a train-sentencepiece tokenizer is trained into <out>/tokenizer)
     tokenizer = build_tokenizer(work)
     formatter = _formatter(work, tokenizer)
-    if pairs_file is not None:
-        rows = [json.loads(line) for line in Path(pairs_file).read_text().splitlines() if line.strip()]
-        for i, row in enumerate(rows):
-            missing = {"prompt", "chosen", "rejected"} - set(row)
-            if missing:
-                raise ValueError(f"{pairs_file}: line {i + 1} lacks {sorted(missing)} (each line is a JSON object "
-                                 "with the texts prompt, chosen, rejected)")
-        cut = len(rows) - max(1, len(rows) // 10) if len(rows) > 1 else len(rows)
-        train_rows, heldout_rows, source = rows[:cut], rows[cut:], str(pairs_file)
-    else:
-        if cfg.data.task != "arithmetic":
-            raise ValueError("rm train without --pairs generates pairs from the arithmetic task; with data.task="
-                             f"{cfg.data.task!r} give --pairs FILE.jsonl ({{prompt, chosen, rejected}} per line)")
+    if pairs_file is None:
         from megatron_dppo.data.arithmetic import preference_pairs
 
         task = arithmetic_task(work)

@@ -139,6 +139,10 @@ BAD_INPUTS = {
                          r"model.safetensors \(20 bytes\) is not a readable safetensors file.*invalid header"),
     "index_missing_shard": (lambda d: _split_with_missing_shard(d), {},
                             r"index.json names shard file\(s\) that do not exist: model-00002-of-00002"),
+    "config_not_json": (lambda d: (d / "config.json").write_text('{"model_type": llama}'), {},
+                        r"hf/config.json: not valid JSON \(Expecting value at line 1 column 16\)"),
+    "config_not_an_object": (lambda d: (d / "config.json").write_text("[1, 2]"), {},
+                             r"hf/config.json: expected a JSON object .* got list"),
 }
 
 

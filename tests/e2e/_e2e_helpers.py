@@ -152,3 +152,19 @@ def tiny_base(folder: Path, seed: int = 0, model: dict | None = None) -> Path:
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     return folder
+
+
+def make_read_only(directory: Path):
+    """No one may write into ``directory``: chmod for a normal user; root ignores permission bits, so the
+    immutable attribute (chattr +i), which binds root too (the test is skipped where neither works). Returns the
+    undo function."""
+    import shutil
+
+    import pytest
+
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return lambda: directory.chmod(0o755)
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(directory)]).returncode != 0:
+        pytest.skip("running as root without chattr +i: no directory is unwritable for this process")
+    return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)

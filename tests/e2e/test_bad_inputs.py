@@ -9,11 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from _e2e_helpers import PY, REPO, TINY_MODEL, damaged_parquet, env, free_port, read_metrics, run_cli, tiny_config, \
-    write_config
+from _e2e_helpers import PY, REPO, TINY_MODEL, damaged_parquet, env, free_port, make_read_only, read_metrics, \
+    run_cli, tiny_config, write_config
 
 CASES = {
     # name: (expected fragments of the error message, how to build the case)
@@ -41,6 +42,20 @@ CASES = {
     "damaged_parquet": ["damaged.parquet: not a readable parquet file", "Couldn't deserialize thrift"],
     "enormous_line": ["prompt 'huge:1' is at least", "context length is 32 tokens"],
     "weights_do_not_fit": ["model.path", "HF checkpoint does not match the qwen2 architecture"],
+    # reward.model.path: each used to fail late or without naming the file (a JSON error, an OSError traceback,
+    # "the reward model's input is empty" at step 0)
+    "reward_model_config_not_json": ["reward.model.path: ", "rm_not_json/config.json: not valid JSON (Expecting "
+                                     "value at line 1 column 16)"],
+    "reward_model_no_weights": ["reward.model.path ", "rm_no_weights' has no weights (none of model.safetensors",
+                                "copy the model's weight files"],
+    "reward_model_no_tokenizer": ["reward.model.path ", "rm_no_tokenizer' has no tokenizer",
+                                  "copy the reward model's tokenizer files"],
+    # rm train --pairs: each used to name no file or line, or end in a traceback
+    "pairs_malformed_line": ["pairs_bad.jsonl:2: invalid JSON"],
+    "pairs_empty_file": ["pairs_empty.jsonl: no preference pairs (the file is empty)", "at least 2"],
+    "pairs_line_is_a_number": ["pairs_number.jsonl:2: expected a JSON object per line, got int"],
+    "pairs_not_utf8": ["pairs_latin1.jsonl:2: not valid UTF-8", "byte 0xe9"],
+    "pairs_missing_field": ["pairs_nofield.jsonl:1: missing field(s) rejected (the row has: chosen, prompt)"],
 }
 
 
@@ -56,17 +71,6 @@ def _tokenizer(path, chat_template):
 def _fingerprint(directory):
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def _make_read_only(directory):
-    """No one may write into ``directory``: chmod for a normal user; root ignores permission bits, so the
-    immutable attribute (chattr +i), which binds root too. Returns the undo function."""
-    if os.geteuid() != 0:
-        directory.chmod(0o555)
-        return lambda: directory.chmod(0o755)
-    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(directory)]).returncode != 0:
-        pytest.skip("running as root without chattr +i: no directory is unwritable for this process")
-    return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,23 @@ def results(tmp_path_factory):
 
     hf_model = save_hf_model("qwen2_tied", tmp / "hf_model")
     with_chat, without_chat = _tokenizer(tmp / "tok_chat", True), _tokenizer(tmp / "tok_plain", False)
+    reward_models = {}  # a reward model folder with one part missing or damaged
+    for name in ("rm_not_json", "rm_no_weights", "rm_no_tokenizer"):
+        folder = shutil.copytree(hf_model, tmp / name)
+        for f in Path(with_chat).iterdir():  # a real tokenizer, as `rm train` writes beside the model
+            shutil.copy(f, folder / f.name)
+        reward_models[name] = str(folder)
+    (tmp / "rm_not_json" / "config.json").write_text('{"model_type": qwen2}\n')
+    (tmp / "rm_no_weights" / "model.safetensors").unlink()
+    for f in Path(with_chat).iterdir():
+        (tmp / "rm_no_tokenizer" / f.name).unlink(missing_ok=True)
+    pair = json.dumps({"prompt": "7+5=", "chosen": "12", "rejected": "13"}) + "\n"
+    (data / "pairs_bad.jsonl").write_text(pair + '{"prompt": "7+5=", "chosen": \n' + pair)
+    (data / "pairs_empty.jsonl").write_text("")
+    (data / "pairs_number.jsonl").write_text(pair + "42\n" + pair)
+    (data / "pairs_latin1.jsonl").write_bytes(pair.encode()
+                                              + b'{"prompt": "Caf\xe9", "chosen": "1", "rejected": "2"}\n')
+    (data / "pairs_nofield.jsonl").write_text(json.dumps({"prompt": "7+5=", "chosen": "12"}) + "\n" + pair)
 
     def files_case(name, train_file, tokenizer=with_chat, template="plain"):
         out = tmp / name / "run"
@@ -129,6 +150,15 @@ def results(tmp_path_factory):
                                            model={"path": str(hf_model), "tokenizer": with_chat,
                                                   "hf_config": {"intermediate_size": 100}}), []),
     }
+    for name in ("reward_model_config_not_json", "reward_model_no_weights", "reward_model_no_tokenizer"):
+        folder = reward_models["rm_" + name.removeprefix("reward_model_").replace("config_", "")]
+        configs[name] = (tiny_config(tmp / name / "run", model={"tokenizer": with_chat},
+                                     reward={"model": {"path": folder}}), [])
+    pairs = {"pairs_malformed_line": "pairs_bad", "pairs_empty_file": "pairs_empty",
+             "pairs_line_is_a_number": "pairs_number", "pairs_not_utf8": "pairs_latin1",
+             "pairs_missing_field": "pairs_nofield"}
+    for name in pairs:
+        configs[name] = (tiny_config(tmp / name / "run"), [])
     argv, before = {}, {}
     for name, (cfg, overrides) in configs.items():
         out = tmp / name / "run"
@@ -142,13 +172,16 @@ def results(tmp_path_factory):
         (out / "rollout_model" / "config.json").write_text('{"previous": "run"}\n')
         config = write_config(tmp / f"{name}.yaml", cfg)
         argv[name] = ["train", "--config", str(config), *overrides]
+    for name, stem in pairs.items():  # rm train, its folder inside the previous run's (nothing may be written)
+        argv[name] = ["rm", "train", "--config", argv[name][2], "--out", str(tmp / name / "run" / "rm"),
+                      "--pairs", str(data / f"{stem}.jsonl"), "--steps", "2"]
     shutil.rmtree(tmp / "checkpoint_dir_is_file" / "run" / "checkpoints")
     (tmp / "checkpoint_dir_is_file" / "run" / "checkpoints").write_text("a file where the checkpoints go\n")
     argv["config_is_directory"][2] = str(tmp / "config_is_directory")
     latin1 = tmp / "yaml_not_utf8.yaml"  # saved by an editor in Latin-1: the bad byte is on line 2
     latin1.write_bytes(b"# the tiny run\n# Jos\xe9's settings\n" + latin1.read_bytes())
     before = {name: _fingerprint(tmp / name / "run") for name in configs}
-    undo = _make_read_only(tmp / "output_dir_not_writable" / "run")
+    undo = make_read_only(tmp / "output_dir_not_writable" / "run")
     (tmp / "cases.json").write_text(json.dumps(argv))
     try:
         proc = subprocess.run([PY, str(REPO / "tests" / "e2e" / "_cli_cases.py"), str(tmp / "cases.json"),
