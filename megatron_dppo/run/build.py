@@ -465,35 +465,16 @@ def moe_options(cfg: Config, arch) -> dict:
     return dict(moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff, moe_routing_replay=cfg.model.moe_routing_replay)
 
 
-def build_pruner(cfg: Config, loss_cfg: LossConfig):
-    """The pruner of ``algo.pruner``: a DPPOPruner or CPPOPruner (none: None)."""
-    from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner
+def build_pruner(cfg: Config, loss_cfg: LossConfig, estimator: str):
+    """The pruner of ``algo.pruner`` (``algo.pruner.PRUNERS``) with its options and its per-prompt state: one
+    registry lookup. ``estimator`` shapes the prompt posterior's energy curve."""
+    from megatron_dppo.algo.pruner import PrunerContext
+    from megatron_dppo.algo.pruner import build_pruner as build
 
-    if cfg.algo.pruner == "dppo":
-        return DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode, keep=cfg.algo.dppo_keep,
-                          length_exponent=cfg.algo.keep_length_exponent, keep_floor=cfg.algo.keep_floor,
-                          zero_advantage_gradient=loss_cfg.kl_coef > 0, keep_cost=cfg.algo.dppo_keep_cost,
-                          max_weight=cfg.algo.posterior_max_weight)
-    if cfg.algo.pruner == "cppo":
-        return CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
-    return None
-
-
-def build_prompt_state(cfg: Config, estimator: str):
-    """DPPO's per-prompt state, read by the prompt level and updated after every step: the prompt posterior
-    (``algo.dppo_keep=posterior``; from the raw training rewards, shaped by the advantage ``estimator``) or the
-    history of ``algo.history_score`` (auto: the reward spread when a reward model is set, whose continuous scores
-    leave mean |A| without scale; else mean |A|; ``algo.history_ema``)."""
-    from megatron_dppo.algo.prompt_history import make_history
-    from megatron_dppo.algo.prompt_posterior import PromptPosterior
-
-    if cfg.algo.pruner == "dppo" and cfg.algo.dppo_keep == "posterior":
-        return PromptPosterior(cfg.train.group_size, estimator=estimator, gamma=cfg.algo.posterior_gamma,
-                               rewards=cfg.algo.posterior_rewards)
-    score = cfg.algo.history_score
-    if score == "auto":
-        score = "reward_std" if cfg.reward.model.path is not None else "mean_abs_adv"
-    return make_history(score, cfg.algo.history_ema)
+    context = PrunerContext(group_size=cfg.train.group_size, prompts_per_step=cfg.train.prompts_per_step,
+                            estimator=estimator, zero_advantage_gradient=loss_cfg.kl_coef > 0,
+                            reward_model=cfg.reward.model.path is not None)
+    return build(cfg.algo.pruner, cfg.algo, context)
 
 
 def build_handover(cfg: Config, engine, rollout, arch):

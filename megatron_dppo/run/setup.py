@@ -14,7 +14,6 @@ from megatron_dppo.run.build import (
     build_handover,
     build_hf_config,
     build_loss,
-    build_prompt_state,
     build_pruner,
     build_rollout,
     build_scorer,
@@ -93,12 +92,12 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
         dtype=torch_dtype(cfg.model.dtype), attention_backend=cfg.model.attention_backend, lora=lora,
         **moe_options(cfg, arch))
     rollout = build_rollout(cfg, hf_config, model_dir, tokenizer, lora) if link is None else None  # (separate: workers)
-    pruner = build_pruner(cfg, loss_cfg)
+    pruner = build_pruner(cfg, loss_cfg, estimator)
     rollout_side = RolloutSide(
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, engine, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=train_prompts,
         sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle), pruner=pruner,
-        history=build_prompt_state(cfg, estimator), eval_sets=eval_sets, eval_scorers=eval_scorers,
+        eval_sets=eval_sets, eval_scorers=eval_scorers,
         reward_model=reward_model, env_factory=env_factory, chat=chat)
     train_side = TrainSide(cfg=cfg, engine=engine, loss_cfg=loss_cfg, estimator=estimator, pruner=pruner,
                            pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0))
@@ -162,7 +161,7 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, None, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=prompts,
         sampler=PromptSampler(len(prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
-        pruner=build_pruner(cfg, loss_cfg), history=build_prompt_state(cfg, estimator), eval_sets=eval_sets,
+        pruner=build_pruner(cfg, loss_cfg, estimator), eval_sets=eval_sets,
         eval_scorers=eval_scorers, reward_model=reward_model, env_factory=env_factory, chat=chat)
 
 
@@ -237,7 +236,7 @@ def push_weights(run: Run, version: int | None = None) -> int:
     due = eval_due(run.cfg, version) if new else bool(run.cfg.eval.every) and version == 0
     side = run.rollout_side
     start, sampler = run.link.worker_start(run.rl_step, side.sampler.state_dict())
-    extra = {"history": side.history.state_dict(), "rl_step": start, "sampler": sampler, "eval": due}
+    extra = {"history": side.pruner.state_dict(), "rl_step": start, "sampler": sampler, "eval": due}
     # (LoRA: the base goes with this process's first version only; the workers keep it, later versions are adapters)
     stream = rollout_weights(run.train_side.engine, run.arch, run.cfg.rollout.weight_bucket_mb << 20,
                              base=run.link.versions_sent == 0)

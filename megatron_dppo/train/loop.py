@@ -3,7 +3,7 @@ reads exactly like the data flow of one step.
 
     prompts ─► prompt pruning (DPPO: history, pi_q; pruned prompts are never generated)
             ─► generate G completions (rollout engine)  ─► rewards  ─► advantages on the FULL groups
-            ─► completion pruning (none | cppo | dppo): keep mask + weight, full-batch denominator D
+            ─► completion pruning (the pruner: none | cppo | dppo | pods): keep mask + weight, full-batch denominator D
             ─► PPO mini-batches (split by drawn prompt, from the seed; each with its own fixed D_m)
             ─► Dense Prompt Packing of each mini-batch (THD micro-batches, equal count per DP rank)
             ─► old/ref log-probs (forward only, once per rollout)  ─► rollout correction (tis | mis)

@@ -27,6 +27,8 @@ def _run_and_batch(engine, dp_rank: int, dp_size: int, parallel: dict):
     """A TrainSide-shaped namespace for the stages (its DP rank and size given), and the step's (prompts, prompt_cut,
     rollout, total_cut, batch)."""
     from megatron_dppo.algo.losses import sequence_token_weights
+    from megatron_dppo.algo.prompt_history import PromptHistory
+    from megatron_dppo.algo.pruner import DPPO, PrunerContext
     from megatron_dppo.algo.pruning import DPPOPruner, PruneResult
     from megatron_dppo.config import load_config
     from megatron_dppo.train.rollouts import Rollout
@@ -38,7 +40,8 @@ def _run_and_batch(engine, dp_rank: int, dp_size: int, parallel: dict):
                              "packing.window=8", "rollout.max_new_tokens=8", "data.task=arithmetic"],
                       validate=False)
     data = F.make_sequences(num_prompts=NUM_PROMPTS, group=GROUP)
-    run = SimpleNamespace(cfg=cfg, engine=engine, loss_cfg=engine.loss_cfg, pruner=DPPOPruner(0.0, 0.5),
+    pruner = DPPO(DPPOPruner(0.0, 0.5), PromptHistory(), PrunerContext(GROUP, NUM_PROMPTS))
+    run = SimpleNamespace(cfg=cfg, engine=engine, loss_cfg=engine.loss_cfg, pruner=pruner,
                           dp_rank=dp_rank, dp_size=dp_size, pad_id=0)
     prompts = [SimpleNamespace(id=str(q), token_ids=data["tokens"][q * GROUP][:data["prompt_lengths"][q * GROUP]])
                for q in range(NUM_PROMPTS)]
