@@ -115,6 +115,9 @@ class ModelConfig:
             self.lora.validate()
 
 
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # Transformer Engine's context-parallel K/V exchanges (cp_comm_type)
+
+
 @dataclass
 class ParallelConfig:
     """Megatron model parallelism; data parallel size = world_size / (tp * pp * cp)."""
@@ -139,12 +142,36 @@ class ParallelConfig:
     etp: int = opt(1, "Expert-tensor-parallel size (MoE models): each expert split over etp ranks like a dense "
                       "MLP under TP. 1 (whole experts, more EP) suits fine-grained experts such as Qwen3-MoE's.")
 
-    def validate(self) -> None:
+    # One class for the YAML section and the engine (megatron/parallel.py builds the process groups from it, and
+    # code that lays out a model without a run, e.g. the conversion tools, constructs it directly).
+    def __post_init__(self) -> None:
+        self._check_layout()
+
+    def _check_layout(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "etp"):
-            _check(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "an integer >= 1")
-        _check(self.vpp is None or self.vpp >= 1, "parallel.vpp", self.vpp, "null or an integer >= 1")
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"parallel.{name}", value,
+                   "an integer >= 1")
+        _check(self.vpp is None or (isinstance(self.vpp, int) and self.vpp >= 1), "parallel.vpp", self.vpp,
+               "null or an integer >= 1")
         _check(not (self.vpp and self.pp == 1), "parallel.vpp", self.vpp, "null when parallel.pp == 1")
+        _check(self.cp_comm_type in CP_COMM_TYPES, "parallel.cp_comm_type", self.cp_comm_type,
+               f"one of {CP_COMM_TYPES}")
+
+    def validate(self) -> None:
+        self._check_layout()
         _check(not (self.sp and self.tp == 1), "parallel.sp", self.sp, "false when parallel.tp == 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel size for ``world_size`` processes."""
+        if world_size % self.model_parallel_size:
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*"
+                             f"{self.cp} = {self.model_parallel_size}")
+        return world_size // self.model_parallel_size
 
 
 @dataclass

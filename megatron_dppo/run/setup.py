@@ -43,13 +43,11 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     """Process groups, tokenizer, data, Megatron engine, rollout engine, rewards, pruner; restore a checkpoint."""
     from megatron_dppo.data import PromptSampler
     from megatron_dppo.megatron.model import ModelArch
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel, validate_parallel
+    from megatron_dppo.megatron.parallel import initialize_parallel, validate_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     quiet_logs()
-    parallel = ParallelConfig(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, sp=cfg.parallel.sp,
-                              cp=cfg.parallel.cp, ep=cfg.parallel.ep, etp=cfg.parallel.etp,
-                              cp_comm_type=cfg.parallel.cp_comm_type)
+    parallel = cfg.parallel  # (the engine reads the parallel section itself)
     D.pick_free_port_if_single_process()
     link = connect_trainer(cfg) if cfg.rollout.placement == "separate" else None  # (before Megatron's groups)
     info = initialize_parallel(parallel, cfg.model.init_seed)
