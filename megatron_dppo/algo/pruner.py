@@ -33,9 +33,9 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
+from ._checks import check_rate, floor_with_tolerance
 from .prompt_history import PromptHistory, make_history
 from .prompt_posterior import PromptPosterior
-from ._checks import check_rate, floor_with_tolerance
 from .pruning import CPPOPruner, DPPOPruner, PruneResult, keep_all
 from .registry import Registry
 

@@ -260,9 +260,9 @@ def monte_carlo(extra, weight_one=False, monkeypatch=None, draws=DRAWS):
     cfg = make_config("algo.dppo_keep=optimal", "algo.dppo_keep_cost=tokens", "algo.r_q=0.4", "algo.r_o=0.5",
                       "algo.keep_floor=0.1", *extra)
     rollout_side, side = sides(cfg, rollout)
-    seen = [p.id for p in rollout.prompts[1:]]  # prompt 0 never seen: kept with probability 1
     history_adv = advantages[1:].clone()
     history_adv[1] = 0.0  # a prompt whose last group had no signal: a candidate at the floor
+    # prompts 1..B-1 seen (prompt 0 never seen: kept with probability 1)
     update_prompt_state(rollout_side, select_rows(rollout, range(1, B)), rollout.rewards[1:], history_adv, version=0)
     full_cfg = make_config("algo.pruner=none", *extra)
     full_rollout_side, full_side = sides(full_cfg, rollout)

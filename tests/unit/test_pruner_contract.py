@@ -18,9 +18,9 @@ import copy
 import pickle
 
 import pytest
+import test_pruning as TP
 import torch
 
-import test_pruning as TP
 from megatron_dppo.algo.advantages import compute_advantages
 from megatron_dppo.algo.losses import loss_denominator
 from megatron_dppo.algo.pruner import PRUNERS, REQUIRED_METRICS, Groups, Pruner
