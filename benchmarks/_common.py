@@ -196,7 +196,7 @@ def engine_world(arch, loss_cfg, lr: float = 1e-3, seed: int = 1234):
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     with single_process_world(ParallelConfig(), seed=seed, arch=arch):
-        engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=lr, clip_grad=1.0), loss_cfg)
+        engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=lr, grad_clip=1.0), loss_cfg)
         yield engine
 
 

@@ -5,7 +5,7 @@ own."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -419,6 +419,15 @@ class LossConfig:
         None, "Override: multiply the KL term by the importance ratio (rho_t; S for gspo) with full autograd, "
               "TRL's use_bias_correction_kl (on in trl_grpo, off elsewhere); acts only with kl_coef > 0.")
 
+    # Not overrides of the policy loss: the preset itself, and the estimator returned beside the loss.
+    NOT_LOSS_FIELDS = ("preset", "advantage_estimator")
+
+    def overrides(self) -> dict[str, Any]:
+        """The options set here (not null) that override a field of the preset's policy loss
+        (``algo.losses.LossConfig``, whose fields these are by name: tests/unit/test_config.py checks it)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in self.NOT_LOSS_FIELDS and getattr(self, f.name) is not None}
+
     def validate(self) -> None:
         for name in ("eps_low", "eps_high"):
             v = getattr(self, name)
@@ -436,9 +445,16 @@ class LossConfig:
             _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 @dataclass
 class OptimConfig:
-    """Adam optimizer (optionally Megatron's DistributedOptimizer, which shards its state over DP ranks)."""
+    """Adam optimizer (optionally Megatron's DistributedOptimizer, which shards its state over DP ranks).
+
+    Weight decay is decoupled (AdamW) and not applied to biases and norm weights (Megatron's default parameter
+    groups); the schedule's formula is ``megatron.engine.lr_at_step``.
+    """
 
     lr: float = opt(1e-6, "Peak learning rate of the RL phase.")
     min_lr: float = opt(0.0, "Final learning rate of the cosine decay (if scheduler=cosine).")
@@ -452,6 +468,25 @@ class OptimConfig:
     distributed_optimizer: bool = opt(False, "Shard Adam state and fp32 master weights over the data-parallel "
                                              "ranks (Megatron DistributedOptimizer); for large models.")
 
+    # One class for the YAML section and the engine (megatron/engine.py builds its optimizer from it; tests and
+    # benchmarks construct it directly): the checks an optimizer needs run on construction; validate adds the
+    # run's rules (a positive learning rate, a positive epsilon).
+    def __post_init__(self) -> None:
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        for name in ("lr", "min_lr", "weight_decay", "adam_eps", "grad_clip"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                   and value >= 0, f"optim.{name}", value, "a finite number >= 0")
+        _check(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"<= optim.lr={self.lr}")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            _check(0 <= value < 1, f"optim.{name}", value, "in [0, 1)")
+        _check(self.scheduler in LR_SCHEDULES, "optim.scheduler", self.scheduler, f"one of {LR_SCHEDULES}")
+        _check(isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool)
+               and self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+
     def validate(self) -> None:
         _check(self.lr > 0, "optim.lr", self.lr, "> 0")
         _check(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "in [0, optim.lr]")
@@ -461,6 +496,7 @@ class OptimConfig:
         _check(0 <= self.adam_beta2 < 1, "optim.adam_beta2", self.adam_beta2, "in [0, 1)")
         _check(self.adam_eps > 0, "optim.adam_eps", self.adam_eps, "> 0")
         _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, ">= 0")
+        self._check_optimizer()
 
 
 @dataclass

@@ -58,13 +58,7 @@ def _probe_writable(folder: Path, context: str) -> None:
 def build_loss(cfg: Config) -> tuple[LossConfig, str]:
     """The loss preset with the config's per-field overrides and the rollout's sampling temperature (every log-prob
     of the loss is tempered by it), and the advantage estimator."""
-    overrides = {k: getattr(cfg.loss, k) for k in ("policy_loss", "eps_low", "eps_high", "kl_coef", "kl_estimator",
-                                                   "aggregation", "advantage_eps", "clip_ratio_c", "kl_clamp",
-                                                   "rollout_correction", "rollout_correction_cap",
-                                                   "rollout_correction_cap_low", "gspo_gradient",
-                                                   "gspo_log_ratio_cap", "kl_bias_correction")
-                 if getattr(cfg.loss, k) is not None}
-    loss, estimator = resolve_loss_preset(cfg.loss.preset, **overrides, temperature=cfg.rollout.temperature)
+    loss, estimator = resolve_loss_preset(cfg.loss.preset, **cfg.loss.overrides(), temperature=cfg.rollout.temperature)
     if cfg.algo.screens:  # the denominator must not depend on which continuations are generated
         from megatron_dppo.algo.screening import screening_denominator
 

@@ -4,6 +4,7 @@ pruner, and the restored state, gathered in one :class:`~megatron_dppo.run.state
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from megatron_dppo.config import Config
@@ -44,7 +45,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     from megatron_dppo.data import PromptSampler
     from megatron_dppo.megatron.model import ModelArch
     from megatron_dppo.megatron.parallel import initialize_parallel, validate_parallel
-    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.engine import PolicyEngine
 
     quiet_logs()
     parallel = cfg.parallel  # (the engine reads the parallel section itself)
@@ -83,10 +84,9 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     found = find_resume_checkpoint(cfg) if resume else None
 
     # 2. the engines, and the two halves of a step that use them
-    engine = PolicyEngine(arch, parallel, OptimConfig(
-        lr=cfg.optim.lr, min_lr=0.0, lr_schedule="constant", warmup_steps=0, weight_decay=cfg.optim.weight_decay,
-        adam_beta1=cfg.optim.adam_beta1, adam_beta2=cfg.optim.adam_beta2, adam_eps=cfg.optim.adam_eps,
-        clip_grad=cfg.optim.grad_clip, use_distributed_optimizer=cfg.optim.distributed_optimizer), loss_cfg,
+    # the trainer owns the schedule (train/loop.py: rl_learning_rate, set each update): the engine's is constant
+    optim = replace(cfg.optim, min_lr=0.0, scheduler="constant", warmup_steps=0)
+    engine = PolicyEngine(arch, parallel, optim, loss_cfg,
         dtype=torch_dtype(cfg.model.dtype), attention_backend=cfg.model.attention_backend, lora=lora,
         **moe_options(cfg, arch))
     rollout = build_rollout(cfg, hf_config, model_dir, tokenizer, lora) if link is None else None  # (separate: workers)

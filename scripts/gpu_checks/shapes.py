@@ -61,8 +61,8 @@ def build_engine(c: Check, arch, seed: int, distributed_optimizer: bool = True):
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     seed_everything(seed)
-    return PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-5, clip_grad=1.0,
-                                                            use_distributed_optimizer=distributed_optimizer),
+    return PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-5, grad_clip=1.0,
+                                                            distributed_optimizer=distributed_optimizer),
                         LossConfig(kl_coef=0.0), dtype=c.dtype, reference=False)
 
 

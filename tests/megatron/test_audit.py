@@ -92,7 +92,7 @@ def dp_audit_worker(distributed_optimizer: bool):
     initialize_parallel(ParallelConfig(), SEED, tiny_arch(num_layers=2))
     loss_cfg = LossConfig()
     engine = PolicyEngine(tiny_arch(num_layers=2), ParallelConfig(),
-                          OptimConfig(lr=1e-2, use_distributed_optimizer=distributed_optimizer), loss_cfg)
+                          OptimConfig(lr=1e-2, distributed_optimizer=distributed_optimizer), loss_cfg)
     data = make_sequences(num_prompts=3, group=4, seed=3)
     full = dict(data, keep=torch.ones_like(data["keep"]), weight=torch.ones_like(data["weight"]))
     rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()

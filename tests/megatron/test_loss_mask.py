@@ -29,7 +29,7 @@ def _engine(loss_cfg):
 
     seed_everything(F.SEED)
     return PolicyEngine(F.tiny_arch("llama", num_layers=2, tie=False), ParallelConfig(),
-                        OptimConfig(lr=0.0, clip_grad=0.0), loss_cfg)
+                        OptimConfig(lr=0.0, grad_clip=0.0), loss_cfg)
 
 
 def episodes(seed: int = 5, n: int = 6):

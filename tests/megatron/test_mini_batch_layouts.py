@@ -82,7 +82,7 @@ def mini_batch_worker(ckpt_root: str, tp: int = 1, sp: bool = False, save: bool 
     initialize_parallel(parallel, F.SEED, arch)
     loss_cfg = LossConfig("ppo_clip", 0.2, 0.28, kl_coef=0.05, kl_estimator="k3", aggregation="seq_mean_token_mean",
                           clip_ratio_c=3.0)
-    engine = PolicyEngine(arch, parallel, OptimConfig(lr=1e-2, clip_grad=1.0), loss_cfg)
+    engine = PolicyEngine(arch, parallel, OptimConfig(lr=1e-2, grad_clip=1.0), loss_cfg)
     if save:
         save_checkpoint(engine, ckpt_root)
     else:

@@ -37,7 +37,7 @@ def _engine(replay: bool, family: str = "qwen3_moe", parallel=None, lr: float = 
 
     seed_everything(SEED)
     return PolicyEngine(_arch(family, **(hf_changes or {})), parallel or ParallelConfig(),
-                        OptimConfig(lr=lr, clip_grad=0.0), loss or LossConfig(), moe_routing_replay=replay, lora=lora)
+                        OptimConfig(lr=lr, grad_clip=0.0), loss or LossConfig(), moe_routing_replay=replay, lora=lora)
 
 
 def _batches(pad_multiple: int = 1, groups=((9, 5, 12), (7, 3, 8, 6)), seed: int = 0):

@@ -134,7 +134,7 @@ def ours(problem, loss_cfg) -> tuple[float, dict[str, torch.Tensor], list[torch.
 
     arch = ModelArch.from_hf_config(HF_CONFIG)
     with single_process_world(arch=arch):
-        engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=0.0, clip_grad=0.0), loss_cfg)
+        engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=0.0, grad_clip=0.0), loss_cfg)
         load_hf_weights(engine.modules, arch, hf_model(problem.folder).state_dict())
         engine.sync_reference_from_policy()
         lengths = torch.tensor(LENGTHS, dtype=torch.float32)
