@@ -11,7 +11,6 @@ from typing import Any, Literal, Optional
 
 from megatron_dppo.config.fields import _check, opt
 
-
 # --------------------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------------------
@@ -607,9 +606,10 @@ class EvalConfig:
     pass_k: int = opt(4, "k of pass@k (<= eval.samples).")
     temperature: float = opt(1.0, "Sampling temperature of evaluation.")
     reward: Any = opt("auto", "Correctness check of evaluation (same forms as reward.fn); auto = per file: gsm8k "
-                              "for GSM8K files, arithmetic for the arithmetic task, final_number for a procedural task, "
-                              "math (math-verify) otherwise.")
-    suite: Optional[Literal["math6", "math8"]] = opt(None, "A named benchmark suite evaluated in addition to eval.files: math6 (GSM8K, "
+                              "for GSM8K files, arithmetic for the arithmetic task, final_number for a procedural "
+                              "task, math (math-verify) otherwise.")
+    suite: Optional[Literal["math6", "math8"]] = opt(None, "A named benchmark suite evaluated in addition to "
+                                                           "eval.files: math6 (GSM8K, "
                                      "MATH-500, AIME24, AMC23, Minerva Math, OlympiadBench) or math8 (math6 + SVAMP, "
                                      "ASDiv); megatron-dppo eval prints one table with their average. For the papers' "
                                      "protocol raise eval.max_prompts to cover every prompt.")

@@ -73,19 +73,25 @@ from megatron_dppo.dist import collectives as D
 from megatron_dppo.megatron.checkpoint_files import (
     ASIDE_PREFIX,
     LATEST_FILE,
-    NAME_RE as _NAME_RE,
-    TMP_PREFIX as _TMP_PREFIX,
     CheckpointDiskFullError,  # noqa: F401 - part of this module's interface
-    CheckpointError,  # noqa: F401 - part of this module's interface
+    CheckpointError,
     disk_full_error,
     find_checkpoint,
-    fsync_dir as _fsync_dir,
     in_process_save_strategy,
     out_of_space,
     recover_interrupted_saves,
     verify_checkpoint,
     write_latest,
     write_manifest,
+)
+from megatron_dppo.megatron.checkpoint_files import (
+    NAME_RE as _NAME_RE,
+)
+from megatron_dppo.megatron.checkpoint_files import (
+    TMP_PREFIX as _TMP_PREFIX,
+)
+from megatron_dppo.megatron.checkpoint_files import (
+    fsync_dir as _fsync_dir,
 )
 from megatron_dppo.megatron.lora import is_lora_param
 

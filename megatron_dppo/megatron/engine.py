@@ -95,9 +95,9 @@ from megatron_dppo.config.sections import OptimConfig  # the optim section of th
 
 from . import compat
 from .cpu import ensure_device_backend
-from .logprobs import compute_logprobs as _forward_only_logprobs
 from .logprobs import batch_logprobs, forward_thd, run_pipeline_schedule
-from .lora import LoraBase, LoraConfig, add_lora_adapters, adapters_disabled, check_lora_supported
+from .logprobs import compute_logprobs as _forward_only_logprobs
+from .lora import LoraBase, LoraConfig, adapters_disabled, add_lora_adapters, check_lora_supported
 from .model import ModelArch, build_model_chunks, default_dtype, device_dtype_audit, engine_device
 from .moe import aux_loss_per_routed_token
 from .parallel import ParallelConfig

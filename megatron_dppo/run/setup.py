@@ -43,9 +43,9 @@ from megatron_dppo.run.state import RolloutSide, Run, TrainSide
 def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     """Process groups, tokenizer, data, Megatron engine, rollout engine, rewards, pruner; restore a checkpoint."""
     from megatron_dppo.data import PromptSampler
+    from megatron_dppo.megatron.engine import PolicyEngine
     from megatron_dppo.megatron.model import ModelArch
     from megatron_dppo.megatron.parallel import initialize_parallel, validate_parallel
-    from megatron_dppo.megatron.engine import PolicyEngine
 
     quiet_logs()
     parallel = cfg.parallel  # (the engine reads the parallel section itself)

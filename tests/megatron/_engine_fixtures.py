@@ -102,8 +102,8 @@ def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vp
 
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.packing import thd_pad_multiple
 
     arch = dataclasses.replace(tiny_arch(), **(arch_changes or {}))
@@ -220,8 +220,8 @@ def reshard_worker(root: str, tp: int = 1, pp: int = 1, save: bool = False, dist
 
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     arch = tiny_arch()
     parallel = ParallelConfig(tp=tp, pp=pp)

@@ -9,13 +9,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _engine_fixtures import make_sequences, rank_micro_batches, tiny_arch  # noqa: E402
+from _engine_fixtures import make_sequences, rank_micro_batches, tiny_arch
 
 
 def _engine_and_data():
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.megatron.parallel import ParallelConfig
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig
 
     loss_cfg = LossConfig()
     engine = PolicyEngine(tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-2), loss_cfg)
@@ -80,14 +80,13 @@ def test_audit_rejects_bad_denominator():
 
 def dp_audit_worker(distributed_optimizer: bool):
     """DP=2: each rank holds half the micro-batches; the audit gradient must be the whole batch's."""
+    from _engine_fixtures import SEED
     from megatron.core import parallel_state
 
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.train.audit import pruning_audit, step_gradient
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
-
-    from _engine_fixtures import SEED
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
+    from megatron_dppo.train.audit import pruning_audit, step_gradient
 
     initialize_parallel(ParallelConfig(), SEED, tiny_arch(num_layers=2))
     loss_cfg = LossConfig()

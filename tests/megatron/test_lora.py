@@ -13,9 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import run_distributed, single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
-from _tiny import packed_batches  # noqa: E402
+import _engine_fixtures as F
+from _dist import run_distributed, single_process_world
+from _tiny import packed_batches
 
 CFG = dict(rank=4, alpha=8.0, target_modules=("qkv", "proj", "fc1", "fc2"))
 
@@ -173,8 +173,8 @@ def _engine(arch, lora=None, kl=0.05, **optim):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.convert import load_hf_weights
     from megatron_dppo.megatron import lora as L
-    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(F.SEED)
     loss = LossConfig(kl_coef=kl, kl_estimator="k3")
@@ -283,8 +283,8 @@ def lora_layout_worker(tp: int = 1, pp: int = 1, sp: bool = False, distributed_o
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
     from megatron_dppo.convert import load_hf_weights
     from megatron_dppo.megatron import lora as L
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine, _pad_multiple
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     arch = F.tiny_arch("qwen2", num_layers=2)  # q/k/v biases, tied embeddings (PP: the last stage's copy)
     parallel = ParallelConfig(tp=tp, pp=pp, sp=sp, cp=cp)

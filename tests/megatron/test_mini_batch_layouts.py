@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import run_distributed, single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
+import _engine_fixtures as F
+from _dist import run_distributed, single_process_world
 
 NUM_PROMPTS, GROUP = 4, 4
 
@@ -73,8 +73,8 @@ def mini_batch_worker(ckpt_root: str, tp: int = 1, sp: bool = False, save: bool 
 
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.train.stages import fill_old_and_reference_logprobs, pack_mini_batches, split_mini_batches
 
     arch = F.tiny_arch()

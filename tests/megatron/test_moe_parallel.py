@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import run_distributed, single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
-from _tiny import TINY_MOE_CONFIGS, packed_batches  # noqa: E402
+import _engine_fixtures as F
+from _dist import run_distributed, single_process_world
+from _tiny import TINY_MOE_CONFIGS, packed_batches
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,8 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
 
     from megatron_dppo.algo.losses import loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.packing import thd_pad_multiple
 
     arch = moe_arch(family, **(hf_changes or {}))
@@ -229,8 +229,8 @@ def test_checkpoint_moves_between_ep1_and_ep2_bit_exact(ep1_reference, dp2_ep2_r
     resharded Adam moments equals the EP2 run's second step."""
     from megatron_dppo.algo.losses import loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, read_checkpoint_meta
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     root, ref = ep1_reference
     loaded_at_ep2, trained_at_ep2, second_at_ep2 = dp2_ep2_run[0]["params"]
@@ -272,8 +272,8 @@ def moe_resume_worker(root: str, ep: int = 2, distributed_optimizer: bool = Fals
     traces and whether final parameters and every Adam state tensor are equal."""
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     arch = moe_arch("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[])
     parallel = ParallelConfig(ep=ep)
@@ -379,8 +379,8 @@ def _sequences_of(batch) -> list[list[int]]:
 
 def _aux_engine(coeff: float | None):
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     arch = moe_arch()
     initialize_parallel(ParallelConfig(), F.SEED, arch)
@@ -461,8 +461,8 @@ def distributed_optimizer_ep_change_worker(root: str):
     second step."""
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     arch = moe_arch("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[])
     loss_cfg = LossConfig()

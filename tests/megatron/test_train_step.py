@@ -12,8 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import run_distributed, single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
+import _engine_fixtures as F
+from _dist import run_distributed, single_process_world
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,8 @@ def world():
 
 
 def _engine(loss_cfg, **optim):
-    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(F.SEED)
     return PolicyEngine(F.tiny_arch("llama", num_layers=2, tie=False), ParallelConfig(), OptimConfig(**optim),
@@ -256,8 +256,8 @@ def test_logits_at_loss_positions_only_give_the_same_update(world, policy_loss, 
 
 
 def test_old_logprobs_needed_only_when_the_ratio_can_differ_from_one():
-    from megatron_dppo.run.build import build_loss
     from megatron_dppo.config import Config, load_config
+    from megatron_dppo.run.build import build_loss
     from megatron_dppo.train.stages import old_logprobs_needed
 
     def needed(*overrides: str) -> bool:
