@@ -192,11 +192,11 @@ def engine_world(arch, loss_cfg, lr: float = 1e-3, seed: int = 1234):
     """An in-process world of one (gloo) with a PolicyEngine on ``arch``."""
     from _dist import single_process_world
 
-    from megatron_dppo.megatron.parallel import ParallelConfig
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig
 
     with single_process_world(ParallelConfig(), seed=seed, arch=arch):
-        engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=lr, clip_grad=1.0), loss_cfg)
+        engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=lr, grad_clip=1.0), loss_cfg)
         yield engine
 
 
@@ -213,8 +213,14 @@ def plan_micro_batches(rollouts: Rollouts, keep: torch.Tensor, weight: torch.Ten
     (window-greedy) | ffd | kk (verl) | padded (each micro-batch's sequences padded to its longest: the [N, L]
     layout's compute, expressed in THD)."""
     from megatron_dppo.algo.losses import sequence_token_weights
-    from megatron_dppo.packing import (build_rank_micro_batches, build_thd_batch, pack_ffd, pack_padded,
-                                       pack_sequences, pack_verl_kk)
+    from megatron_dppo.packing import (
+        build_rank_micro_batches,
+        build_thd_batch,
+        pack_ffd,
+        pack_padded,
+        pack_sequences,
+        pack_verl_kk,
+    )
 
     flat_keep = keep.flatten()
     kept = [i for i in range(len(rollouts.tokens)) if bool(flat_keep[i])]

@@ -11,7 +11,7 @@
    run would take next: B prompts from the restored sampler, G completions from the rollout engine at the
    configured temperature with the step's seeds (the very rollout the training run generated at that step),
    rewards, full-group advantages with the run's estimator, and the prompts' scores in the restored
-   ``run.rollout_side.history`` (their last visit, under an older policy; NaN = never seen).
+   ``run.rollout_side.pruner.state`` (their last visit, under an older policy; NaN = never seen).
 3. The gradient of each sequence's loss term alone (weight 1, the full batch's denominator D, on-policy: old
    log-probs = current, ratio 1; kl_coef 0 as the quickstart) through the Megatron engine (a batch holding that
    one sequence, ``audit.step_gradient``), and one gradient of the whole batch for the linearity check. Only the
@@ -136,7 +136,7 @@ def rollout_step(run, B: int, G: int) -> tuple[StepData, object]:
 
     step, side, trainer = run.rl_step, run.rollout_side, run.train_side
     prompts = [side.train_prompts[i] for i in side.sampler.take(B)]
-    history = side.history.scores([p.id for p in prompts])
+    history = side.pruner.state.scores([p.id for p in prompts])
     rollout = generate(side, prompts, G, step, temperature=run.cfg.rollout.temperature)
     rollout.rewards = score(side.scorer, rollout, G)
     adv = compute_advantages(rollout.rewards, trainer.estimator, trainer.loss_cfg.advantage_eps)

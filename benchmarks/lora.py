@@ -106,7 +106,7 @@ def run_mode(args) -> dict:
     lora = L.LoraConfig(rank=args.rank, alpha=2.0 * args.rank) if args.mode == "lora" else None
     loss = LossConfig(kl_coef=args.kl, kl_estimator="k3")
     with single_process_world(ParallelConfig(), seed=1234, arch=arch):
-        engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-5, clip_grad=1.0), loss, lora=lora)
+        engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-5, grad_clip=1.0), loss, lora=lora)
         load_hf_folder(engine.model_chunks, hf_dir, arch)
         engine.optimizer.reload_model_params()
         if engine.reference_chunks is not None:

@@ -13,7 +13,8 @@ Two scores (``algo.history_score``, ``make_history``):
     size before normalization). Chosen by ``algo.history_score=auto`` when a reward model is set
     (docs/reward_models.md, "Pruning under continuous rewards", and benchmarks/history_score.py).
 
-Both are states with the same interface, ``update(ids, advantages, rewards, costs)``, ``scores(ids)``, ``state_dict()``,
+Both are states with the same interface, ``update(ids, advantages, rewards, costs)`` (``observe(groups)`` for the
+pruner), ``scores(ids)``, ``state_dict()``,
 ``load_state_dict()``: another per-prompt state (e.g. a posterior over the pass rate) can take their place.
 A checkpoint of one score refuses to load into the other (its ``FORMAT``).
 """
@@ -92,8 +93,18 @@ class PromptHistory:
         """The new score of each group: mean_i |A_qi|."""
         return advantages.detach().double().abs().mean(dim=1).tolist()
 
-    def scores(self, ids: Sequence[PromptId] | Tensor) -> Tensor:
-        """h for each id (float64), NaN for prompts never seen."""
+    def observe(self, groups, record_costs: bool = False) -> None:
+        """The full groups of ``groups`` (``algo.pruner.Groups``): their score, and with ``record_costs`` (the
+        cost-aware keep rule) the mean tokens of one sequence of each. Screens (no advantages) are not groups the
+        score is defined on: skipped."""
+        if groups.advantages is None:
+            return
+        costs = groups.tokens.mean(dim=1) if record_costs else None
+        self.update(list(groups.ids), groups.advantages, groups.rewards, costs=costs)
+
+    def scores(self, ids: Sequence[PromptId] | Tensor, version: int | None = None) -> Tensor:
+        """h for each id (float64), NaN for prompts never seen. ``version`` (the weights that will generate) is
+        accepted for the posterior's interface and unused: the history is not dated."""
         ids = _normalize_ids(ids)
         return torch.tensor([self._scores.get(i, math.nan) for i in ids], dtype=torch.float64)
 
@@ -101,6 +112,10 @@ class PromptHistory:
         """The recorded mean cost of one completion of each prompt's last group (float64), NaN where none is."""
         ids = _normalize_ids(ids)
         return torch.tensor([self._costs.get(i, math.nan) for i in ids], dtype=torch.float64)
+
+    def stats(self) -> dict[str, float]:
+        """What the history reports besides its size (``len``): nothing."""
+        return {}
 
     def state_dict(self) -> dict:
         ids = list(self._scores)

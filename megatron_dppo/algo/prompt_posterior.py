@@ -180,6 +180,11 @@ class PromptPosterior:
         return math.fsum(values) / len(values) if values else 1.0
 
     # ------------------------------------------------------------------------------------------------------------
+    def observe(self, groups, record_costs: bool = False) -> None:
+        """``groups`` (``algo.pruner.Groups``: full groups or screens) added with ``update``: their raw rewards and
+        completion lengths, dated by the version of the weights that generated them (no costs are kept)."""
+        self.update(list(groups.ids), groups.rewards, groups.version, lengths=groups.lengths)
+
     def update(self, ids: Sequence[PromptId] | Tensor, rewards: Tensor, step: int,
                lengths: Tensor | None = None) -> None:
         """Add the groups ``rewards`` [len(ids), n] (n completions each; the G of the configured group size, or a

@@ -169,6 +169,13 @@ class PruneResult:
         return torch.where(self.keep, 1.0 / w, torch.full_like(w, math.nan))
 
 
+def keep_all(shape: int | tuple[int, ...]) -> PruneResult:
+    """Every unit of ``shape`` kept with probability 1, weight 1, none a candidate (no pruning)."""
+    ones = torch.ones(shape, dtype=torch.float64)
+    return PruneResult(keep=torch.ones(shape, dtype=torch.bool), weight=ones.float(), keep_prob=ones,
+                       candidate=torch.zeros(shape, dtype=torch.bool))
+
+
 def _result(keep: Tensor, keep_prob: Tensor, candidate: Tensor | None, device: torch.device,
             score: Tensor | None = None) -> PruneResult:
     weight = torch.where(keep, 1.0 / keep_prob, torch.zeros_like(keep_prob)).to(torch.float32)

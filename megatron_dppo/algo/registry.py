@@ -1,4 +1,5 @@
-"""A tiny name -> function registry, so that a new advantage estimator, policy loss or KL estimator is one function.
+"""A tiny name -> function registry, so that a new advantage estimator, policy loss or KL estimator is one function
+(and a new pruning rule one class: ``pruner.PRUNERS``).
 
     ESTIMATORS = Registry("advantage estimator")
 
@@ -17,7 +18,7 @@ F = TypeVar("F", bound=Callable)
 
 
 class Registry(Generic[F]):
-    """Named functions of one kind. Lookups of unknown names raise ValueError listing the valid names."""
+    """Named functions (or classes) of one kind. Lookups of unknown names raise ValueError listing the valid names."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind

@@ -14,9 +14,10 @@ from megatron_dppo.config.fields import _check, opt
 class AlgoConfig:
     """Pruning (docs/algorithms.md, "Pruning")."""
 
-    pruner: Literal["none", "cppo", "dppo"] = opt("dppo", "none = plain GRPO family; cppo = keep the largest-|A| "
-                                                          "completions (biased baseline); dppo = unbiased "
-                                                          "hierarchical pruning with 1/P reweighting.")
+    pruner: Literal["none", "cppo", "dppo", "pods"] = opt(
+        "dppo", "none = plain GRPO family; cppo = keep the largest-|A| completions (biased baseline); dppo = unbiased "
+                "hierarchical pruning with 1/P reweighting; pods = keep each group's max-reward-variance subset "
+                "(biased baseline). The rules are algo/pruner.py's PRUNERS.")
     r_q: float = opt(0.5, "DPPO prompt-level pruning rate in [0, 1): candidate prompts (history score 0 or below "
                           "the batch mean) are skipped with probability r_q, survivors weighted 1/(1-r_q).")
     r_o: float = opt(0.5, "DPPO completion-level pruning rate in [0, 1): candidate completions (A == 0 or |A| "
@@ -99,6 +100,9 @@ class AlgoConfig:
                                                          "floor(N(1-P)) over the batch (batch).")
     cppo_allocation: bool = opt(False, "CPPO dynamic completion allocation: draw B/(1-P) prompts, prune back to "
                                        "B*G completions.")
+    pods_rate: float = opt(0.5, "PODS max-variance down-sampling rate in [0, 1): keep floor(G * (1 - rate)) of each "
+                                "group's completions (at least 2), the highest- and lowest-reward ones whose rewards "
+                                "vary most; weight 1, loss averaged over the kept ones (biased baseline).")
     drop_zero_variance_groups: bool = opt(False, "Deterministically drop groups whose rewards are all equal (DAPO "
                                                  "dynamic-sampling filter; exact when loss.kl_coef == 0).")
 
@@ -106,6 +110,7 @@ class AlgoConfig:
         _check(0 <= self.r_q < 1, "algo.r_q", self.r_q, "a rate in [0, 1)")
         _check(0 <= self.r_o < 1, "algo.r_o", self.r_o, "a rate in [0, 1)")
         _check(0 <= self.cppo_rate < 1, "algo.cppo_rate", self.cppo_rate, "a rate in [0, 1)")
+        _check(0 <= self.pods_rate < 1, "algo.pods_rate", self.pods_rate, "a rate in [0, 1)")
         _check(self.history_ema is None or 0 < self.history_ema <= 1, "algo.history_ema", self.history_ema,
                "null or in (0, 1]")
         _check(0 < self.keep_floor <= 1, "algo.keep_floor", self.keep_floor,

@@ -5,12 +5,11 @@ own."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from megatron_dppo.config.fields import _check, opt
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Sections
@@ -117,6 +116,9 @@ class ModelConfig:
             self.lora.validate()
 
 
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # Transformer Engine's context-parallel K/V exchanges (cp_comm_type)
+
+
 @dataclass
 class ParallelConfig:
     """Megatron model parallelism; data parallel size = world_size / (tp * pp * cp)."""
@@ -141,12 +143,36 @@ class ParallelConfig:
     etp: int = opt(1, "Expert-tensor-parallel size (MoE models): each expert split over etp ranks like a dense "
                       "MLP under TP. 1 (whole experts, more EP) suits fine-grained experts such as Qwen3-MoE's.")
 
-    def validate(self) -> None:
+    # One class for the YAML section and the engine (megatron/parallel.py builds the process groups from it, and
+    # code that lays out a model without a run, e.g. the conversion tools, constructs it directly).
+    def __post_init__(self) -> None:
+        self._check_layout()
+
+    def _check_layout(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "etp"):
-            _check(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "an integer >= 1")
-        _check(self.vpp is None or self.vpp >= 1, "parallel.vpp", self.vpp, "null or an integer >= 1")
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"parallel.{name}", value,
+                   "an integer >= 1")
+        _check(self.vpp is None or (isinstance(self.vpp, int) and self.vpp >= 1), "parallel.vpp", self.vpp,
+               "null or an integer >= 1")
         _check(not (self.vpp and self.pp == 1), "parallel.vpp", self.vpp, "null when parallel.pp == 1")
+        _check(self.cp_comm_type in CP_COMM_TYPES, "parallel.cp_comm_type", self.cp_comm_type,
+               f"one of {CP_COMM_TYPES}")
+
+    def validate(self) -> None:
+        self._check_layout()
         _check(not (self.sp and self.tp == 1), "parallel.sp", self.sp, "false when parallel.tp == 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel size for ``world_size`` processes."""
+        if world_size % self.model_parallel_size:
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*"
+                             f"{self.cp} = {self.model_parallel_size}")
+        return world_size // self.model_parallel_size
 
 
 @dataclass
@@ -400,6 +426,21 @@ class LossConfig:
         None, "Override: multiply the KL term by the importance ratio (rho_t; S for gspo) with full autograd, "
               "TRL's use_bias_correction_kl (on in trl_grpo, off elsewhere); acts only with kl_coef > 0.")
 
+    # Not overrides of the policy loss: the preset itself, and the estimator returned beside the loss.
+    NOT_LOSS_FIELDS = ("preset", "advantage_estimator")
+
+    def overrides(self) -> dict[str, Any]:
+        """The options set here that override a field of the preset's policy loss (``algo.losses.LossConfig``,
+        whose fields these are by name: tests/unit/test_config.py checks it): every option not null, and for the
+        options whose null is a value of its own (off, ``LOSS_NULL_MEANS_OFF``) every option not "preset"."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in self.NOT_LOSS_FIELDS or v == "preset" or (v is None and f.name not in LOSS_NULL_MEANS_OFF):
+                continue
+            out[f.name] = v
+        return out
+
     def validate(self) -> None:
         for name in ("eps_low", "eps_high"):
             v = getattr(self, name)
@@ -415,9 +456,16 @@ class LossConfig:
             _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 @dataclass
 class OptimConfig:
-    """Adam optimizer (optionally Megatron's DistributedOptimizer, which shards its state over DP ranks)."""
+    """Adam optimizer (optionally Megatron's DistributedOptimizer, which shards its state over DP ranks).
+
+    Weight decay is decoupled (AdamW) and not applied to biases and norm weights (Megatron's default parameter
+    groups); the schedule's formula is ``megatron.engine.lr_at_step``.
+    """
 
     lr: float = opt(1e-6, "Peak learning rate of the RL phase.")
     min_lr: float = opt(0.0, "Final learning rate of the cosine decay (if scheduler=cosine).")
@@ -431,6 +479,25 @@ class OptimConfig:
     distributed_optimizer: bool = opt(False, "Shard Adam state and fp32 master weights over the data-parallel "
                                              "ranks (Megatron DistributedOptimizer); for large models.")
 
+    # One class for the YAML section and the engine (megatron/engine.py builds its optimizer from it; tests and
+    # benchmarks construct it directly): the checks an optimizer needs run on construction; validate adds the
+    # run's rules (a positive learning rate, a positive epsilon).
+    def __post_init__(self) -> None:
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        for name in ("lr", "min_lr", "weight_decay", "adam_eps", "grad_clip"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                   and value >= 0, f"optim.{name}", value, "a finite number >= 0")
+        _check(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"<= optim.lr={self.lr}")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            _check(0 <= value < 1, f"optim.{name}", value, "in [0, 1)")
+        _check(self.scheduler in LR_SCHEDULES, "optim.scheduler", self.scheduler, f"one of {LR_SCHEDULES}")
+        _check(isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool)
+               and self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+
     def validate(self) -> None:
         _check(self.lr > 0, "optim.lr", self.lr, "> 0")
         _check(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "in [0, optim.lr]")
@@ -440,6 +507,7 @@ class OptimConfig:
         _check(0 <= self.adam_beta2 < 1, "optim.adam_beta2", self.adam_beta2, "in [0, 1)")
         _check(self.adam_eps > 0, "optim.adam_eps", self.adam_eps, "> 0")
         _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, ">= 0")
+        self._check_optimizer()
 
 
 @dataclass
@@ -556,9 +624,10 @@ class EvalConfig:
     pass_k: int = opt(4, "k of pass@k (<= eval.samples).")
     temperature: float = opt(1.0, "Sampling temperature of evaluation.")
     reward: Any = opt("auto", "Correctness check of evaluation (same forms as reward.fn); auto = per file: gsm8k "
-                              "for GSM8K files, arithmetic for the arithmetic task, final_number for a procedural task, "
-                              "math (math-verify) otherwise.")
-    suite: Optional[Literal["math6", "math8"]] = opt(None, "A named benchmark suite evaluated in addition to eval.files: math6 (GSM8K, "
+                              "for GSM8K files, arithmetic for the arithmetic task, final_number for a procedural "
+                              "task, math (math-verify) otherwise.")
+    suite: Optional[Literal["math6", "math8"]] = opt(None, "A named benchmark suite evaluated in addition to "
+                                                           "eval.files: math6 (GSM8K, "
                                      "MATH-500, AIME24, AMC23, Minerva Math, OlympiadBench) or math8 (math6 + SVAMP, "
                                      "ASDiv); megatron-dppo eval prints one table with their average. For the papers' "
                                      "protocol raise eval.max_prompts to cover every prompt.")

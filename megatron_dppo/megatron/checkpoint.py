@@ -32,7 +32,7 @@ What is saved:
                     its folder and checksum (``lora_base``) and loading onto another base is refused
 ``optimizer``       Adam state + fp32 main params (MoE models: a dense and an expert optimizer, chained).
                     Regular optimizer: per-parameter sharded tensors (fully reshardable). DistributedOptimizer:
-                    ``OptimConfig.dist_ckpt_optim_format``; ``dp_reshardable`` (default; reshards over DP
+                    ``PolicyEngine``'s ``dist_ckpt_optim_format``; ``dp_reshardable`` (default; reshards over DP
                     only, same TP/PP/VPP/EP/ETP) or ``fully_reshardable`` (any
                     TP/PP/DP; gathers on DP rank 0 when saving). Both resume bit-exactly. Not written
                     before the first update (no state yet).
@@ -73,19 +73,25 @@ from megatron_dppo.dist import collectives as D
 from megatron_dppo.megatron.checkpoint_files import (
     ASIDE_PREFIX,
     LATEST_FILE,
-    NAME_RE as _NAME_RE,
-    TMP_PREFIX as _TMP_PREFIX,
     CheckpointDiskFullError,  # noqa: F401 - part of this module's interface
-    CheckpointError,  # noqa: F401 - part of this module's interface
+    CheckpointError,
     disk_full_error,
     find_checkpoint,
-    fsync_dir as _fsync_dir,
     in_process_save_strategy,
     out_of_space,
     recover_interrupted_saves,
     verify_checkpoint,
     write_latest,
     write_manifest,
+)
+from megatron_dppo.megatron.checkpoint_files import (
+    NAME_RE as _NAME_RE,
+)
+from megatron_dppo.megatron.checkpoint_files import (
+    TMP_PREFIX as _TMP_PREFIX,
+)
+from megatron_dppo.megatron.checkpoint_files import (
+    fsync_dir as _fsync_dir,
 )
 from megatron_dppo.megatron.lora import is_lora_param
 
@@ -187,7 +193,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _optimizer_metadata(engine) -> dict:
-    return {"distrib_optim_sharding_type": engine.optim_cfg.dist_ckpt_optim_format}
+    return {"distrib_optim_sharding_type": engine.dist_ckpt_optim_format}
 
 
 def _optimizer_has_state(engine) -> bool:
@@ -335,10 +341,10 @@ def _engine_meta(engine) -> dict:
         "step": int(engine.step),
         "arch": asdict(engine.arch),
         "layout": _layout(engine),
-        "optim": asdict(engine.optim_cfg),
+        "optim": {**asdict(engine.optim_cfg), "dist_ckpt_optim_format": engine.dist_ckpt_optim_format},
         "loss": asdict(engine.loss_cfg),
         "dtype": str(engine.dtype),
-        "distributed_optimizer": bool(engine.optim_cfg.use_distributed_optimizer),
+        "distributed_optimizer": bool(engine.optim_cfg.distributed_optimizer),
         "has_optimizer_state": _optimizer_has_state(engine),
         "has_reference": engine.reference_chunks is not None,
         "lora": asdict(engine.lora) if getattr(engine, "lora", None) is not None else None,
@@ -556,15 +562,15 @@ def load_checkpoint(engine, path: str | os.PathLike, *, load_optimizer: bool | N
 
     # -- what can be restored
     opt_possible, opt_reason = meta["has_optimizer_state"], "the checkpoint has no optimizer state"
-    if opt_possible and meta["distributed_optimizer"] != engine.optim_cfg.use_distributed_optimizer:
+    if opt_possible and meta["distributed_optimizer"] != engine.optim_cfg.distributed_optimizer:
         opt_possible, opt_reason = False, (f"use_distributed_optimizer differs (checkpoint "
                                            f"{meta['distributed_optimizer']}, engine "
-                                           f"{engine.optim_cfg.use_distributed_optimizer})")
+                                           f"{engine.optim_cfg.distributed_optimizer})")
     if opt_possible and meta["distributed_optimizer"]:
         fmt = meta["optim"]["dist_ckpt_optim_format"]
-        if fmt != engine.optim_cfg.dist_ckpt_optim_format:
+        if fmt != engine.dist_ckpt_optim_format:
             opt_possible, opt_reason = False, (f"DistributedOptimizer format differs (checkpoint {fmt}, engine "
-                                               f"{engine.optim_cfg.dist_ckpt_optim_format})")
+                                               f"{engine.dist_ckpt_optim_format})")
         elif fmt == "dp_reshardable" and any(saved.get(k, 1) != here[k] for k in _MODEL_PARALLEL_KEYS):
             opt_possible, opt_reason = False, (
                 f"the dp_reshardable DistributedOptimizer state reshards over DP only; saved "

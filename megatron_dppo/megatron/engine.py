@@ -86,18 +86,18 @@ import contextlib
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from megatron_dppo.algo.losses import LossConfig, loss_numerator
+from megatron_dppo.config.sections import OptimConfig  # the optim section of the run configuration
 
 from . import compat
 from .cpu import ensure_device_backend
-from .logprobs import compute_logprobs as _forward_only_logprobs
 from .logprobs import batch_logprobs, forward_thd, run_pipeline_schedule
+from .logprobs import compute_logprobs as _forward_only_logprobs
 from .lora import LoraBase, LoraConfig, add_lora_adapters, check_lora_supported, reference_adapters
 from .model import ModelArch, build_model_chunks, default_dtype, device_dtype_audit, engine_device
 from .moe import aux_loss_per_routed_token
@@ -105,8 +105,6 @@ from .parallel import ParallelConfig
 from .routing_replay import RoutingReplay, release_megatron_router_replay
 
 logger = logging.getLogger(__name__)
-
-LR_SCHEDULES = ("constant", "cosine")
 
 # Per-micro-batch sums reduced into the step metrics (order of the stats vector).
 _STAT_NAMES = ("numerator", "tokens", "clipped_tokens", "clip_high_tokens", "clip_low_tokens", "ratio_sum",
@@ -116,69 +114,35 @@ _STAT_NAMES = ("numerator", "tokens", "clipped_tokens", "clip_high_tokens", "cli
 # ----------------------------------------------------------------------------------------------------------
 # Configuration
 # ----------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class OptimConfig:
-    """Adam(W) + schedule + clipping.
+DIST_CKPT_OPTIM_FORMATS = ("dp_reshardable", "fully_reshardable")
 
-    lr(step), with ``step`` = optimizer steps already taken (0 for the first update), per param group with
-    Megatron's ``max_lr``/``min_lr`` (``lr``/``min_lr`` here unless overridden):
+
+def lr_at_step(cfg: OptimConfig, step: int, max_lr: float, min_lr: float, total_steps: int | None = None) -> float:
+    """The learning rate of update number ``step`` (0-based) for a group with ``max_lr``/``min_lr`` under
+    ``cfg``'s schedule (the optim section, config/sections.py); ``total_steps``: the cosine's horizon.
+
+    With ``step`` = optimizer steps already taken (0 for the first update):
         warmup (step < warmup_steps):  max_lr * (step + 1) / warmup_steps
         constant:                      max_lr
         cosine:                        min_lr + (max_lr - min_lr) * (1 + cos(pi * p)) / 2,
                                        p = min(1, (step - warmup_steps) / (total_steps - warmup_steps))
     The first update of a warmup therefore already uses a non-zero rate (Megatron's own scheduler starts at 0).
-    ``clip_grad`` is the max global L2 norm (0 disables clipping); weight decay is decoupled (AdamW) and not
-    applied to biases and norm weights (Megatron's default parameter groups).
     """
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = False
-    # DistributedOptimizer checkpoint format: dp_reshardable (resumes bit-exactly, reshards over DP only) or
-    # fully_reshardable (any TP/PP/DP change; gathers the state on DP rank 0 at save time).
-    dist_ckpt_optim_format: str = "dp_reshardable"
-
-    def __post_init__(self):
-        for name in ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"OptimConfig.{name}={value!r} must be a finite number >= 0")
-        if self.min_lr > self.lr:
-            raise ValueError(f"OptimConfig.min_lr={self.min_lr} must be <= lr={self.lr}")
-        for name in ("adam_beta1", "adam_beta2"):
-            value = getattr(self, name)
-            if not 0 <= value < 1:
-                raise ValueError(f"OptimConfig.{name}={value} must be in [0, 1)")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"OptimConfig.lr_schedule={self.lr_schedule!r}; valid: {LR_SCHEDULES}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"OptimConfig.warmup_steps={self.warmup_steps!r} must be an integer >= 0")
-        if self.lr_schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
-            raise ValueError(f"lr_schedule='cosine' needs total_steps > warmup_steps={self.warmup_steps}, "
-                             f"got total_steps={self.total_steps}")
-        formats = ("dp_reshardable", "fully_reshardable")
-        if self.dist_ckpt_optim_format not in formats:
-            raise ValueError(f"OptimConfig.dist_ckpt_optim_format={self.dist_ckpt_optim_format!r}; valid: {formats}")
-
-
-def lr_at_step(cfg: OptimConfig, step: int, max_lr: float, min_lr: float) -> float:
-    """The learning rate of update number ``step`` (0-based) for a group with ``max_lr``/``min_lr``."""
+    check_schedule(cfg, total_steps)
     if step < 0:
         raise ValueError(f"step={step} must be >= 0")
     if step < cfg.warmup_steps:
         return max_lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
+    if cfg.scheduler == "constant":
         return max_lr
-    progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
+    progress = min(1.0, (step - cfg.warmup_steps) / (total_steps - cfg.warmup_steps))
     return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def check_schedule(cfg: OptimConfig, total_steps: int | None) -> None:
+    if cfg.scheduler == "cosine" and (total_steps is None or total_steps <= cfg.warmup_steps):
+        raise ValueError(f"optim.scheduler='cosine' needs total_steps > warmup_steps={cfg.warmup_steps}, "
+                         f"got total_steps={total_steps}")
 
 
 
@@ -255,7 +219,8 @@ class PolicyEngine:
 
     def __init__(self, arch: ModelArch, parallel: ParallelConfig, optim: OptimConfig | None = None,
                  loss: LossConfig | None = None, *, dtype: torch.dtype | None = None,
-                 reference: bool | None = None, lora: LoraConfig | None = None, **config_overrides):
+                 reference: bool | None = None, lora: LoraConfig | None = None, total_steps: int | None = None,
+                 dist_ckpt_optim_format: str = "dp_reshardable", **config_overrides):
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -269,6 +234,13 @@ class PolicyEngine:
         self.arch = arch
         self.parallel = parallel
         self.optim_cfg = optim or OptimConfig()
+        check_schedule(self.optim_cfg, total_steps)
+        self.total_steps = total_steps  # the horizon of optim.scheduler=cosine (the engine's own schedule)
+        if dist_ckpt_optim_format not in DIST_CKPT_OPTIM_FORMATS:
+            raise ValueError(f"dist_ckpt_optim_format={dist_ckpt_optim_format!r}; valid: {DIST_CKPT_OPTIM_FORMATS}")
+        # DistributedOptimizer checkpoint format: dp_reshardable (resumes bit-exactly, reshards over DP only) or
+        # fully_reshardable (any TP/PP/DP change; gathers the state on DP rank 0 at save time)
+        self.dist_ckpt_optim_format = dist_ckpt_optim_format
         self.loss_cfg = loss or LossConfig()
         self.dtype = dtype or default_dtype()
         self.device = engine_device()
@@ -301,7 +273,7 @@ class PolicyEngine:
         self.ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
-            use_distributed_optimizer=self.optim_cfg.use_distributed_optimizer,
+            use_distributed_optimizer=self.optim_cfg.distributed_optimizer,
             check_for_nan_in_grad=False,
             average_in_collective=False,
         )
@@ -325,9 +297,9 @@ class PolicyEngine:
             optimizer="adam", lr=self.optim_cfg.lr, min_lr=self.optim_cfg.min_lr,
             weight_decay=self.optim_cfg.weight_decay, adam_beta1=self.optim_cfg.adam_beta1,
             adam_beta2=self.optim_cfg.adam_beta2, adam_eps=self.optim_cfg.adam_eps,
-            clip_grad=self.optim_cfg.clip_grad, bf16=self.dtype == torch.bfloat16,
+            clip_grad=self.optim_cfg.grad_clip, bf16=self.dtype == torch.bfloat16,
             fp16=self.dtype == torch.float16, params_dtype=self.dtype,
-            use_distributed_optimizer=self.optim_cfg.use_distributed_optimizer,
+            use_distributed_optimizer=self.optim_cfg.distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(**compat.supported_kwargs(OptimizerConfig, opt_kwargs)), self.model_chunks)
@@ -407,14 +379,15 @@ class PolicyEngine:
 
     def current_lr(self) -> float:
         """Learning rate the next update uses (default parameter group)."""
-        return lr_at_step(self.optim_cfg, self.step, self.optim_cfg.lr, self.optim_cfg.min_lr)
+        return lr_at_step(self.optim_cfg, self.step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.total_steps)
 
     def _apply_lr(self) -> float:
         lr0 = None
         for group in self.optimizer.param_groups:
             max_lr = group.get("max_lr", self.optim_cfg.lr)
             min_lr = group.get("min_lr", self.optim_cfg.min_lr)
-            group["lr"] = lr_at_step(self.optim_cfg, self.step, max_lr, min_lr) * group.get("lr_mult", 1.0)
+            lr = lr_at_step(self.optim_cfg, self.step, max_lr, min_lr, self.total_steps)
+            group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.optim_cfg.weight_decay * group.get("wd_mult", 1.0)
             if lr0 is None or group.get("default_config", False):
                 lr0 = group["lr"]

@@ -22,11 +22,12 @@ from __future__ import annotations
 import datetime
 import logging
 import random
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from megatron_dppo.config.sections import ParallelConfig
 
 from .cpu import ensure_device_backend
 
@@ -38,53 +39,14 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-# Transformer Engine's context-parallel exchanges (Megatron's cp_comm_type): p2p = ring of K/V blocks overlapped
-# with compute, all_gather = K/V all-gathered, a2a = all-to-all over heads (Ulysses; heads / tp divisible by cp).
-# "a2a+p2p" needs Megatron's hierarchical CP groups, which initialize_parallel does not create.
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """tp: tensor parallel, pp: pipeline parallel, vpp: virtual pipeline stages per rank (interleaved
-    schedule) or None, sp: sequence parallel (needs tp > 1 to matter), cp: context parallel (each packed sequence
-    split over cp ranks in 2*cp load-balanced chunks, ``packing.context_parallel``; the engine splits every
-    micro-batch, ``logprobs.forward_thd``), ep: expert parallel, etp: expert tensor parallel (MoE models only),
-    cp_comm_type: how Transformer Engine's attention exchanges K/V under CP (``CP_COMM_TYPES``, Megatron's
-    ``TransformerConfig.cp_comm_type``; the TE spec only: the sdpa / varlen path always all-gathers K/V)."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    sp: bool = False
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    cp_comm_type: str = "p2p"
-
-    def __post_init__(self):
-        for name in ("tp", "pp", "cp", "ep", "etp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        if self.cp_comm_type not in CP_COMM_TYPES:
-            raise ValueError(f"cp_comm_type={self.cp_comm_type!r} is invalid: expected one of {CP_COMM_TYPES}")
-        if self.vpp is not None:
-            if not isinstance(self.vpp, int) or self.vpp < 1:
-                raise ValueError(f"vpp={self.vpp!r} must be None or an integer >= 1")
-            if self.pp < 2:
-                raise ValueError(f"vpp={self.vpp} (interleaved pipeline) needs pp >= 2, got pp={self.pp}")
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tp * self.pp * self.cp
-
-    def dp(self, world_size: int) -> int:
-        """Data-parallel size for ``world_size`` processes."""
-        if world_size % self.model_parallel_size:
-            raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*"
-                             f"{self.cp} = {self.model_parallel_size}")
-        return world_size // self.model_parallel_size
+# The parallel layout is the run configuration's ``parallel`` section (one class: config/sections.py, with the
+# help of each field): tp, pp, vpp (virtual pipeline stages per rank, interleaved schedule), sp (sequence parallel),
+# cp (context parallel: each packed sequence split over cp ranks in 2*cp load-balanced chunks,
+# ``packing.context_parallel``; the engine splits every micro-batch, ``logprobs.forward_thd``), ep / etp (expert
+# parallel / expert tensor parallel, MoE models), cp_comm_type (``config.sections.CP_COMM_TYPES``: how Transformer
+# Engine's attention exchanges K/V under CP, Megatron's ``TransformerConfig.cp_comm_type``; p2p = ring of K/V
+# blocks overlapped with compute, all_gather, a2a = all-to-all over heads; "a2a+p2p" needs hierarchical CP groups,
+# which initialize_parallel does not create).
 
 
 def validate_parallel(arch: "ModelArch", cfg: ParallelConfig, world_size: int) -> int:

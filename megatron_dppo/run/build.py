@@ -15,11 +15,10 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_dppo.dist import collectives as D
 from megatron_dppo.algo.losses import LossConfig, resolve_loss_preset
 from megatron_dppo.config import Config
-from megatron_dppo.config.sections import LOSS_NULL_MEANS_OFF
 from megatron_dppo.data import Prompt
+from megatron_dppo.dist import collectives as D
 
 
 def check_output_dirs(cfg: Config) -> None:
@@ -59,13 +58,7 @@ def _probe_writable(folder: Path, context: str) -> None:
 def build_loss(cfg: Config) -> tuple[LossConfig, str]:
     """The loss preset with the config's per-field overrides and the rollout's sampling temperature (every log-prob
     of the loss is tempered by it), and the advantage estimator."""
-    keys = ("policy_loss", "eps_low", "eps_high", "kl_coef", "kl_estimator", "aggregation", "advantage_eps",
-            "clip_ratio_c", "kl_clamp", "rollout_correction", "rollout_correction_cap", "rollout_correction_cap_low",
-            "gspo_gradient", "gspo_log_ratio_cap", "kl_bias_correction")
-    # null is the preset's value, except where null is a value of its own (off): there "preset" is
-    overrides = {k: v for k in keys if (v := getattr(cfg.loss, k)) != "preset"
-                 and (v is not None or k in LOSS_NULL_MEANS_OFF)}
-    loss, estimator = resolve_loss_preset(cfg.loss.preset, **overrides, temperature=cfg.rollout.temperature)
+    loss, estimator = resolve_loss_preset(cfg.loss.preset, **cfg.loss.overrides(), temperature=cfg.rollout.temperature)
     if cfg.algo.screens:  # the denominator must not depend on which continuations are generated
         from megatron_dppo.algo.screening import screening_denominator
 
@@ -485,35 +478,16 @@ def moe_options(cfg: Config, arch) -> dict:
     return dict(moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff, moe_routing_replay=cfg.model.moe_routing_replay)
 
 
-def build_pruner(cfg: Config, loss_cfg: LossConfig):
-    """The pruner of ``algo.pruner``: a DPPOPruner or CPPOPruner (none: None)."""
-    from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner
+def build_pruner(cfg: Config, loss_cfg: LossConfig, estimator: str):
+    """The pruner of ``algo.pruner`` (``algo.pruner.PRUNERS``) with its options and its per-prompt state: one
+    registry lookup. ``estimator`` shapes the prompt posterior's energy curve."""
+    from megatron_dppo.algo.pruner import PrunerContext
+    from megatron_dppo.algo.pruner import build_pruner as build
 
-    if cfg.algo.pruner == "dppo":
-        return DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode, keep=cfg.algo.dppo_keep,
-                          length_exponent=cfg.algo.keep_length_exponent, keep_floor=cfg.algo.keep_floor,
-                          zero_advantage_gradient=loss_cfg.kl_coef > 0, keep_cost=cfg.algo.dppo_keep_cost,
-                          max_weight=cfg.algo.posterior_max_weight)
-    if cfg.algo.pruner == "cppo":
-        return CPPOPruner(cfg.algo.cppo_rate, cfg.algo.cppo_scope, cfg.algo.cppo_allocation)
-    return None
-
-
-def build_prompt_state(cfg: Config, estimator: str):
-    """DPPO's per-prompt state, read by the prompt level and updated after every step: the prompt posterior
-    (``algo.dppo_keep=posterior``; from the raw training rewards, shaped by the advantage ``estimator``) or the
-    history of ``algo.history_score`` (auto: the reward spread when a reward model is set, whose continuous scores
-    leave mean |A| without scale; else mean |A|; ``algo.history_ema``)."""
-    from megatron_dppo.algo.prompt_history import make_history
-    from megatron_dppo.algo.prompt_posterior import PromptPosterior
-
-    if cfg.algo.pruner == "dppo" and cfg.algo.dppo_keep == "posterior":
-        return PromptPosterior(cfg.train.group_size, estimator=estimator, gamma=cfg.algo.posterior_gamma,
-                               rewards=cfg.algo.posterior_rewards)
-    score = cfg.algo.history_score
-    if score == "auto":
-        score = "reward_std" if cfg.reward.model.path is not None else "mean_abs_adv"
-    return make_history(score, cfg.algo.history_ema)
+    context = PrunerContext(group_size=cfg.train.group_size, prompts_per_step=cfg.train.prompts_per_step,
+                            estimator=estimator, zero_advantage_gradient=loss_cfg.kl_coef > 0,
+                            reward_model=cfg.reward.model.path is not None)
+    return build(cfg.algo.pruner, cfg.algo, context)
 
 
 def build_handover(cfg: Config, engine, rollout, arch):

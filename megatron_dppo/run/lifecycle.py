@@ -27,7 +27,7 @@ def save(run: Run) -> Path:
     side = run.rollout_side
     extra = {"rl_step": run.rl_step, "sft_step": run.sft_step, "rl_cpu_s": run.rl_cpu_s,
              "sampler": side.sampler.state_dict(),
-             "history": side.history.state_dict(), "config": run.cfg.to_dict()}
+             "history": side.pruner.state_dict(), "config": run.cfg.to_dict()}
     if run.link is not None:  # train.staleness_mode=fixed: the batches in flight, so that a resume is exact
         extra["in_flight"] = run.link.in_flight(run.rl_step, run.cfg.train.steps)
     return save_checkpoint(run.train_side.engine, run.cfg.checkpoint_dir, extra,
@@ -56,27 +56,28 @@ def restore(run: Run, path: Path) -> None:
     run.rl_step, run.sft_step = int(extra["rl_step"]), int(extra["sft_step"])
     run.rl_cpu_s = float(extra.get("rl_cpu_s", 0.0))  # (absent in checkpoints of earlier versions)
     run.rollout_side.sampler.load_state_dict(extra["sampler"])
-    restore_prompt_state(run.rollout_side.history, extra["history"])
+    restore_prompt_state(run.rollout_side.pruner, extra["history"])
     if run.link is not None:
         run.link.resume_at(run.rl_step, extra.get("in_flight"))
     if D.is_main():
         print(f"resumed from {path} (warm-start step {run.sft_step}, RL step {run.rl_step})", flush=True)
 
 
-def restore_prompt_state(state, saved: dict) -> None:
-    """Load the checkpoint's per-prompt state ``saved`` into ``state`` (a ``PromptHistory`` or ``PromptPosterior``).
+def restore_prompt_state(pruner, saved: dict) -> None:
+    """Load the checkpoint's per-prompt state ``saved`` into the ``pruner`` (``algo.pruner.Pruner``: a history or
+    a posterior inside it, named by its ``state_format``).
     A state of the other kind (``algo.dppo_keep`` or ``algo.history_score`` changed, e.g. a warm start, or a run
     continued with ``dppo_keep=posterior`` or with a reward model) is not carried over: the run starts a fresh one,
     with a warning when the saved one held prompts (the keep probabilities are recorded with each batch, so the estimate stays unbiased)."""
-    if isinstance(saved, dict) and saved.get("format") == state.FORMAT:
-        state.load_state_dict(saved)
+    if isinstance(saved, dict) and saved.get("format") == pruner.state_format:
+        pruner.load_state_dict(saved)
         return
     held = len(saved.get("ids", [])) if isinstance(saved, dict) else 0
     if held and D.is_main():
         import warnings
 
         warnings.warn(f"the checkpoint's prompt state is a {saved.get('format')!r} of {held} prompts; this run keeps "
-                      f"a {state.FORMAT!r} (algo.dppo_keep, algo.history_score) and starts it fresh", stacklevel=2)
+                      f"a {pruner.state_format!r} (algo.dppo_keep, algo.history_score) and starts it fresh", stacklevel=2)
 
 
 # ==============================================================================================================

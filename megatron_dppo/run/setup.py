@@ -4,6 +4,7 @@ pruner, and the restored state, gathered in one :class:`~megatron_dppo.run.state
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from megatron_dppo.config import Config
@@ -14,7 +15,6 @@ from megatron_dppo.run.build import (
     build_handover,
     build_hf_config,
     build_loss,
-    build_prompt_state,
     build_pruner,
     build_rollout,
     build_scorer,
@@ -44,14 +44,12 @@ from megatron_dppo.run.state import RolloutSide, Run, TrainSide
 def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     """Process groups, tokenizer, data, Megatron engine, rollout engine, rewards, pruner; restore a checkpoint."""
     from megatron_dppo.data import PromptSampler
+    from megatron_dppo.megatron.engine import PolicyEngine
     from megatron_dppo.megatron.model import ModelArch
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel, validate_parallel
-    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import initialize_parallel, validate_parallel
 
     quiet_logs()
-    parallel = ParallelConfig(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, sp=cfg.parallel.sp,
-                              cp=cfg.parallel.cp, ep=cfg.parallel.ep, etp=cfg.parallel.etp,
-                              cp_comm_type=cfg.parallel.cp_comm_type)
+    parallel = cfg.parallel  # (the engine reads the parallel section itself)
     D.pick_free_port_if_single_process()
     link = connect_trainer(cfg) if cfg.rollout.placement == "separate" else None  # (before Megatron's groups)
     info = initialize_parallel(parallel, cfg.model.init_seed)
@@ -88,19 +86,18 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     found = find_resume_checkpoint(cfg) if resume else None
 
     # 2. the engines, and the two halves of a step that use them
-    engine = PolicyEngine(arch, parallel, OptimConfig(
-        lr=cfg.optim.lr, min_lr=0.0, lr_schedule="constant", warmup_steps=0, weight_decay=cfg.optim.weight_decay,
-        adam_beta1=cfg.optim.adam_beta1, adam_beta2=cfg.optim.adam_beta2, adam_eps=cfg.optim.adam_eps,
-        clip_grad=cfg.optim.grad_clip, use_distributed_optimizer=cfg.optim.distributed_optimizer), loss_cfg,
+    # the trainer owns the schedule (train/loop.py: rl_learning_rate, set each update): the engine's is constant
+    optim = replace(cfg.optim, min_lr=0.0, scheduler="constant", warmup_steps=0)
+    engine = PolicyEngine(arch, parallel, optim, loss_cfg,
         dtype=torch_dtype(cfg.model.dtype), attention_backend=cfg.model.attention_backend, lora=lora,
         **moe_options(cfg, arch))
     rollout = build_rollout(cfg, hf_config, model_dir, tokenizer, lora) if link is None else None  # (separate: workers)
-    pruner = build_pruner(cfg, loss_cfg)
+    pruner = build_pruner(cfg, loss_cfg, estimator)
     rollout_side = RolloutSide(
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, engine, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=train_prompts,
         sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle), pruner=pruner,
-        history=build_prompt_state(cfg, estimator), eval_sets=eval_sets, eval_scorers=eval_scorers,
+        eval_sets=eval_sets, eval_scorers=eval_scorers,
         reward_model=reward_model, env_factory=env_factory, chat=chat)
     train_side = TrainSide(cfg=cfg, engine=engine, loss_cfg=loss_cfg, estimator=estimator, pruner=pruner,
                            pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0))
@@ -165,7 +162,7 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, None, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=prompts,
         sampler=PromptSampler(len(prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
-        pruner=build_pruner(cfg, loss_cfg), history=build_prompt_state(cfg, estimator), eval_sets=eval_sets,
+        pruner=build_pruner(cfg, loss_cfg, estimator), eval_sets=eval_sets,
         eval_scorers=eval_scorers, reward_model=reward_model, env_factory=env_factory, chat=chat)
 
 
@@ -240,7 +237,7 @@ def push_weights(run: Run, version: int | None = None) -> int:
     due = eval_due(run.cfg, version) if new else bool(run.cfg.eval.every) and version == 0
     side = run.rollout_side
     start, sampler = run.link.worker_start(run.rl_step, side.sampler.state_dict())
-    extra = {"history": side.history.state_dict(), "rl_step": start, "sampler": sampler, "eval": due}
+    extra = {"history": side.pruner.state_dict(), "rl_step": start, "sampler": sampler, "eval": due}
     # (LoRA: the base goes with this process's first version only; the workers keep it, later versions are adapters)
     stream = rollout_weights(run.train_side.engine, run.arch, run.cfg.rollout.weight_bucket_mb << 20,
                              base=run.link.versions_sent == 0)

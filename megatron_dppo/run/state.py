@@ -1,8 +1,8 @@
 """The state of one training run: :class:`Run`, what ``run.setup`` builds, made of the two halves a step uses.
 
 * :class:`RolloutSide`: what steps 1-4 of a step read and evaluation reads (``train.draw``, ``train.dapo``,
-  ``train.evaluation``): the rollout engine, the tokenizer, rewards, prompts, the sampler, the prompt-level
-  pruner and its history. A rollout worker (``rollout.placement=separate``) builds only this half.
+  ``train.evaluation``): the rollout engine, the tokenizer, rewards, prompts, the sampler, the pruner (which
+  holds its per-prompt state). A rollout worker (``rollout.placement=separate``) builds only this half.
 * :class:`TrainSide`: what steps 5-12 read (``train.stages``, ``train.warm_start``): the Megatron engine, the
   loss, the completion-level pruner, the packing settings.
 
@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only (``from __future__ import annotations``): nothing is imported at run time
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.algo.prompt_history import PromptHistory
-    from megatron_dppo.algo.prompt_posterior import PromptPosterior
-    from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner
+    from megatron_dppo.algo.pruner import Pruner
     from megatron_dppo.config import Config
     from megatron_dppo.data import Prompt
     from megatron_dppo.run.metrics import MetricsSink
@@ -37,9 +35,8 @@ class RolloutSide:
     scorer: Any  # rewards.RewardScorer of the training data
     train_prompts: list[Prompt]
     sampler: Any  # data.PromptSampler (resumable)
-    pruner: DPPOPruner | CPPOPruner | None  # decides the prompt level here (DPPO) and how many prompts to draw
-    history: PromptHistory | PromptPosterior  # DPPO's per-prompt state (train.draw: read before generation, updated
-    # by the trainer from each step's groups); the posterior with algo.dppo_keep=posterior
+    pruner: Pruner  # algo.pruner: how many prompts to draw, the prompt level, and its per-prompt state (train.draw:
+    # read before generation, updated by the trainer from each step's groups)
     eval_sets: dict[str, list[Prompt]] = field(default_factory=dict)
     eval_scorers: dict[str, Any] = field(default_factory=dict)
     reward_model: Any = None  # rewards.RewardModel (reward.model.path), scored beside ``scorer``; None: rules only
@@ -55,7 +52,7 @@ class TrainSide:
     engine: Any  # megatron.engine.PolicyEngine
     loss_cfg: LossConfig
     estimator: str  # advantage estimator: grpo | dr_grpo | rloo
-    pruner: DPPOPruner | CPPOPruner | None  # decides the completion level and the denominator rule
+    pruner: Pruner  # the same object: the completion level and the denominator rule
     pad_id: int = 0
 
     @property

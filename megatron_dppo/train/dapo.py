@@ -46,13 +46,6 @@ class Refilled:
         return {**rollout_metrics(everything, self.generated, self.generated.group_size or 1), **self.result.metrics()}
 
 
-def keep_all(n: int) -> PruneResult:
-    """The prompt-level decision "every prompt kept with probability 1" over ``n`` prompts."""
-    ones = torch.ones(n, dtype=torch.float64)
-    return PruneResult(keep=torch.ones(n, dtype=torch.bool), weight=ones.float(), keep_prob=ones,
-                       candidate=torch.zeros(n, dtype=torch.bool))
-
-
 def refill_groups(side: RolloutSide, step: int, timer: PhaseTimer, first: Rollout) -> Refilled:
     """Dynamic sampling with refill from round 1's scored ``first`` rollout (the step's B drawn prompts): more rounds
     of prompts from the sampler, generated and scored, until B groups have non-zero reward variance

@@ -7,10 +7,11 @@ refill rounds (``dapo.py``). In the synchronous loop the trainer calls it itself
 version of the weights that generated it. It takes the :class:`~megatron_dppo.run.state.RolloutSide`, never the
 whole run, so a rollout worker runs exactly this code without a Megatron engine.
 
-The prompt-level draw is made on rank 0 with a generator seeded from (seed, step, "prompts") and broadcast, so
-every rank takes the same decision. The per-prompt state it reads (``RolloutSide.history``: the history of mean
-|A|, or the prompt posterior with ``algo.dppo_keep=posterior``) is updated by the trainer after every step
-(``update_prompt_state``) with the same groups on every rank, so every rank holds the same state.
+The prompt-level draw is the pruner's (``algo.pruner.Pruner``, whatever the rule), made on rank 0 with a generator
+seeded from (seed, step, "prompts") and broadcast, so every rank takes the same decision. The per-prompt state it
+reads (the pruner's own: the history of mean |A|, or the prompt posterior with ``algo.dppo_keep=posterior``) is
+updated by the trainer after every step (``update_prompt_state``) with the same groups on every rank, so every
+rank holds the same state.
 """
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from typing import Any
 
 import torch
 
-from megatron_dppo.algo.prompt_posterior import PromptPosterior
-from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, PruneResult, make_generator
+from megatron_dppo.algo.pruner import Groups
+from megatron_dppo.algo.pruning import PruneResult, keep_all, make_generator
 from megatron_dppo.data import Prompt
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.run.metrics import PhaseTimer
 from megatron_dppo.run.state import RolloutSide
-from megatron_dppo.train.dapo import keep_all, refill_groups
+from megatron_dppo.train.dapo import refill_groups
 from megatron_dppo.train.rollouts import Rollout, counted_episodes, counted_groups, generate, score
 from megatron_dppo.train.screen import Screens, screen_and_continue
 
@@ -76,68 +77,40 @@ def draw_batch(side: RolloutSide, step: int, timer: PhaseTimer, version: int | N
 
 
 def prompts_to_draw(side: RolloutSide) -> int:
-    """B prompts; with CPPO dynamic completion allocation, enough to prune back to exactly B*G completions."""
-    B = side.cfg.train.prompts_per_step
-    if isinstance(side.pruner, CPPOPruner) and side.pruner.allocation:
-        return side.pruner.prompts_to_draw(B, side.cfg.train.group_size)
-    return B
+    """The pruner's count: B prompts, or with CPPO's dynamic completion allocation enough to prune back to B*G."""
+    return side.pruner.prompts_to_draw()
 
 
 def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int, version: int | None = None) -> PruneResult:
-    """DPPO prompt level on rank 0, broadcast; every other pruner keeps all prompts with probability 1. The prompt
-    posterior is read at ``version`` (default ``step``): the optimizer step of the weights that will generate."""
-    n = len(prompts)
-    if not isinstance(side.pruner, DPPOPruner):
-        ones = torch.ones(n, dtype=torch.float64)
-        return PruneResult(keep=torch.ones(n, dtype=torch.bool), weight=ones.float(), keep_prob=ones,
-                           candidate=torch.zeros(n, dtype=torch.bool))
+    """The pruner's prompt-level decision on rank 0, broadcast (a rule without one keeps every prompt with
+    probability 1). Its per-prompt state is read at ``version`` (default ``step``): the optimizer step of the
+    weights that will generate."""
     result = None
     if D.is_main():
-        ids = [p.id for p in prompts]
-        scores = side.history.scores(ids, step if version is None else version) \
-            if isinstance(side.history, PromptPosterior) else side.history.scores(ids)
-        costs = None  # cost-aware keep rule: G episodes of the prompt's last mean cost (NaN = unseen: the mean)
-        if side.pruner.keep_cost == "tokens":
-            costs = side.cfg.train.group_size * side.history.costs(ids)
-        result = side.pruner.select_prompts(scores, make_generator(side.cfg.train.seed, step, "prompts"), costs=costs)
+        result = side.pruner.select_prompts([p.id for p in prompts], step if version is None else version,
+                                            make_generator(side.cfg.train.seed, step, "prompts"))
     return D.broadcast_object(result)
 
 
 def update_prompt_state(side: RolloutSide, rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor,
                         version: int, screens: Screens | None = None) -> None:
-    """After the step's advantages: the generated groups of ``rollout`` into the per-prompt state. The posterior
-    takes the raw training ``rewards`` [Bk, G] (and completion lengths) of the groups, dated by the ``version`` of
-    the weights that generated them, and then the k rewards of the ``screens`` that were not continued; the
-    history takes its score of the ``advantages`` (mean |A|) or of the ``rewards`` (their spread), and for the
-    cost-aware keep rule the groups' mean episode tokens. Every rank calls it with the same groups."""
+    """After the step's advantages: the generated groups of ``rollout`` into the pruner's per-prompt state, with
+    the raw training ``rewards`` [Bk, G], the ``advantages``, the completion lengths and tokens, dated by the
+    ``version`` of the weights that generated them; then the k rewards of the ``screens`` that were not continued
+    (the posterior reads them; the history, whose score is a full group's, skips them). Episodes that ended with
+    env_error (env.errors=exclude) are left out: a group is observed over its other episodes, and a group left
+    with fewer than 2 is not observed (the prompt keeps its state). Every rank calls it with the same groups."""
     prompts = rollout.prompts
-    groups = counted_groups(counted_episodes(side.cfg, rollout), len(prompts))  # (env_error episodes left out)
-    if isinstance(side.history, PromptPosterior):
-        for rows, pick in groups:
-            side.history.update([prompts[r].id for r in rows], pick(rewards), version, lengths=pick(rollout.lengths()))
-        if screens is not None:
-            stopped, screen_rewards, screen_lengths = screens.not_continued()
-            if stopped:
-                side.history.update([p.id for p in stopped], screen_rewards, version, lengths=screen_lengths)
-    else:
-        costs = history_costs(side, rollout)
-        for rows, pick in groups:
-            side.history.update([prompts[r].id for r in rows], pick(advantages), pick(rewards),
-                                costs=None if costs is None else costs[rows])
-
-
-def history_costs(side: RolloutSide, rollout: Rollout) -> torch.Tensor | None:
-    """What the prompt history records of each kept prompt's cost for the cost-aware keep rule
-    (algo.dppo_keep_cost=tokens): the mean tokens (prompt + stream) of one of its episodes; None otherwise, so
-    that the history of every other run stays what it was."""
-    if not isinstance(side.pruner, DPPOPruner) or side.pruner.keep_cost != "tokens" or not rollout.prompts:
-        return None
-    return rollout.total_tokens().mean(dim=1)
+    lengths, tokens = (rollout.lengths(), rollout.total_tokens()) if prompts else (None, None)
+    for rows, pick in counted_groups(counted_episodes(side.cfg, rollout), len(prompts)):
+        side.pruner.observe(Groups([prompts[r].id for r in rows], pick(rewards), pick(lengths), version,
+                                   advantages=pick(advantages), tokens=pick(tokens)))
+    if screens is not None:
+        stopped, screen_rewards, screen_lengths = screens.not_continued()
+        if stopped:
+            side.pruner.observe(Groups([p.id for p in stopped], screen_rewards, screen_lengths, version))
 
 
 def prompt_state_metrics(side: RolloutSide) -> dict[str, float]:
-    """history/prompts_seen, and the posterior's own (``PromptPosterior.stats``: discount, prior, fit)."""
-    out = {"history/prompts_seen": float(len(side.history))}
-    if isinstance(side.history, PromptPosterior):
-        out.update(side.history.stats())
-    return out
+    """The pruner's own metrics: history/prompts_seen, and the posterior's (discount, prior, fit)."""
+    return side.pruner.metrics()

@@ -3,7 +3,7 @@ reads exactly like the data flow of one step.
 
     prompts ─► prompt pruning (DPPO: history, pi_q; pruned prompts are never generated)
             ─► generate G completions (rollout engine)  ─► rewards  ─► advantages on the FULL groups
-            ─► completion pruning (none | cppo | dppo): keep mask + weight, full-batch denominator D
+            ─► completion pruning (the pruner: none | cppo | dppo | pods): keep mask + weight, full-batch denominator D
             ─► PPO mini-batches (split by drawn prompt, from the seed; each with its own fixed D_m)
             ─► Dense Prompt Packing of each mini-batch (THD micro-batches, equal count per DP rank)
             ─► old/ref log-probs (forward only, once per rollout)  ─► rollout correction (tis | mis)
@@ -50,7 +50,7 @@ from megatron_dppo.algo.advantages import group_advantages
 from megatron_dppo.config import Config
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.dist.placement import roles
-from megatron_dppo.megatron.engine import OptimConfig, lr_at_step
+from megatron_dppo.megatron.engine import lr_at_step
 from megatron_dppo.run import console
 from megatron_dppo.run.lifecycle import STOP_REQUESTED, StopSignals, save
 from megatron_dppo.run.metrics import PhaseTimer, plot_reward_curve, read_jsonl
@@ -198,9 +198,7 @@ def rl_learning_rate(cfg: Config, rl_step_index: int) -> float:
     constant or cosine to optim.min_lr). The trainer owns the schedule across phases: train.sft_lr for the warm
     start, then this; the engine's own schedule is configured constant."""
     o = cfg.optim
-    sched = OptimConfig(lr=o.lr, min_lr=o.min_lr, lr_schedule=o.scheduler, warmup_steps=o.warmup_steps,
-                        total_steps=max(cfg.train.steps, o.warmup_steps + 1))
-    return lr_at_step(sched, rl_step_index, o.lr, o.min_lr)
+    return lr_at_step(o, rl_step_index, o.lr, o.min_lr, total_steps=max(cfg.train.steps, o.warmup_steps + 1))
 
 
 def receive_batch(run: Run, step: int, timer: PhaseTimer) -> DrawnBatch:

@@ -45,7 +45,7 @@ class RatePlanner:
         if D.is_main() and len(self.records) >= WARMUP and self.abs_advantages is not None and self.prompt_ids:
             cfg = side.cfg
             cost = fit_step_cost(self.records, cfg.train.group_size)
-            scores = side.history.scores(self.prompt_ids, version)
+            scores = side.pruner.scores(self.prompt_ids, version)  # (algo.cost_budget needs algo.pruner=dppo)
             p = plan_step(cost, cfg.train.prompts_per_step, cfg.train.group_size, self.budget,
                           variance_curve(scores, 1.0 / cfg.algo.posterior_max_weight),
                           variance_curve(self.abs_advantages, cfg.algo.keep_floor))
@@ -54,5 +54,5 @@ class RatePlanner:
         plan = D.broadcast_object(plan)
         if plan is None:
             return {}
-        side.pruner.r_q, side.pruner.r_o = plan["plan/r_q"], plan["plan/r_o"]
+        side.pruner.set_rates(plan["plan/r_q"], plan["plan/r_o"])
         return plan

@@ -4,7 +4,7 @@ completions of those, and hand the step the continued prompts' full groups, each
 
 The rule and its proof are ``algo.screening``; this module runs it with the rollout side's engine and posterior:
 
-* the continuation scores come from the prompt posterior (``RolloutSide.history``, read at the generating weight
+* the continuation scores come from the prompt posterior (the DPPO pruner's state, read at the generating weight
   version, before the screens are added) and the screens' rewards; pi_c is water-filled over the screened prompts
   with the floor 1/``algo.posterior_max_weight``, so every screened prompt can continue;
 * the coins are drawn on rank 0 from a generator seeded by (seed, step, "continuation") and broadcast;
@@ -73,8 +73,9 @@ def screen_and_continue(side: RolloutSide, prompts: list[Prompt], prompt_cut: Pr
     decision = None
     with timer("prune"):
         if D.is_main() and screened:
-            alpha, beta = side.history.beta_parameters([p.id for p in screened], version)
-            s_c = continuation_scores(screen.rewards.double(), alpha, beta, side.history.curve)
+            posterior = side.pruner.state  # (algo.screen_k needs algo.dppo_keep=posterior: Config.validate)
+            alpha, beta = posterior.beta_parameters([p.id for p in screened], version)
+            s_c = continuation_scores(screen.rewards.double(), alpha, beta, posterior.curve)
             everyone = torch.ones(len(screened), dtype=torch.bool)
             pi_c = continuation_probabilities(s_c, everyone, cfg.algo.screen_continue_fraction,
                                               cfg.algo.posterior_max_weight)

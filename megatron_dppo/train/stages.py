@@ -14,7 +14,7 @@ import torch
 from megatron_dppo.algo.losses import LossConfig, loss_denominator, rollout_correction_weights, sequence_token_weights
 from megatron_dppo.algo.minibatches import split_prompts
 from megatron_dppo.algo.overlong import finished_denominator
-from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, PruneResult, combine, make_generator, zero_variance_filter
+from megatron_dppo.algo.pruning import PruneResult, combine, make_generator, zero_variance_filter
 from megatron_dppo.data import Prompt
 from megatron_dppo.dist import collectives as D
 from megatron_dppo.run.state import TrainSide
@@ -53,24 +53,16 @@ class TrainBatch:
 # ==============================================================================================================
 def select_completions(side: TrainSide, prompt_cut: PruneResult, rollout: Rollout, advantages: torch.Tensor,
                        step: int) -> tuple[PruneResult | None, PruneResult]:
-    """Completion-level decision on rank 0 (broadcast). Returns (decision over the kept prompts' completions
+    """The pruner's completion-level decision on rank 0 (broadcast), then the deterministic filters
+    (algo.drop_zero_variance_groups, overlong.filter). Returns (decision over the kept prompts' completions
     [Bk, G], combined per-completion decision over all drawn prompts [B, G] with w = 1/(pi_q * pi_{i|q}))."""
     cfg, G = side.cfg, side.cfg.train.group_size
     decided = None
     if D.is_main() and len(rollout.prompts):
-        gen = make_generator(cfg.train.seed, step, "completions")
-        if isinstance(side.pruner, DPPOPruner):
-            lengths = rollout.lengths()  # trained tokens (episodes: sampled ones); the costs: every token
-            costs = rollout.total_tokens() if side.pruner.keep_cost == "tokens" else None
-            decided = side.pruner.select_completions(advantages, gen, lengths=lengths, costs=costs,
-                                                    prompt_prob=prompt_cut.probabilities()[prompt_cut.keep])
-        elif isinstance(side.pruner, CPPOPruner):
-            decided = (side.pruner.select_allocated(advantages, cfg.train.prompts_per_step, gen)
-                       if side.pruner.allocation else side.pruner.select_completions(advantages, gen))
-        else:
-            ones = torch.ones(advantages.shape, dtype=torch.float64)
-            decided = PruneResult(keep=torch.ones(advantages.shape, dtype=torch.bool), weight=ones.float(),
-                                  keep_prob=ones, candidate=torch.zeros(advantages.shape, dtype=torch.bool))
+        # lengths: trained tokens (episodes: sampled ones); tokens: every token of a sequence (what it costs)
+        decided = side.pruner.select_completions(advantages, make_generator(cfg.train.seed, step, "completions"),
+                                                 prompt_prob=prompt_cut.probabilities()[prompt_cut.keep],
+                                                 lengths=rollout.lengths(), tokens=rollout.total_tokens())
         if cfg.algo.drop_zero_variance_groups:
             decided = _drop(decided, zero_variance_filter(filter_rewards(side.cfg, rollout)).keep)
         if cfg.overlong.filter:  # overlong filtering: truncated completions leave the loss (and D, see denominator)
@@ -130,27 +122,27 @@ def build_train_batch(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneR
 def denominator(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneResult, rollout: Rollout,
                 total_cut: PruneResult, kept_lengths: list[int], subset: list[int] | None = None) -> float:
     """D (docs/algorithms.md, "Denominators"): a constant of the full drawn batch (B x G), independent of the draw.
-    CPPO instead averages over the kept completions (its authors' choice; biased by design).
+    A pruner with ``kept_denominator`` (CPPO, PODS) instead averages over the kept completions (their authors'
+    choice; biased by design). The prompts' pi_q enter D where it counts generated rows (token_mean, overlong
+    filtering): 1 for every prompt when the pruner has no prompt level, which is the full batch's D exactly.
 
     ``subset``: the drawn-prompt indices of one PPO mini-batch; D is then that mini-batch's D_m, computed from its
     own un-pruned units in the same way (B_m = len(subset) drawn prompts; ``kept_lengths`` its kept completions).
     Every length is a count of trained tokens (an episode's sampled ones), L_max their bound (Config.
     trained_token_limit)."""
     agg, G, L_max = side.loss_cfg.aggregation, side.cfg.train.group_size, side.cfg.trained_token_limit
-    if isinstance(side.pruner, CPPOPruner):
+    if side.pruner.kept_denominator:
         kept = torch.tensor(kept_lengths, dtype=torch.float64).view(-1, 1)
         return loss_denominator(agg, len(kept_lengths), 1, kept, None, L_max)
     lengths = rollout.lengths()
-    pi_q = None
-    if isinstance(side.pruner, DPPOPruner):
-        pi_q = prompt_cut.probabilities()[prompt_cut.keep].double()
+    pi_q = prompt_cut.probabilities()[prompt_cut.keep].double()
     num_prompts = len(prompts)
     finished = rollout.finished(G)
     if subset is not None:  # the generated rows (kept prompts) that belong to this mini-batch
         members = set(subset)
         rows = [row for row, q in enumerate(prompt_cut.keep.nonzero().flatten().tolist()) if q in members]
         lengths, finished = lengths.view(-1, G)[rows], finished[rows]
-        pi_q = pi_q[rows] if pi_q is not None else None
+        pi_q = pi_q[rows]
         num_prompts = len(subset)
     if side.cfg.overlong.filter:  # truncated completions count in no denominator (docs/algorithms.md, "Overlong")
         return finished_denominator(agg, finished, lengths.view(-1, G), pi_q, L_max) or 1.0

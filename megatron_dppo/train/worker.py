@@ -47,7 +47,7 @@ def serve(cfg) -> dict[str, Any]:
         nonlocal loaded
         if version.version != loaded:
             link.weights.load(version)
-            side.history.load_state_dict(version.extra["history"])
+            side.pruner.load_state_dict(version.extra["history"])
             loaded = version.version
         return evals.run_if_due(version)
 

@@ -57,12 +57,12 @@ def random_micro_batches(arch, n_micro: int, capacity: int, min_len: int, max_le
 
 def build_engine(c: Check, arch, seed: int, distributed_optimizer: bool = True):
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(seed)
-    return PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-5, clip_grad=1.0,
-                                                            use_distributed_optimizer=distributed_optimizer),
+    return PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-5, grad_clip=1.0,
+                                                            distributed_optimizer=distributed_optimizer),
                         LossConfig(kl_coef=0.0), dtype=c.dtype, reference=False)
 
 

@@ -102,8 +102,8 @@ def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vp
 
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.packing import thd_pad_multiple
 
     arch = dataclasses.replace(tiny_arch(), **(arch_changes or {}))
@@ -111,7 +111,7 @@ def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vp
     initialize_parallel(parallel, SEED, arch)
     loss_cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3",
                           aggregation="seq_mean_token_mean", temperature=temperature)
-    optim = OptimConfig(lr=1e-2, clip_grad=1.0, weight_decay=0.01, use_distributed_optimizer=distributed_optimizer)
+    optim = OptimConfig(lr=1e-2, grad_clip=1.0, weight_decay=0.01, distributed_optimizer=distributed_optimizer)
     engine = PolicyEngine(arch, parallel, optim, loss_cfg)
     if save:
         save_checkpoint(engine, ckpt_root)
@@ -180,9 +180,10 @@ def resume_engine(parallel, distributed_optimizer: bool, kl: bool = True, optim_
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     loss_cfg = LossConfig(kl_coef=0.05 if kl else 0.0, kl_estimator="k3")
-    optim = OptimConfig(lr=3e-3, warmup_steps=2, lr_schedule="cosine", total_steps=8, weight_decay=0.1,
-                        use_distributed_optimizer=distributed_optimizer, dist_ckpt_optim_format=optim_format)
-    return PolicyEngine(tiny_arch(num_layers=2), parallel, optim, loss_cfg), loss_cfg
+    optim = OptimConfig(lr=3e-3, warmup_steps=2, scheduler="cosine", weight_decay=0.1,
+                        distributed_optimizer=distributed_optimizer)
+    return PolicyEngine(tiny_arch(num_layers=2), parallel, optim, loss_cfg, total_steps=8,
+                        dist_ckpt_optim_format=optim_format), loss_cfg
 
 
 def resume_worker(root: str, tp: int = 1, pp: int = 1, distributed_optimizer: bool = False, n_before: int = 2,
@@ -219,16 +220,15 @@ def reshard_worker(root: str, tp: int = 1, pp: int = 1, save: bool = False, dist
 
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     arch = tiny_arch()
     parallel = ParallelConfig(tp=tp, pp=pp)
     initialize_parallel(parallel, SEED, arch)
     loss_cfg = LossConfig()
-    optim = OptimConfig(lr=1e-2, weight_decay=0.01, use_distributed_optimizer=distributed_optimizer,
-                        dist_ckpt_optim_format="fully_reshardable")
-    engine = PolicyEngine(arch, parallel, optim, loss_cfg)
+    optim = OptimConfig(lr=1e-2, weight_decay=0.01, distributed_optimizer=distributed_optimizer)
+    engine = PolicyEngine(arch, parallel, optim, loss_cfg, dist_ckpt_optim_format="fully_reshardable")
     data = make_sequences(seed=5)
     batches = rank_micro_batches(data, loss_cfg, parallel_state.get_data_parallel_rank(),
                                  parallel_state.get_data_parallel_world_size(), 1)

@@ -9,13 +9,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _engine_fixtures import make_sequences, rank_micro_batches, tiny_arch  # noqa: E402
+from _engine_fixtures import make_sequences, rank_micro_batches, tiny_arch
 
 
 def _engine_and_data():
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.megatron.parallel import ParallelConfig
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig
 
     loss_cfg = LossConfig()
     engine = PolicyEngine(tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-2), loss_cfg)
@@ -80,19 +80,18 @@ def test_audit_rejects_bad_denominator():
 
 def dp_audit_worker(distributed_optimizer: bool):
     """DP=2: each rank holds half the micro-batches; the audit gradient must be the whole batch's."""
+    from _engine_fixtures import SEED
     from megatron.core import parallel_state
 
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.train.audit import pruning_audit, step_gradient
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
-
-    from _engine_fixtures import SEED
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
+    from megatron_dppo.train.audit import pruning_audit, step_gradient
 
     initialize_parallel(ParallelConfig(), SEED, tiny_arch(num_layers=2))
     loss_cfg = LossConfig()
     engine = PolicyEngine(tiny_arch(num_layers=2), ParallelConfig(),
-                          OptimConfig(lr=1e-2, use_distributed_optimizer=distributed_optimizer), loss_cfg)
+                          OptimConfig(lr=1e-2, distributed_optimizer=distributed_optimizer), loss_cfg)
     data = make_sequences(num_prompts=3, group=4, seed=3)
     full = dict(data, keep=torch.ones_like(data["keep"]), weight=torch.ones_like(data["weight"]))
     rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()

@@ -85,7 +85,7 @@ def divergence(sampling: dict, stale: bool) -> dict:
         rollout_engine = HFRolloutEngine(behaviour, eos_token_ids=[EOS])
         side = RolloutSide(cfg=cfg, tokenizer=_tokenizer(), engine=rollout_engine, eos_ids=[EOS],
                            handover=MemoryHandover(rollout_engine, lambda: export_hf_weights(engine.modules, arch)),
-                           scorer=None, train_prompts=[], sampler=None, pruner=None, history=None)
+                           scorer=None, train_prompts=[], sampler=None, pruner=None)
         prompts = [SimpleNamespace(id=f"q{q}", token_ids=p) for q, p in enumerate(PROMPTS)]
         rollout = generate(side, prompts, G, step=0, temperature=cfg.rollout.temperature)
         token_ids, origin = [], []

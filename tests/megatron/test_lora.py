@@ -14,9 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import run_distributed, single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
-from _tiny import packed_batches  # noqa: E402
+import _engine_fixtures as F
+from _dist import run_distributed, single_process_world
+from _tiny import packed_batches
 
 CFG = dict(rank=4, alpha=8.0, target_modules=("qkv", "proj", "fc1", "fc2"))
 
@@ -174,8 +174,8 @@ def _engine(arch, lora=None, kl=0.05, **optim):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.convert import load_hf_weights
     from megatron_dppo.megatron import lora as L
-    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(F.SEED)
     loss = LossConfig(kl_coef=kl, kl_estimator="k3")
@@ -205,7 +205,7 @@ def test_only_adapters_get_gradients_and_optimizer_state(world, distributed_opti
     from megatron_dppo.megatron import lora as L
 
     arch = F.tiny_arch("qwen2", num_layers=2)
-    engine, loss = _engine(arch, _lora(), clip_grad=1e9, use_distributed_optimizer=distributed_optimizer)
+    engine, loss = _engine(arch, _lora(), grad_clip=1e9, distributed_optimizer=distributed_optimizer)
     assert engine.reference_chunks is None  # no reference copy
     adapters = {id(p) for p in L.lora_parameters(engine.modules)}
     before = {n: p.detach().clone() for n, p in engine.modules[0].named_parameters()}
@@ -282,7 +282,7 @@ def test_gradient_audit_measures_the_adapters_gradient(world):
     from megatron_dppo.train.audit import pruning_audit, step_gradient
 
     arch = F.tiny_arch("qwen2", num_layers=2)
-    engine, loss = _engine(arch, _lora(), clip_grad=1e9)
+    engine, loss = _engine(arch, _lora(), grad_clip=1e9)
     data = F.make_sequences(seed=6)
     denominator = loss_denominator(loss.aggregation, data["B"], data["G"])
     batches = F.rank_micro_batches(data, loss, 0, 1, 1)
@@ -310,8 +310,8 @@ def lora_layout_worker(tp: int = 1, pp: int = 1, sp: bool = False, distributed_o
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
     from megatron_dppo.convert import load_hf_weights
     from megatron_dppo.megatron import lora as L
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine, _pad_multiple
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     arch = F.tiny_arch("qwen2", num_layers=2)  # q/k/v biases, tied embeddings (PP: the last stage's copy)
     parallel = ParallelConfig(tp=tp, pp=pp, sp=sp, cp=cp)
@@ -319,7 +319,7 @@ def lora_layout_worker(tp: int = 1, pp: int = 1, sp: bool = False, distributed_o
     loss = LossConfig(kl_coef=0.05, kl_estimator="k3")
     # adam_eps well above the gradients' rounding noise: a first Adam step moves an entry by ~lr * g / |g|, which
     # would turn the float noise of a near-zero gradient into an lr-sized difference between layouts
-    optim = OptimConfig(lr=1e-2, adam_eps=1e-3, use_distributed_optimizer=distributed_optimizer)
+    optim = OptimConfig(lr=1e-2, adam_eps=1e-3, distributed_optimizer=distributed_optimizer)
     engine = PolicyEngine(arch, parallel, optim, loss, lora=_lora())
     initial = L.full_lora_tensors(engine.modules)
     load_hf_weights(engine.model_chunks, arch, base_tensors(arch))
@@ -390,7 +390,7 @@ def test_adapter_checkpoint_resumes_exactly_and_holds_no_base_weights(world, tmp
     from megatron_dppo.megatron.checkpoint import load_checkpoint, read_checkpoint_meta, save_checkpoint
 
     arch = F.tiny_arch("qwen2", num_layers=2)
-    kw = dict(use_distributed_optimizer=distributed_optimizer, weight_decay=0.1, warmup_steps=1)
+    kw = dict(distributed_optimizer=distributed_optimizer, weight_decay=0.1, warmup_steps=1)
     engine, loss = _engine(arch, _lora(), **kw)
     for s in range(2):
         _step(engine, loss, seed=20 + s)

@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
+import _engine_fixtures as F
+from _dist import single_process_world
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +24,12 @@ def world():
 
 
 def _engine(loss_cfg):
-    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(F.SEED)
     return PolicyEngine(F.tiny_arch("llama", num_layers=2, tie=False), ParallelConfig(),
-                        OptimConfig(lr=0.0, clip_grad=0.0), loss_cfg)
+                        OptimConfig(lr=0.0, grad_clip=0.0), loss_cfg)
 
 
 def episodes(seed: int = 5, n: int = 6):

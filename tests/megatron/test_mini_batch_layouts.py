@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import run_distributed, single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
+import _engine_fixtures as F
+from _dist import run_distributed, single_process_world
 
 NUM_PROMPTS, GROUP = 4, 4
 
@@ -27,6 +27,8 @@ def _run_and_batch(engine, dp_rank: int, dp_size: int, parallel: dict):
     """A TrainSide-shaped namespace for the stages (its DP rank and size given), and the step's (prompts, prompt_cut,
     rollout, total_cut, batch)."""
     from megatron_dppo.algo.losses import sequence_token_weights
+    from megatron_dppo.algo.prompt_history import PromptHistory
+    from megatron_dppo.algo.pruner import DPPO, PrunerContext
     from megatron_dppo.algo.pruning import DPPOPruner, PruneResult
     from megatron_dppo.config import load_config
     from megatron_dppo.train.rollouts import Rollout
@@ -38,7 +40,8 @@ def _run_and_batch(engine, dp_rank: int, dp_size: int, parallel: dict):
                              "packing.window=8", "rollout.max_new_tokens=8", "data.task=arithmetic"],
                       validate=False)
     data = F.make_sequences(num_prompts=NUM_PROMPTS, group=GROUP)
-    run = SimpleNamespace(cfg=cfg, engine=engine, loss_cfg=engine.loss_cfg, pruner=DPPOPruner(0.0, 0.5),
+    pruner = DPPO(DPPOPruner(0.0, 0.5), PromptHistory(), PrunerContext(GROUP, NUM_PROMPTS))
+    run = SimpleNamespace(cfg=cfg, engine=engine, loss_cfg=engine.loss_cfg, pruner=pruner,
                           dp_rank=dp_rank, dp_size=dp_size, pad_id=0)
     prompts = [SimpleNamespace(id=str(q), token_ids=data["tokens"][q * GROUP][:data["prompt_lengths"][q * GROUP]])
                for q in range(NUM_PROMPTS)]
@@ -70,8 +73,8 @@ def mini_batch_worker(ckpt_root: str, tp: int = 1, sp: bool = False, save: bool 
 
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.train.stages import fill_old_and_reference_logprobs, pack_mini_batches, split_mini_batches
 
     arch = F.tiny_arch()
@@ -79,7 +82,7 @@ def mini_batch_worker(ckpt_root: str, tp: int = 1, sp: bool = False, save: bool 
     initialize_parallel(parallel, F.SEED, arch)
     loss_cfg = LossConfig("ppo_clip", 0.2, 0.28, kl_coef=0.05, kl_estimator="k3", aggregation="seq_mean_token_mean",
                           clip_ratio_c=3.0)
-    engine = PolicyEngine(arch, parallel, OptimConfig(lr=1e-2, clip_grad=1.0), loss_cfg)
+    engine = PolicyEngine(arch, parallel, OptimConfig(lr=1e-2, grad_clip=1.0), loss_cfg)
     if save:
         save_checkpoint(engine, ckpt_root)
     else:

@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import run_distributed, single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
-from _tiny import TINY_MOE_CONFIGS, packed_batches  # noqa: E402
+import _engine_fixtures as F
+from _dist import run_distributed, single_process_world
+from _tiny import TINY_MOE_CONFIGS, packed_batches
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +77,15 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
 
     from megatron_dppo.algo.losses import loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.packing import thd_pad_multiple
 
     arch = moe_arch(family, **(hf_changes or {}))
     parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, etp=etp, cp=cp)
     initialize_parallel(parallel, F.SEED, arch)
     loss_cfg = _loss_cfg()
-    optim = OptimConfig(lr=1e-2, clip_grad=1.0, weight_decay=0.01, use_distributed_optimizer=distributed_optimizer)
+    optim = OptimConfig(lr=1e-2, grad_clip=1.0, weight_decay=0.01, distributed_optimizer=distributed_optimizer)
     engine = PolicyEngine(arch, parallel, optim, loss_cfg, **({"moe_aux_loss_coeff": aux_coeff} if aux_coeff else {}))
     if save:
         save_checkpoint(engine, root)
@@ -229,8 +229,8 @@ def test_checkpoint_moves_between_ep1_and_ep2_bit_exact(ep1_reference, dp2_ep2_r
     resharded Adam moments equals the EP2 run's second step."""
     from megatron_dppo.algo.losses import loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, read_checkpoint_meta
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     root, ref = ep1_reference
     loaded_at_ep2, trained_at_ep2, second_at_ep2 = dp2_ep2_run[0]["params"]
@@ -244,7 +244,7 @@ def test_checkpoint_moves_between_ep1_and_ep2_bit_exact(ep1_reference, dp2_ep2_r
     arch = moe_arch()
     initialize_parallel(ParallelConfig(), F.SEED, arch)
     loss_cfg = _loss_cfg()
-    engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-2, clip_grad=1.0, weight_decay=0.01), loss_cfg)
+    engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-2, grad_clip=1.0, weight_decay=0.01), loss_cfg)
     load_checkpoint(engine, root / "ep2_step1", load_optimizer=True, load_rng=False)
     assert engine.step == 1
     here = global_params(engine)
@@ -272,15 +272,15 @@ def moe_resume_worker(root: str, ep: int = 2, distributed_optimizer: bool = Fals
     traces and whether final parameters and every Adam state tensor are equal."""
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     arch = moe_arch("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[])
     parallel = ParallelConfig(ep=ep)
     initialize_parallel(parallel, F.SEED, arch)
     loss_cfg = LossConfig(kl_coef=0.05, kl_estimator="k3")
-    optim = OptimConfig(lr=3e-3, warmup_steps=2, lr_schedule="cosine", total_steps=8, weight_decay=0.1,
-                        use_distributed_optimizer=distributed_optimizer)
+    optim = OptimConfig(lr=3e-3, warmup_steps=2, scheduler="cosine", weight_decay=0.1,
+                        distributed_optimizer=distributed_optimizer)
 
     def adam_state(engine):
         from megatron_dppo.megatron.checkpoint import _inner_torch_optimizers
@@ -288,14 +288,14 @@ def moe_resume_worker(root: str, ep: int = 2, distributed_optimizer: bool = Fals
         return [v.clone() for opt in _inner_torch_optimizers(engine) for st in opt.state.values()
                 for k, v in sorted(st.items()) if torch.is_tensor(v)]
 
-    engine = PolicyEngine(arch, parallel, optim, loss_cfg)
+    engine = PolicyEngine(arch, parallel, optim, loss_cfg, total_steps=8)
     for s in range(2):
         F.noisy_step(engine, s, loss_cfg)
     save_checkpoint(engine, root)
     straight = [F.noisy_step(engine, s, loss_cfg) for s in range(2, 4)]
     params_a, adam_a = [p.detach().clone() for p in engine.modules[0].parameters()], adam_state(engine)
 
-    resumed_engine = PolicyEngine(arch, parallel, optim, loss_cfg)
+    resumed_engine = PolicyEngine(arch, parallel, optim, loss_cfg, total_steps=8)
     F.noisy_step(resumed_engine, 99, loss_cfg)  # move weights, Adam state and RNG away first
     load_checkpoint(resumed_engine, root)
     resumed = [F.noisy_step(resumed_engine, s, loss_cfg) for s in range(2, 4)]
@@ -379,13 +379,13 @@ def _sequences_of(batch) -> list[list[int]]:
 
 def _aux_engine(coeff: float | None):
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     arch = moe_arch()
     initialize_parallel(ParallelConfig(), F.SEED, arch)
     extra = {} if coeff is None else {"moe_aux_loss_coeff": coeff}
-    return PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=0.0, clip_grad=0.0), LossConfig(), **extra)
+    return PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=0.0, grad_clip=0.0), LossConfig(), **extra)
 
 
 def test_load_balancing_loss_is_the_token_weighted_switch_loss(world):
@@ -461,17 +461,16 @@ def distributed_optimizer_ep_change_worker(root: str):
     second step."""
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     arch = moe_arch("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[])
     loss_cfg = LossConfig()
-    optim = OptimConfig(lr=3e-3, weight_decay=0.1, use_distributed_optimizer=True,
-                        dist_ckpt_optim_format="fully_reshardable")
+    optim = OptimConfig(lr=3e-3, weight_decay=0.1, distributed_optimizer=True)
     runs = {}
     for ep in (2, 1):
         initialize_parallel(ParallelConfig(ep=ep), F.SEED, arch)
-        engine = PolicyEngine(arch, ParallelConfig(ep=ep), optim, loss_cfg)
+        engine = PolicyEngine(arch, ParallelConfig(ep=ep), optim, loss_cfg, dist_ckpt_optim_format="fully_reshardable")
         if ep == 2:
             _deterministic_step(engine, 0, loss_cfg)
             save_checkpoint(engine, root)

@@ -11,8 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import run_distributed, single_process_world  # noqa: E402
-from _tiny import TINY_MOE_CONFIGS  # noqa: E402
+from _dist import run_distributed, single_process_world
+from _tiny import TINY_MOE_CONFIGS
 
 SEED = 4321
 
@@ -32,12 +32,12 @@ def _arch(family: str = "qwen3_moe", **hf_changes):
 def _engine(replay: bool, family: str = "qwen3_moe", parallel=None, lr: float = 1e-2, hf_changes=None, lora=None,
             loss=None):
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(SEED)
     return PolicyEngine(_arch(family, **(hf_changes or {})), parallel or ParallelConfig(),
-                        OptimConfig(lr=lr, clip_grad=0.0), loss or LossConfig(), moe_routing_replay=replay, lora=lora)
+                        OptimConfig(lr=lr, grad_clip=0.0), loss or LossConfig(), moe_routing_replay=replay, lora=lora)
 
 
 def _batches(pad_multiple: int = 1, groups=((9, 5, 12), (7, 3, 8, 6)), seed: int = 0):
@@ -223,8 +223,8 @@ def test_replay_changes_nothing_when_the_choices_agree(world, hf_changes):
 
 def test_replay_needs_recorded_routes_and_refuses_recompute(world):
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.megatron.parallel import ParallelConfig
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig
 
     engine = _engine(True)
     with pytest.raises(ValueError, match="no recorded routes"):
@@ -237,8 +237,8 @@ def test_replay_needs_recorded_routes_and_refuses_recompute(world):
 
 
 def test_replay_makes_the_old_logprob_pass_run():
-    from megatron_dppo.run.build import build_loss
     from megatron_dppo.config import load_config
+    from megatron_dppo.run.build import build_loss
     from megatron_dppo.train.stages import old_logprobs_needed
 
     def needed(*overrides: str) -> bool:
@@ -253,8 +253,8 @@ def test_replay_makes_the_old_logprob_pass_run():
 # (c) per-sequence routes <-> any packing
 # ----------------------------------------------------------------------------------------------------------
 def test_unpack_and_repack_are_inverse_across_packings():
-    from megatron_dppo.megatron.routing_replay import pack_routes, routes_by_sample, unpack_routes
     from megatron_dppo.megatron.engine import pad_micro_batch
+    from megatron_dppo.megatron.routing_replay import pack_routes, routes_by_sample, unpack_routes
     from megatron_dppo.packing import build_thd_batch
 
     L, k, E = 3, 2, 8

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import single_process_world  # noqa: E402
+from _dist import single_process_world
 
 pytest.importorskip("trl", reason="trl==1.16.* is not installed (requirements/cpu.txt)")
 VERL_SRC = Path(__file__).resolve().parents[2] / ".peers" / "verl" / "verl"  # `make peers` (tests/_peers.py)
@@ -127,14 +127,14 @@ def ours(problem, loss_cfg) -> tuple[float, dict[str, torch.Tensor], list[torch.
     """(loss, gradient by HF name, the engine's own old and reference log-probs per sequence) of one step."""
     from megatron_dppo.algo.losses import loss_denominator, sequence_token_weights
     from megatron_dppo.convert.weights import export_hf_weights, load_hf_weights
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
     from megatron_dppo.megatron.model import ModelArch, build_model_chunks
     from megatron_dppo.megatron.parallel import ParallelConfig
-    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
     from megatron_dppo.packing import build_rank_micro_batches
 
     arch = ModelArch.from_hf_config(HF_CONFIG)
     with single_process_world(arch=arch):
-        engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=0.0, clip_grad=0.0), loss_cfg)
+        engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=0.0, grad_clip=0.0), loss_cfg)
         load_hf_weights(engine.modules, arch, hf_model(problem.folder).state_dict())
         engine.sync_reference_from_policy()
         lengths = torch.tensor(LENGTHS, dtype=torch.float32)
@@ -201,7 +201,7 @@ def verl_function(relative_path: str, name: str, namespace: dict):
     path = VERL_SRC / relative_path
     (node,) = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == name]
     node.decorator_list = []
-    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102 - verl's own code
     return namespace[name]
 
 

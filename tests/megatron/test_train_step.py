@@ -12,8 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import run_distributed, single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
+import _engine_fixtures as F
+from _dist import run_distributed, single_process_world
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,8 @@ def world():
 
 
 def _engine(loss_cfg, **optim):
-    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(F.SEED)
     return PolicyEngine(F.tiny_arch("llama", num_layers=2, tie=False), ParallelConfig(), OptimConfig(**optim),
@@ -111,7 +111,7 @@ def test_gradient_is_sum_of_numerators_over_D_for_any_micro_batching(world):
     D = float(data["B"] * data["G"])
     grads = {}
     for split in (1, 3):
-        engine = _engine(cfg, lr=1e-3, clip_grad=0.0)
+        engine = _engine(cfg, lr=1e-3, grad_clip=0.0)
         batches = F.rank_micro_batches(data, cfg, 0, 1, 1, split=split)
         _fill(engine, batches)
         module = engine.modules[0]
@@ -143,7 +143,7 @@ def test_denominator_scales_the_gradient_and_must_be_positive(world):
     data = F.make_sequences(num_prompts=2, group=2, seed=3)
     norms = []
     for D in (4.0, 8.0):
-        engine = _engine(cfg, lr=0.0, clip_grad=0.0)
+        engine = _engine(cfg, lr=0.0, grad_clip=0.0)
         batches = F.rank_micro_batches(data, cfg, 0, 1, 1)
         _fill(engine, batches)
         norms.append(engine.train_step(batches, D)["grad_norm"])
@@ -256,8 +256,8 @@ def test_logits_at_loss_positions_only_give_the_same_update(world, policy_loss, 
 
 
 def test_old_logprobs_needed_only_when_the_ratio_can_differ_from_one():
-    from megatron_dppo.run.build import build_loss
     from megatron_dppo.config import Config, load_config
+    from megatron_dppo.run.build import build_loss
     from megatron_dppo.train.stages import old_logprobs_needed
 
     def needed(*overrides: str) -> bool:
@@ -292,16 +292,16 @@ def test_lr_schedule_warmup_constant_cosine():
 
     warm = OptimConfig(lr=1.0, warmup_steps=4)
     assert [lr_at_step(warm, s, 1.0, 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    cos = OptimConfig(lr=1.0, min_lr=0.1, lr_schedule="cosine", warmup_steps=2, total_steps=12)
-    values = [lr_at_step(cos, s, 1.0, 0.1) for s in range(14)]
+    cos = OptimConfig(lr=1.0, min_lr=0.1, scheduler="cosine", warmup_steps=2)
+    values = [lr_at_step(cos, s, 1.0, 0.1, total_steps=12) for s in range(14)]
     assert values[:3] == [0.5, 1.0, 1.0]
     assert values[7] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert values[12] == values[13] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(values[2:], values[3:]))
     with pytest.raises(ValueError, match="total_steps"):
-        OptimConfig(lr_schedule="cosine", warmup_steps=5, total_steps=5)
-    with pytest.raises(ValueError, match="lr_schedule"):
-        OptimConfig(lr_schedule="linear")
+        lr_at_step(OptimConfig(scheduler="cosine", warmup_steps=5), 0, 1.0, 0.0, total_steps=5)
+    with pytest.raises(ValueError, match="optim.scheduler"):
+        OptimConfig(scheduler="linear")
     with pytest.raises(ValueError, match="min_lr"):
         OptimConfig(lr=1e-6, min_lr=1e-5)
 

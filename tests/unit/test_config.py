@@ -331,3 +331,39 @@ def test_screening_is_refused_where_the_screens_cannot_be_joined(extra, named):
     the draw, and the weight 1/(pi_q pi_c) is then no longer unbiased): refused as token_mean is."""
     with pytest.raises(ValueError, match="algo.screen_k=2 is invalid: expected " + named):
         _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.screen_k=2", *extra)
+
+
+def test_the_optim_section_is_the_engines_optimizer_configuration():
+    """One class: the loaded section drives the engine's schedule (``lr_at_step``) under its own field names."""
+    from megatron_dppo.megatron.engine import OptimConfig, lr_at_step
+
+    cfg = load_config(None, ["optim.scheduler=cosine", "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=2",
+                             "optim.grad_clip=0.5", "optim.distributed_optimizer=true"], validate=False)
+    cfg.optim.validate()
+    assert type(cfg.optim) is OptimConfig
+    assert lr_at_step(cfg.optim, 0, cfg.optim.lr, cfg.optim.min_lr, total_steps=10) == pytest.approx(5e-4)
+    assert lr_at_step(cfg.optim, 10, cfg.optim.lr, cfg.optim.min_lr, total_steps=10) == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match=r"optim.scheduler='cosine' needs total_steps"):
+        lr_at_step(cfg.optim, 3, 1e-3, 1e-4)
+    with pytest.raises(ValueError, match=r"optim.min_lr=0.1 is invalid"):  # built in code: the same checks
+        OptimConfig(lr=1e-3, min_lr=0.1)
+
+
+def test_every_loss_override_is_a_field_of_the_policy_loss():
+    """build_loss passes the section's set options to the preset by name: each must be a field of the policy loss,
+    and each reaches it."""
+    from dataclasses import fields
+
+    from megatron_dppo.algo.losses import LossConfig
+    from megatron_dppo.run.build import build_loss
+
+    section = Config().loss
+    names = {f.name for f in fields(section)} - set(section.NOT_LOSS_FIELDS)
+    assert names == {f.name for f in fields(LossConfig)} - {"temperature"}
+    values = {"policy_loss": "gspo", "eps_low": 0.1, "eps_high": 0.3, "kl_coef": 0.02, "kl_estimator": "k2",
+              "aggregation": "token_mean", "advantage_eps": 1e-3, "clip_ratio_c": 4.0, "kl_clamp": 5.0,
+              "rollout_correction": "mis", "rollout_correction_cap": 3.0, "rollout_correction_cap_low": 0.5,
+              "gspo_gradient": "stop_gradient", "gspo_log_ratio_cap": 7.0, "kl_bias_correction": True}
+    assert set(values) == names
+    loss, _ = build_loss(load_config(None, [f"loss.{k}={v}" for k, v in values.items()], validate=False))
+    assert {k: getattr(loss, k) for k in values} == values

@@ -144,13 +144,12 @@ def test_config_accepts_refill_without_a_pruner_and_the_overlong_options():
 # The stages: overlong filtering removes exactly the truncated completions, from numerator and denominator
 # --------------------------------------------------------------------------------------------------------------
 def _train_side(overrides):
-    from megatron_dppo.algo.pruning import DPPOPruner
-    from megatron_dppo.run.build import build_loss
+    from megatron_dppo.run.build import build_loss, build_pruner
     from megatron_dppo.run.state import TrainSide
 
     cfg = load_config(QUICKSTART, ["train.group_size=3", "rollout.max_new_tokens=5", *overrides])
     loss_cfg, estimator = build_loss(cfg)
-    pruner = DPPOPruner(cfg.algo.r_q, cfg.algo.r_o, cfg.algo.mode) if cfg.algo.pruner == "dppo" else None
+    pruner = build_pruner(cfg, loss_cfg, estimator)
     # what the selection and batch stages read (no engine is touched by them)
     return TrainSide(cfg=cfg, engine=None, loss_cfg=loss_cfg, estimator=estimator, pruner=pruner)
 
@@ -170,7 +169,7 @@ def _rollout():
 
 def _step(side, rollout):
     from megatron_dppo.algo.advantages import compute_advantages
-    from megatron_dppo.train.dapo import keep_all
+    from megatron_dppo.algo.pruning import keep_all
     from megatron_dppo.train.rollouts import training_rewards
     from megatron_dppo.train.stages import build_train_batch, select_completions
 

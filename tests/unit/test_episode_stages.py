@@ -33,7 +33,7 @@ from megatron_dppo.run.build import build_loss, build_pruner
 from megatron_dppo.run.state import RolloutSide, TrainSide
 from megatron_dppo.train import stages
 from megatron_dppo.train.dapo import select_rows
-from megatron_dppo.train.draw import history_costs, select_prompts
+from megatron_dppo.train.draw import select_prompts, update_prompt_state
 from megatron_dppo.train.rollouts import Rollout, counted_episodes
 
 DT = torch.float64
@@ -91,10 +91,9 @@ def make_rollout(seed: int = 0) -> Rollout:
 
 def sides(cfg, rollout: Rollout):
     loss_cfg, estimator = build_loss(cfg)
-    pruner = build_pruner(cfg, loss_cfg)
-    history = PromptHistory()
+    pruner = build_pruner(cfg, loss_cfg, estimator)
     rollout_side = RolloutSide(cfg=cfg, tokenizer=None, engine=None, handover=None, eos_ids=[], scorer=None,
-                               train_prompts=rollout.prompts, sampler=None, pruner=pruner, history=history)
+                               train_prompts=rollout.prompts, sampler=None, pruner=pruner)
     train_side = LocalTrainSide(cfg=cfg, engine=None, loss_cfg=loss_cfg, estimator=estimator, pruner=pruner)
     return rollout_side, train_side
 
@@ -134,7 +133,7 @@ def test_pass_rates_count_the_rule_never_the_environments_step_rewards():
     reward (here +0.25 or +0.5 on most wrong answers) does not make a wrong answer a pass, and a penalty (-1.5 on the
     right ones) does not make a right one a failure."""
     from megatron_dppo.rewards import RewardScorer
-    from megatron_dppo.train.dapo import keep_all
+    from megatron_dppo.algo.pruning import keep_all
     from megatron_dppo.train.rollouts import score
     from megatron_dppo.train.step_metrics import step_metrics
 
@@ -291,9 +290,9 @@ def test_env_error_episodes_leave_the_group_statistics_the_loss_and_the_prompt_s
     batch = stages.build_train_batch(side, rollout.prompts, prompt_cut, rollout, advantages, total_cut)
     assert sorted(batch.origin) == sorted((q, i) for q in range(B) for i in range(G) if (q, i) not in ERRORS)
     assert batch.denominator == B * G  # the drawn batch's constant: every unit counts, errors included
-    rollout_side.history.update(["q4"], torch.full((1, G), 7.0))  # q4's earlier score: kept (one episode left)
+    rollout_side.pruner.state.update(["q4"], torch.full((1, G), 7.0))  # q4's earlier score: kept (one episode left)
     update_prompt_state(rollout_side, rollout, rollout.rewards, advantages, version=0)
-    scores = rollout_side.history.scores([p.id for p in rollout.prompts])
+    scores = rollout_side.pruner.state.scores([p.id for p in rollout.prompts])
     for q in (0, 1, 2, 3, 5):
         members = counted[q]
         assert float(scores[q]) == pytest.approx(float(advantages[q, members].abs().mean()))
@@ -311,14 +310,14 @@ def test_history_records_episode_costs_only_for_the_cost_aware_rule():
     ids = [p.id for p in rollout.prompts]
     for extra, recorded in ((("algo.dppo_keep=optimal", "algo.dppo_keep_cost=tokens"), True), ((), False)):
         side, _ = sides(make_config(*extra), rollout)
-        side.history.update(ids, advantages, costs=history_costs(side, rollout))
-        assert ("costs" in side.history.state_dict()) == recorded
-    torch.testing.assert_close(side.history.costs(ids), torch.full((B,), NAN, dtype=DT), equal_nan=True)
+        update_prompt_state(side, rollout, rollout.rewards, advantages, version=0)
+        assert ("costs" in side.pruner.state_dict()) == recorded
+    torch.testing.assert_close(side.pruner.state.costs(ids), torch.full((B,), NAN, dtype=DT), equal_nan=True)
     side, _ = sides(make_config("algo.dppo_keep=optimal", "algo.dppo_keep_cost=tokens"), rollout)
-    side.history.update(ids, advantages, costs=history_costs(side, rollout))
-    torch.testing.assert_close(side.history.costs(ids), rollout.total_tokens().mean(1))
+    update_prompt_state(side, rollout, rollout.rewards, advantages, version=0)
+    torch.testing.assert_close(side.pruner.state.costs(ids), rollout.total_tokens().mean(1))
     restored = PromptHistory()
-    restored.load_state_dict(side.history.state_dict())
+    restored.load_state_dict(side.pruner.state_dict())
     torch.testing.assert_close(restored.costs(ids + ["new"])[:B], rollout.total_tokens().mean(1))
     assert math.isnan(float(restored.costs(["new"])[0]))
     with pytest.raises(ValueError, match="algo.dppo_keep_cost"):
@@ -400,11 +399,10 @@ def monte_carlo(extra, weight_one=False, monkeypatch=None, draws=DRAWS, errors=(
     cfg = make_config("algo.dppo_keep=optimal", "algo.dppo_keep_cost=tokens", "algo.r_q=0.4", "algo.r_o=0.5",
                       "algo.keep_floor=0.1", *extra)
     rollout_side, side = sides(cfg, rollout)
-    seen = [p.id for p in rollout.prompts[1:]]  # prompt 0 never seen: kept with probability 1
     history_adv = advantages[1:].clone()
     history_adv[1] = 0.0  # a prompt whose last group had no signal: a candidate at the floor
-    rollout_side.history.update(seen, history_adv, costs=history_costs(rollout_side, select_rows(rollout,
-                                                                                                  range(1, B))))
+    # prompts 1..B-1 seen (prompt 0 never seen: kept with probability 1)
+    update_prompt_state(rollout_side, select_rows(rollout, range(1, B)), rollout.rewards[1:], history_adv, version=0)
     full_cfg = make_config("algo.pruner=none", *extra)
     full_rollout_side, full_side = sides(full_cfg, rollout)
     full = step_value(full_rollout_side, full_side, rollout, advantages, 0, logp, old, ref, mask)

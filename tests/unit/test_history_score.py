@@ -84,10 +84,10 @@ def test_reward_spread_history_ema_checkpoint_and_refusals(tmp_path):
 
 def test_auto_picks_the_reward_spread_when_a_reward_model_is_set(tmp_path):
     from megatron_dppo.config import load_config
-    from megatron_dppo.run.build import build_prompt_state
+    from megatron_dppo.run.build import build_loss, build_pruner
 
     def build_history(cfg):
-        return build_prompt_state(cfg, "grpo")
+        return build_pruner(cfg, build_loss(cfg)[0], "grpo").state
 
     rule = load_config("examples/quickstart.yaml", [])
     model = load_config("examples/quickstart.yaml", [f"reward.model.path={tmp_path}"])

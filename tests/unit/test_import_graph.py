@@ -105,7 +105,8 @@ ALLOWED: dict[str, set[str]] = {
     "rewards": {"dist"},
     "data": {"rewards", "env"},  # (gold-answer extraction is the reward's; tool-use traces are the episodes' tokens)
     "rollout": {"dist", "env"},  # generation engines (HF, vLLM), multi-turn episodes
-    "megatron": {"algo", "packing", "dist"},  # the training engine
+    "megatron": {"algo", "packing", "dist", "config"},  # the training engine (its parallel layout is config's
+    # parallel section: one class)
     "convert": {"megatron", "dist"},  # HF <-> Megatron checkpoints
     "run": PURE | ENGINES,  # what a run is built from, its state, lifecycle, console, metrics sinks
     "train": PURE | ENGINES | {"run"},  # the RL loop, its stages, evaluation, the rollout worker

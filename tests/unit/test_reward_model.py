@@ -225,7 +225,7 @@ def _side(tmp_path, tok, classifier, engine=None, **model_options):
     rm = RewardModel(engine or HFRewardEngine(classifier), tok, tok, name=str(classifier))
     return RolloutSide(cfg=cfg, tokenizer=tok, engine=None, handover=MemoryHandover(None, lambda: iter(())),
                        eos_ids=[tok.eos_token_id], scorer=RewardScorer("arithmetic"), train_prompts=[], sampler=None,
-                       pruner=None, history=None, reward_model=rm)
+                       pruner=None, reward_model=rm)
 
 
 def _rollout(tok, n_prompts=3, G=4):

@@ -194,20 +194,23 @@ def test_a_checkpoint_prompt_state_of_the_other_kind_starts_a_fresh_one():
 
     from megatron_dppo.algo.prompt_history import PromptHistory
     from megatron_dppo.algo.prompt_posterior import PromptPosterior
+    from megatron_dppo.algo.pruner import DPPO, KeepAll, PrunerContext
+    from megatron_dppo.algo.pruning import DPPOPruner
     from megatron_dppo.run.lifecycle import restore_prompt_state
 
-    posterior = PromptPosterior(4)
+    context = PrunerContext(group_size=4, prompts_per_step=2)
+    posterior = DPPO(DPPOPruner(0.5, 0.5, keep="posterior"), PromptPosterior(4), context)
     restore_prompt_state(posterior, PromptHistory().state_dict())  # a warm start's: empty, silent
-    assert len(posterior) == 0
+    assert len(posterior.state) == 0
     history = PromptHistory()
     history.update([1, 2], torch.tensor([[1.0, -1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
     with pytest.warns(UserWarning, match="starts it fresh"):
         restore_prompt_state(posterior, history.state_dict())
-    assert len(posterior) == 0
-    posterior.update([1, 2], torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]), step=3)
-    again = PromptPosterior(4)
+    assert len(posterior.state) == 0
+    posterior.state.update([1, 2], torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]), step=3)
+    again = DPPO(DPPOPruner(0.5, 0.5, keep="posterior"), PromptPosterior(4), context)
     restore_prompt_state(again, posterior.state_dict())
     assert again.state_dict() == posterior.state_dict()
-    restored_history = PromptHistory()
+    restored_history = KeepAll(PromptHistory(), context)
     restore_prompt_state(restored_history, history.state_dict())
     assert restored_history.state_dict() == history.state_dict()
