@@ -21,9 +21,8 @@ import math
 import re
 from pathlib import Path
 
-import torch
-
 import _real_gradients as R
+import torch
 
 MAX_WEIGHT = 20.0  # the posterior's weight cap (pi >= 0.05)
 HISTORY_FLOOR = 0.3  # today's dppo-optimal keep_floor (the library default)

@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-
-import torch  # noqa: E402
+import _common as C
+import torch
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_runner import REPO, read_records  # noqa: E402
+from study_runner import REPO, read_records
 
 COLUMNS = ("sft_nll_first", "sft_nll_last", "ht_first10", "ht_last10", "ht_rise", "eval_first", "eval_last",
            "eval_rise", "rl_cpu_s")

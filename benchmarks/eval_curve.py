@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tta_stats import wilson  # noqa: E402
-from study_runner import cumulative_cpu, read_records  # noqa: E402
+from _tta_stats import wilson
+from study_runner import cumulative_cpu, read_records
 
 
 def curve(run: Path, samples: int) -> list[dict]:

@@ -55,11 +55,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-import _prompt_level as PL  # noqa: E402
-import _real_gradients as R  # noqa: E402
-
-import torch  # noqa: E402
+import _common as C
+import _prompt_level as PL
+import _real_gradients as R
+import torch
 
 
 def perturb(batch, scale: float, phase: float) -> torch.Tensor:

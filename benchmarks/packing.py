@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402  (puts the repository on sys.path)
+import _common as C
 
-from megatron_dppo.packing import (  # noqa: E402
+from megatron_dppo.packing import (
     min_bins,
     pack_ffd,
     pack_padded,

@@ -40,11 +40,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-import _prompt_level as PL  # noqa: E402
-import _real_gradients as R  # noqa: E402
-
-import torch  # noqa: E402
+import _common as C
+import _prompt_level as PL
+import _real_gradients as R
+import torch
 
 BUCKETS = (1.0, 1.5, 3.0, 10.0, math.inf)  # weight buckets of 1/pi_q
 

@@ -35,8 +35,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _tta_stats as S  # noqa: E402
-import study_runner as SR  # noqa: E402
+import _tta_stats as S
+import study_runner as SR
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "smollm2_list_max_cpu.yaml"

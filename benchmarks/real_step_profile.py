@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, machine, write_json  # noqa: E402
+from _common import REPO, machine, write_json
 
 
 # ----------------------------------------------------------------------------------------------------------

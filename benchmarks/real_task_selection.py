@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, machine, write_json  # noqa: E402
-from _tta_stats import wilson  # noqa: E402
+from _common import REPO, machine, write_json
+from _tta_stats import wilson
 
 CANDIDATES = ("list_max", "addition", "expression", "letter_count")
 RANGE = (0.05, 0.5)

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, write_json  # noqa: E402
-from time_to_reward import cli, read_metrics, summarize  # noqa: E402
+from _common import REPO, write_json
+from time_to_reward import cli, read_metrics, summarize
 
 RUNS = {"rule": ["algo.pruner=none", "logging.audit_log=true"],
         "rm": ["algo.pruner=none", "logging.audit_log=true", "{rm}"],

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, machine, write_json  # noqa: E402
-from time_to_accuracy import cli  # noqa: E402
+from _common import REPO, machine, write_json
+from time_to_accuracy import cli
 
 CONFIG = REPO / "examples" / "calculator_multiplication.yaml"
 QUIET = ["logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false", "checkpoint.every=0",

@@ -70,11 +70,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _tta_stats as S  # noqa: E402
-from _tta_report import EVAL_LABEL, markdown, plot, posthoc  # noqa: E402
-from _common import REPO, machine, write_json  # noqa: E402
+import _tta_stats as S
+from _common import REPO, machine, write_json
+from _tta_report import EVAL_LABEL, markdown, plot, posthoc
 
-from megatron_dppo.config import load_config  # noqa: E402
+from megatron_dppo.config import load_config
 
 METHODS = {  # nothing is tuned per arm
     "grpo": ["algo.pruner=none"],

@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, write_json  # noqa: E402
+from _common import REPO, write_json
+
 PRUNERS = {"grpo": ["algo.pruner=none"], "cppo": ["algo.pruner=cppo"], "dppo": ["algo.pruner=dppo"]}
 
 

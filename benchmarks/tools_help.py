@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _tta_stats as S  # noqa: E402
-from _common import REPO, machine, write_json  # noqa: E402
-from time_to_accuracy import cli, run_pool  # noqa: E402
+import _tta_stats as S
+from _common import REPO, machine, write_json
+from time_to_accuracy import cli, run_pool
 
 CONFIG = REPO / "examples" / "calculator_multiplication.yaml"
 PLAIN = ["env=null", "data.arithmetic_warm_start=answer", "rollout.max_new_tokens=8"]

@@ -64,11 +64,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _tta_stats as S  # noqa: E402
-from _common import REPO, machine, write_json  # noqa: E402
-from time_to_accuracy import cli, count_phase, eval_coverage, git_info, read_run  # noqa: E402
+import _tta_stats as S
+from _common import REPO, machine, write_json
+from time_to_accuracy import cli, count_phase, eval_coverage, git_info, read_run
 
-from megatron_dppo.config import load_config  # noqa: E402
+from megatron_dppo.config import load_config
 
 ARMS = {  # nothing tuned per arm; the rates are pinned here and in the preregistration
     "grpo": ["algo.pruner=none"],

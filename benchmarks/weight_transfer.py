@@ -1,6 +1,6 @@
 """Weight transfer of ``rollout.placement=separate``: how long the trainer's main rank spends sending one weight
 version to the rollout workers, by bucket size (``rollout.weight_bucket_mb``), on the real channel
-(``megatron_dppo.dist.transfer``: versioned buckets over a gloo group, through host memory; docs/async.md).
+(``megatron_dppo.distributed.transfer``: versioned buckets over a gloo group, through host memory; docs/async.md).
 
 One sender process (the trainer's main rank) and ``--receivers`` receiver processes (rollout workers) on this
 host, over loopback TCP. The stream is a synthetic model of HF-named bf16 tensors with the shapes of a
@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_dppo.dist.transfer import (  # noqa: E402 - after the repository joins sys.path
+from megatron_dppo.distributed.transfer import (  # noqa: E402 - after the repository joins sys.path
     WeightReceiver,
     WeightSender,
     process_group,
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     parser.add_argument("--train-s", type=float, default=3.0, help="background sends: seconds between sends")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    from megatron_dppo.dist.launch import free_port
+    from megatron_dppo.distributed.launch import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()

@@ -10,7 +10,7 @@
     megatron-dppo train --help-config                             # every option, its type, default and meaning
 
 Multi-process runs use any launcher (``torchrun --nproc-per-node 2 -m megatron_dppo.cli train ...``, ``srun``,
-``mpirun``); ranks and rendezvous are discovered by ``megatron_dppo.dist.launch``.
+``mpirun``); ranks and rendezvous are discovered by ``megatron_dppo.distributed.launch``.
 
 Configuration and input errors (``ValueError``) print one clear line, ``error: ...``, and exit with status 2;
 set ``MEGATRON_DPPO_DEBUG=1`` for the traceback.

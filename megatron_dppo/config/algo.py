@@ -10,6 +10,7 @@ from typing import Literal, Optional
 
 from megatron_dppo.config.fields import _check, opt
 
+
 @dataclass
 class AlgoConfig:
     """Pruning (docs/algorithms.md, "Pruning")."""

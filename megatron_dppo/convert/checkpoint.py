@@ -31,12 +31,19 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_dppo.dist import collectives as D
 from megatron_dppo.convert.hf_io import (
-    HFCheckpoint, check_output_dir, copy_tokenizer_files, make_tokenizer_config_portable, portable_config,
-    read_config_json, torch_dtype_name, write_safetensors_shards)
+    HFCheckpoint,
+    check_output_dir,
+    copy_tokenizer_files,
+    make_tokenizer_config_portable,
+    portable_config,
+    read_config_json,
+    torch_dtype_name,
+    write_safetensors_shards,
+)
 from megatron_dppo.convert.mapping import validate_hf_tensors
 from megatron_dppo.convert.validate import check_megatron_model
+from megatron_dppo.distributed import collectives as D
 
 FORMAT = "megatron-dppo/model-v1"
 MODEL_SUBDIR = "model"

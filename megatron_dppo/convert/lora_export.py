@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 
 
 def lora_checkpoint(ckpt_dir: str | os.PathLike) -> tuple[Path, dict] | None:
@@ -111,10 +111,19 @@ def convert_lora_to_merged_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.Pat
                               bucket_bytes: int = 256 * 1024 ** 2) -> Path:
     """The merged model of a LoRA training checkpoint (every adapted weight ``W + scaling * B @ A``) as an HF folder
     that transformers and vLLM load without LoRA. Collective over tp*pp ranks; rank 0 writes."""
-    from megatron_dppo.convert.checkpoint import _resolve_hf_config, _run_atomically, arch_from_hf_config, \
-        load_hf_folder
-    from megatron_dppo.convert.hf_io import (check_output_dir, copy_tokenizer_files, make_tokenizer_config_portable,
-                                             portable_config, write_safetensors_shards)
+    from megatron_dppo.convert.checkpoint import (
+        _resolve_hf_config,
+        _run_atomically,
+        arch_from_hf_config,
+        load_hf_folder,
+    )
+    from megatron_dppo.convert.hf_io import (
+        check_output_dir,
+        copy_tokenizer_files,
+        make_tokenizer_config_portable,
+        portable_config,
+        write_safetensors_shards,
+    )
     from megatron_dppo.convert.peft import export_merged_hf_weights
 
     found = lora_checkpoint(ckpt_dir)

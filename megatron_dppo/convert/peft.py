@@ -32,8 +32,14 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from megatron_dppo.megatron.lora import (BASE_LINEAR, PROJECTIONS, LoraConfig, full_lora_tensors,
-                                        load_full_lora_tensors, merged)
+from megatron_dppo.megatron.lora import (
+    BASE_LINEAR,
+    PROJECTIONS,
+    LoraConfig,
+    full_lora_tensors,
+    load_full_lora_tensors,
+    merged,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

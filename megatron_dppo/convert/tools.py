@@ -68,7 +68,7 @@ def _one_line(err: BaseException) -> str:
 
 def _is_rank0() -> bool:
     """Rank 0 of the job, whatever the launcher (torchrun, srun, mpirun), also before any process group."""
-    from megatron_dppo.dist.launch import discover_launch
+    from megatron_dppo.distributed.launch import discover_launch
 
     try:
         return discover_launch(export=False, use_mpi4py=False).rank == 0

@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megatron_dppo.convert.mapping import (
-    MappingIndex, ParamMapping, Resolved, detect_spec, mapping_table, resolve_dims)
+from megatron_dppo.convert.mapping import MappingIndex, ParamMapping, Resolved, detect_spec, mapping_table, resolve_dims
 from megatron_dppo.megatron.lora import is_lora_param
 from megatron_dppo.megatron.moe import global_expert_index
 

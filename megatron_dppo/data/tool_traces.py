@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from megatron_dppo.data.datasets import PromptRecord
-from megatron_dppo.env.calculator import evaluate as calculate, format_value
+from megatron_dppo.env.calculator import evaluate as calculate
+from megatron_dppo.env.calculator import format_value
 
 TAG = "calc"
 SYMBOLS = ("<|tool|>", f"<{TAG}>", f"</{TAG}>")  # the tool role of the project's chat template, the call tags

@@ -8,7 +8,7 @@ their checks; built-ins: ``noop``, ``calculator``, ``python`` (``python_tool`` +
 Layering: this package imports nothing else of megatron_dppo (plain Python, transformers tokenizers duck-typed).
 """
 from megatron_dppo.env.config import EnvConfig
-from megatron_dppo.env.protocol import FINISH_REASONS, Environment, EnvFactory, Step, Task, Turn
+from megatron_dppo.env.protocol import FINISH_REASONS, EnvFactory, Environment, Step, Task, Turn
 from megatron_dppo.env.registry import BUILTIN_ENVS, make_env_factory, resolve_env_factory
 from megatron_dppo.env.tokens import ChatTokens, TokenDriftError, Trajectory
 

@@ -41,8 +41,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -50,6 +48,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+from torch import Tensor
 
 from .cp_attention import context_parallel_attention, sdpa_causal_segments
 

@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.megatron.checkpoint_files import (
     ASIDE_PREFIX,
     LATEST_FILE,

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 
 logger = logging.getLogger(__name__)
 

@@ -179,11 +179,11 @@ def check_transformer_engine() -> None:
     if importlib.util.find_spec("transformer_engine") is None:
         return
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine
         import transformer_engine.pytorch  # noqa: F401
     except ModuleNotFoundError:
         return
-    except Exception as err:  # noqa: BLE001 - any other error is the crash this check reports
+    except Exception as err:
         dists = installed_te_distributions()
         pieces = ", ".join(f"{n} {v}" for n, v in dists.items()) or "no distribution metadata"
         location = importlib.util.find_spec("transformer_engine").submodule_search_locations

@@ -11,7 +11,7 @@ spread over ``ep`` ranks, and ``edp`` (expert data parallel) what is left; atten
 configuration fails identically on every rank with a ``ValueError`` naming the numbers instead of hanging in a
 collective.
 
-``initialize_parallel`` reads rank/world/rendezvous from ``megatron_dppo.dist.launch.discover_launch`` (torchrun,
+``initialize_parallel`` reads rank/world/rendezvous from ``megatron_dppo.distributed.launch.discover_launch`` (torchrun,
 Slurm ``srun``, ``mpirun``, or a single process), creates the default process group (NCCL on GPU, gloo on CPU,
 with the CPU backend applied), Megatron's model-parallel groups, and seeds every generator:
 ``seed_rank = seed + 100 * pp_rank`` (as Megatron-LM) for Python/NumPy/torch, and Megatron's tracked RNG states via
@@ -32,7 +32,7 @@ from megatron_dppo.config.sections import ParallelConfig
 from .cpu import ensure_device_backend
 
 if TYPE_CHECKING:  # pragma: no cover
-    from megatron_dppo.dist.launch import LaunchInfo
+    from megatron_dppo.distributed.launch import LaunchInfo
 
     from .arch import ModelArch
 
@@ -107,7 +107,7 @@ def initialize_parallel(cfg: ParallelConfig, seed: int, arch: "ModelArch | None"
     reused (e.g. one created by a test harness); existing model-parallel state is destroyed and rebuilt.
     Returns the launch information of this process.
     """
-    from megatron_dppo.dist.launch import bind_to_launcher, discover_launch
+    from megatron_dppo.distributed.launch import bind_to_launcher, discover_launch
 
     info = discover_launch()
     bind_to_launcher(info)  # a torchrun worker dies with its agent

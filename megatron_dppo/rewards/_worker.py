@@ -51,7 +51,7 @@ def _serve(conn: Connection) -> None:
 def main() -> None:
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and shuts workers down itself
-    from megatron_dppo.dist.launch import die_with_parent
+    from megatron_dppo.distributed.launch import die_with_parent
 
     die_with_parent(parent)  # a SIGKILLed trainer must not leave a worker behind (it runs in a session of its own)
     conn = Connection(int(sys.argv[1]))

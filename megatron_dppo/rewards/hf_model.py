@@ -101,7 +101,7 @@ class HFRewardEngine:
     def shard(self) -> tuple[int, int]:
         if self._shard is not None:
             return self._shard
-        from megatron_dppo.dist import collectives as D
+        from megatron_dppo.distributed import collectives as D
 
         return D.rank(), D.world_size()
 

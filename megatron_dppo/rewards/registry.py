@@ -62,7 +62,7 @@ def _import_path(spec: str) -> RewardFn:
         raise ValueError(f"cannot import module {module_name!r} of reward {spec!r}: {err}") from err
     except SyntaxError as err:  # the user's module does not parse: name the file and line
         raise ValueError(f"reward {spec!r}: {err.filename}:{err.lineno}: syntax error ({err.msg})") from err
-    except Exception as err:  # noqa: BLE001 - any error while running the user's module body
+    except Exception as err:
         where = _raising_frame(err, module_name)
         raise ValueError(f"reward {spec!r}: importing module {module_name!r} raised {type(err).__name__}: {err}"
                          f"{where}") from err

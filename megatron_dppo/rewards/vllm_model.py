@@ -55,7 +55,7 @@ class VLLMRewardEngine:
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
             os.environ.setdefault(key, value)  # a lone process: external_launcher reads the launcher's environment
         if "MASTER_PORT" not in os.environ:
-            from megatron_dppo.dist.launch import free_port
+            from megatron_dppo.distributed.launch import free_port
 
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ["MASTER_PORT"] = str(free_port())
@@ -105,7 +105,7 @@ class VLLMRewardEngine:
     def shard(self) -> tuple[int, int]:
         if self._shard is not None:
             return self._shard
-        from megatron_dppo.dist import collectives as D
+        from megatron_dppo.distributed import collectives as D
 
         return D.rank(), D.world_size()
 

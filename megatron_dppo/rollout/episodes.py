@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.env.config import EnvConfig
 from megatron_dppo.env.protocol import Environment, MalformedStep, Task, Turn, check_messages, check_step
 from megatron_dppo.env.tokens import (

@@ -85,7 +85,7 @@ from typing import Any
 
 import torch
 
-from megatron_dppo.dist.launch import free_port
+from megatron_dppo.distributed.launch import free_port
 from megatron_dppo.rollout.base import (
     Completion,
     CompletionGroup,

@@ -14,7 +14,7 @@ loading each bucket into the model as it lands. In both, the RPC only says "join
 names, shapes and dtypes.
 
 Here. The methods below give the vLLM worker the rollout worker's end of the weights channel of
-``dist/transfer.py``, with the same wire protocol: ``dppo_join_weights`` connects to the job's rendezvous store
+``distributed/transfer.py``, with the same wire protocol: ``dppo_join_weights`` connects to the job's rendezvous store
 by host and port, joins the gloo group "weights" at the group rank of this rollout worker, and starts a
 ``transfer.WeightReceiver``. Its thread keeps a receive posted the whole time, so the trainer's send never waits
 for a generation, and it keeps only the newest complete version, which it checks is newer than the last one.
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_dppo.dist.transfer import WeightReceiver, WeightVersion, process_group
+from megatron_dppo.distributed.transfer import WeightReceiver, WeightVersion, process_group
 from megatron_dppo.rollout.lora import split_adapters, write_adapter_folder
 from megatron_dppo.rollout.vllm_engine import (
     _load_into_model,

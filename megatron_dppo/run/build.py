@@ -18,7 +18,7 @@ import torch
 from megatron_dppo.algo.losses import LossConfig, resolve_loss_preset
 from megatron_dppo.config import Config
 from megatron_dppo.data import Prompt
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 
 
 def check_output_dirs(cfg: Config) -> None:

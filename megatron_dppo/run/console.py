@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_dppo.dist import collectives as D
 from megatron_dppo.config import Config
+from megatron_dppo.distributed import collectives as D
 
 if TYPE_CHECKING:
     from megatron_dppo.run.state import Run

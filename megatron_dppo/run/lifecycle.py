@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_dppo.dist import collectives as D
 from megatron_dppo.config import Config
-from megatron_dppo.dist.launch import stop_requested
+from megatron_dppo.distributed import collectives as D
+from megatron_dppo.distributed.launch import stop_requested
 
 if TYPE_CHECKING:
     from megatron_dppo.run.state import Run

@@ -113,12 +113,10 @@ def train_reward_model(cfg: Config, out: str | Path, *, pairs_file: str | None =
     """Train a small Bradley-Terry reward model for the run ``cfg`` describes and save it to ``out`` (module
     docstring); returns its record (pairwise accuracy on the held-out pairs among it)."""
     from megatron_dppo.data.datasets import read_preference_pairs
+    from megatron_dppo.distributed import collectives as D
     from megatron_dppo.rewards.bradley_terry import BTConfig, small_classifier_config, train_bradley_terry
     from megatron_dppo.rewards.model_inputs import InputBuilder, Sample, resolve_template
-    from megatron_dppo.run.build import _formatter, arithmetic_task, build_hf_config, build_tokenizer, \
-        resolve_model_dir
-
-    from megatron_dppo.dist import collectives as D
+    from megatron_dppo.run.build import _formatter, arithmetic_task, build_hf_config, build_tokenizer, resolve_model_dir
 
     D.set_cpu_threads(1, cfg.train.cpu_threads)
     out = Path(out)

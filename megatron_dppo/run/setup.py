@@ -8,8 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_dppo.config import Config
-from megatron_dppo.dist import collectives as D
-from megatron_dppo.dist.placement import connect_trainer
+from megatron_dppo.distributed import collectives as D
+from megatron_dppo.distributed.placement import connect_trainer
 from megatron_dppo.run.build import (
     build_env,
     build_handover,
@@ -22,12 +22,12 @@ from megatron_dppo.run.build import (
     check_output_dirs,
     check_pretrained_weights,
     eos_ids,
-    probe_chat,
     full_hf_config,
     is_converted_checkpoint,
     load_eval_sets,
     load_train_prompts,
     moe_options,
+    probe_chat,
     quiet_logs,
     resolve_model_dir,
     torch_dtype,

@@ -19,7 +19,7 @@ from megatron_dppo.algo.dynamic_sampling import RefillResult, refill
 from megatron_dppo.algo.overlong import overlong_penalty
 from megatron_dppo.algo.pruning import PruneResult
 from megatron_dppo.data import Prompt
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.run.metrics import PhaseTimer
 from megatron_dppo.run.state import RolloutSide
 from megatron_dppo.train.rollouts import Rollout, filter_rewards, generate, score

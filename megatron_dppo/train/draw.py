@@ -23,7 +23,7 @@ import torch
 from megatron_dppo.algo.pruner import Groups
 from megatron_dppo.algo.pruning import PruneResult, keep_all, make_generator
 from megatron_dppo.data import Prompt
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.run.metrics import PhaseTimer
 from megatron_dppo.run.state import RolloutSide
 from megatron_dppo.train.dapo import refill_groups

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from megatron_dppo.config import Config
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.run.metrics import pass_at_k
 from megatron_dppo.run.setup import setup, teardown
 from megatron_dppo.run.state import RolloutSide

@@ -48,8 +48,8 @@ import torch
 
 from megatron_dppo.algo.advantages import group_advantages
 from megatron_dppo.config import Config
-from megatron_dppo.dist import collectives as D
-from megatron_dppo.dist.placement import roles
+from megatron_dppo.distributed import collectives as D
+from megatron_dppo.distributed.placement import roles
 from megatron_dppo.megatron.engine import lr_at_step
 from megatron_dppo.run import console
 from megatron_dppo.run.lifecycle import STOP_REQUESTED, StopSignals, save

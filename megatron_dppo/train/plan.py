@@ -16,7 +16,7 @@ from collections import deque
 import torch
 
 from megatron_dppo.algo.step_cost import GENERATION_PHASES, TRAINING_PHASES, fit_step_cost, plan_step, variance_curve
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.run.state import RolloutSide
 
 WINDOW, WARMUP = 20, 3

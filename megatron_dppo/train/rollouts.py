@@ -25,7 +25,7 @@ import torch
 
 from megatron_dppo.algo.overlong import overlong_penalty
 from megatron_dppo.data import Prompt
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.rewards.model import RewardModelError
 from megatron_dppo.rewards.model_inputs import Sample
 from megatron_dppo.rewards.scoring import TIMED_OUT

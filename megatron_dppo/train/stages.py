@@ -16,7 +16,7 @@ from megatron_dppo.algo.minibatches import split_prompts
 from megatron_dppo.algo.overlong import finished_denominator
 from megatron_dppo.algo.pruning import PruneResult, combine, make_generator, zero_variance_filter
 from megatron_dppo.data import Prompt
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.run.state import TrainSide
 from megatron_dppo.train.rollouts import Rollout, counted_episodes, filter_rewards
 

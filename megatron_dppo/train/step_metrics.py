@@ -9,8 +9,8 @@ import logging
 import torch
 
 from megatron_dppo.algo.pruning import PruneResult, pruning_stats
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.rewards.agreement import group_agreement
-from megatron_dppo.dist import collectives as D
 from megatron_dppo.train.rollouts import Rollout
 from megatron_dppo.train.stages import TrainBatch, behaviour_logprobs_at
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from megatron_dppo.algo.losses import LossConfig, sequence_token_weights
-from megatron_dppo.dist import collectives as D
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.run.metrics import PhaseTimer
 from megatron_dppo.run.state import TrainSide
 from megatron_dppo.train.stages import TrainBatch, pack

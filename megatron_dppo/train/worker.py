@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_dppo.dist import collectives as D
-from megatron_dppo.dist.placement import WorkerEval, connect_worker
-from megatron_dppo.dist.staleness import StalenessGate
+from megatron_dppo.distributed import collectives as D
+from megatron_dppo.distributed.placement import WorkerEval, connect_worker
+from megatron_dppo.distributed.staleness import StalenessGate
 from megatron_dppo.run.metrics import PhaseTimer
 from megatron_dppo.run.setup import setup_worker
 from megatron_dppo.run.state import RolloutSide

@@ -74,9 +74,9 @@ def stage_environment(c: Check) -> dict:
     info.update(gpu_compute_modes())
     c.compute_mode = None if c.cpu_smoke else info["compute_mode"]  # (the CPU smoke run does not use the GPU)
     try:
-        from torch.nn.attention.varlen import varlen_attn
-
         import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
 
         info["varlen_attn_signature"] = str(inspect.signature(varlen_attn))
     except ImportError as err:
@@ -112,7 +112,7 @@ def stage_dist(c: Check) -> dict:
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
-        from megatron_dppo.dist.launch import free_port
+        from megatron_dppo.distributed.launch import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
     initialize_parallel(ParallelConfig(), seed=1234)

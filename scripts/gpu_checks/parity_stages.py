@@ -9,7 +9,6 @@ import time
 from .harness import Check, require, sync
 from .shapes import build_engine, master_weights, per_expert_hf_tensors, random_micro_batches
 
-
 HF_FAMILIES = {
     "llama": dict(model_type="llama", tie_word_embeddings=True, rope_theta=10000.0),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=False, rope_theta=1e6),

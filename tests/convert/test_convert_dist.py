@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from _hf_models import ODD_SHAPES, TINY, hf_logits, save_hf_model, tokens  # isort: first
 from _dist import run_distributed
+from _hf_models import ODD_SHAPES, TINY, hf_logits, save_hf_model, tokens  # isort: first
+
 from megatron_dppo.convert.hf_io import HFCheckpoint
 
 pytestmark = pytest.mark.multiproc
@@ -18,7 +18,6 @@ LOGITS_ATOL = 2e-5
 def _worker(hf_dir: str, tp: int, pp: int, vpp: int | None, out_dir: str | None, bucket_bytes: int):
     """Every rank: load the HF weights into its shard, run the pipeline, export; optionally save a checkpoint."""
     from _hf_models import megatron_logits
-
     from megatron.core import parallel_state as ps
 
     from megatron_dppo.convert import export_hf_weights, load_hf_weights

@@ -5,12 +5,20 @@ import json
 
 import pytest
 import torch
-
 from _hf_models import TINY, build_hf_model
+
 from megatron_dppo.convert.hf_io import HFCheckpoint, write_safetensors_shards
 from megatron_dppo.convert.mapping import (
-    GatedMLPMapping, MappingIndex, QKVMapping, TE_SPEC, VocabParallelMapping, detect_spec, expected_hf_shapes,
-    mapping_table, validate_hf_tensors)
+    TE_SPEC,
+    GatedMLPMapping,
+    MappingIndex,
+    QKVMapping,
+    VocabParallelMapping,
+    detect_spec,
+    expected_hf_shapes,
+    mapping_table,
+    validate_hf_tensors,
+)
 from megatron_dppo.megatron.model import ModelArch
 
 

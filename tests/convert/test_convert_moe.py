@@ -12,17 +12,30 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dist import run_distributed, single_process_world
+from _hf_models import TINY_MOE, hf_logits, megatron_logits, save_hf_model, tokens  # isort: first
 from safetensors.torch import load_file, save_file
 
-from _hf_models import TINY_MOE, hf_logits, megatron_logits, save_hf_model, tokens  # isort: first
-from _dist import run_distributed, single_process_world
 from megatron_dppo.convert import export_hf_weights, load_hf_weights
 from megatron_dppo.convert.checkpoint import (
-    arch_to_hf_config, convert_hf_to_megatron, convert_megatron_to_hf, load_hf_folder)
+    arch_to_hf_config,
+    convert_hf_to_megatron,
+    convert_megatron_to_hf,
+    load_hf_folder,
+)
 from megatron_dppo.convert.hf_io import HFCheckpoint
 from megatron_dppo.convert.mapping import (
-    ExpertGatedMLPMapping, ExpertRowParallelMapping, LOCAL_SPEC, MappingIndex, ReplicatedMapping, TE_SPEC,
-    detect_spec, expected_hf_shapes, mapping_table, validate_hf_tensors)
+    LOCAL_SPEC,
+    TE_SPEC,
+    ExpertGatedMLPMapping,
+    ExpertRowParallelMapping,
+    MappingIndex,
+    ReplicatedMapping,
+    detect_spec,
+    expected_hf_shapes,
+    mapping_table,
+    validate_hf_tensors,
+)
 from megatron_dppo.megatron.model import ModelArch, build_model_chunks
 from megatron_dppo.megatron.parallel import ParallelConfig
 

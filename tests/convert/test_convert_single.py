@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dist import single_process_world
+from _hf_models import TINY, build_hf_model, hf_logits, megatron_logits, save_hf_model, tokens  # isort: first
 from safetensors.torch import load_file, save_file
 
-from _hf_models import TINY, build_hf_model, hf_logits, megatron_logits, save_hf_model, tokens  # isort: first
-from _dist import single_process_world
 from megatron_dppo.convert import export_hf_weights, load_hf_weights
 from megatron_dppo.convert.checkpoint import convert_hf_to_megatron, convert_megatron_to_hf
 from megatron_dppo.convert.hf_io import HFCheckpoint, portable_config

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from _hf_models import megatron_logits  # isort: first
 from _dist import single_process_world
+from _hf_models import megatron_logits  # isort: first
+
 from megatron_dppo.convert.gguf import find_smollm2_gguf, smollm2_hf_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,8 +82,7 @@ def _megatron_logprob_worker(hf_dir: str, meg_dir: str, seqs: list[list[int]], t
 def test_smollm2_logprobs_and_round_trip(smollm2, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_dppo.convert.checkpoint import (
-        arch_from_hf_config, convert_megatron_to_hf, load_model_dist_checkpoint)
+    from megatron_dppo.convert.checkpoint import arch_from_hf_config, convert_megatron_to_hf, load_model_dist_checkpoint
     from megatron_dppo.convert.hf_io import HFCheckpoint
     from megatron_dppo.megatron.model import build_model_chunks
     from megatron_dppo.megatron.parallel import ParallelConfig

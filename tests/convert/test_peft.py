@@ -7,12 +7,16 @@ import json
 
 import pytest
 import torch
-
-from _hf_models import TINY, build_hf_model, megatron_logits, tokens  # isort: first
 from _dist import single_process_world
+from _hf_models import TINY, build_hf_model, megatron_logits, tokens  # isort: first
+
 from megatron_dppo.convert import load_hf_weights
-from megatron_dppo.convert.peft import (export_merged_hf_weights, export_peft_adapter, load_peft_adapter,
-                                        read_peft_adapter)
+from megatron_dppo.convert.peft import (
+    export_merged_hf_weights,
+    export_peft_adapter,
+    load_peft_adapter,
+    read_peft_adapter,
+)
 from megatron_dppo.megatron import lora as L
 from megatron_dppo.megatron.model import ModelArch, build_model_chunks
 from megatron_dppo.megatron.parallel import ParallelConfig

@@ -30,7 +30,6 @@ import subprocess
 import time
 
 import pytest
-
 from _e2e_helpers import PY, REPO, env, free_port, read_metrics, run_cli, stable_metrics, tiny_config, write_config
 
 # The default run (CI) keeps the three the guarantees rest on: staleness 0 == the synchronous loop (resume

@@ -20,7 +20,6 @@ import sys
 import time
 
 import pytest
-
 from _e2e_helpers import REPO, TINY_MODEL, env, free_port, read_metrics, tiny_base, tiny_config, write_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.multiproc]

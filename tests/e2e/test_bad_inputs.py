@@ -12,9 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from _e2e_helpers import PY, REPO, TINY_MODEL, damaged_parquet, env, free_port, make_read_only, read_metrics, \
-    run_cli, tiny_config, write_config
+from _e2e_helpers import (
+    PY,
+    REPO,
+    TINY_MODEL,
+    damaged_parquet,
+    env,
+    free_port,
+    make_read_only,
+    read_metrics,
+    run_cli,
+    tiny_config,
+    write_config,
+)
 
 CASES = {
     # name: (expected fragments of the error message, how to build the case)

@@ -6,7 +6,6 @@ import json
 import subprocess
 
 import pytest
-
 from _e2e_helpers import PY, REPO, env, free_port, run_cli, tiny_config, write_config
 
 pytestmark = [pytest.mark.slow]

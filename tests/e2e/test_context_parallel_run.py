@@ -3,7 +3,6 @@ old log-probs, update) matches the same run at cp=1 (dp=2 on the same 2 processe
 from __future__ import annotations
 
 import pytest
-
 from _e2e_helpers import read_metrics, run_cli, tiny_config, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]

@@ -10,7 +10,6 @@ import os
 import subprocess
 
 import pytest
-
 from _e2e_helpers import PY, REPO, env, free_port, make_read_only, run_cli, tiny_base, tiny_config, write_config
 
 LOCATIONS = ("under_a_file", "under_proc", "read_only")

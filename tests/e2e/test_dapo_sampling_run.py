@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-
 from _e2e_helpers import read_metrics, run_cli, stable_metrics, tiny_config, write_config
 
 B, G = 8, 4

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _e2e_helpers import checkpoint_tensors, latest_checkpoint, read_metrics, run_cli, tiny_config, write_config
 
 

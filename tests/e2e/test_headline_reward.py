@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from _e2e_helpers import read_metrics, run_cli, tiny_config, write_config
 
 

@@ -8,9 +8,19 @@ import time
 
 import pytest
 import torch
-
-from _e2e_helpers import PY, REPO, checkpoint_tensors, env, free_port, latest_checkpoint, read_metrics, run_cli, \
-    stable_metrics, tiny_config, write_config
+from _e2e_helpers import (
+    PY,
+    REPO,
+    checkpoint_tensors,
+    env,
+    free_port,
+    latest_checkpoint,
+    read_metrics,
+    run_cli,
+    stable_metrics,
+    tiny_config,
+    write_config,
+)
 
 pytestmark = [pytest.mark.slow]
 

@@ -22,9 +22,19 @@ import subprocess
 
 import pytest
 import torch
-
-from _e2e_helpers import (PY, REPO, checkpoint_tensors, env, latest_checkpoint, read_metrics, run_cli,
-                          stable_metrics, tiny_base, tiny_config, write_config)
+from _e2e_helpers import (
+    PY,
+    REPO,
+    checkpoint_tensors,
+    env,
+    latest_checkpoint,
+    read_metrics,
+    run_cli,
+    stable_metrics,
+    tiny_base,
+    tiny_config,
+    write_config,
+)
 
 ADAPTER_BYTES = 2 * 4 * 4 * (128 + 96 + 96 + 128 + 192 + 192 + 192)  # layers x rank x fp32 x sum(in + out)
 

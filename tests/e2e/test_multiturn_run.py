@@ -138,7 +138,6 @@ def test_the_calculator_example_path_runs(tmp_path):
     tags whole), the warm start trains on masked tool-use traces, RL episodes call the real calculator, evaluation
     runs episodes too; and the same config without the env section (the no-tool arm) runs."""
     import yaml
-
     from _e2e_helpers import REPO, TINY_MODEL
 
     example = yaml.safe_load((REPO / "examples" / "calculator_multiplication.yaml").read_text())

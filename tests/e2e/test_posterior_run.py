@@ -16,9 +16,15 @@ import shutil
 
 import pytest
 import torch
-
-from _e2e_helpers import checkpoint_tensors, latest_checkpoint, read_metrics, run_cli, stable_metrics, tiny_config, \
-    write_config
+from _e2e_helpers import (
+    checkpoint_tensors,
+    latest_checkpoint,
+    read_metrics,
+    run_cli,
+    stable_metrics,
+    tiny_config,
+    write_config,
+)
 
 from megatron_dppo.algo.prompt_posterior import PromptPosterior, keep_probabilities
 

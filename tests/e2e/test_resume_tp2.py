@@ -7,9 +7,15 @@ import shutil
 
 import pytest
 import torch
-
-from _e2e_helpers import checkpoint_tensors, latest_checkpoint, read_metrics, run_cli, stable_metrics, tiny_config, \
-    write_config
+from _e2e_helpers import (
+    checkpoint_tensors,
+    latest_checkpoint,
+    read_metrics,
+    run_cli,
+    stable_metrics,
+    tiny_config,
+    write_config,
+)
 
 pytestmark = [pytest.mark.multiproc]
 

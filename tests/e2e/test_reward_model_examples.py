@@ -13,7 +13,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from _e2e_helpers import PY, REPO, env, read_metrics, run_cli
 
 SHORT = ("train.steps=2", "train.sft_steps=10", "eval.every=0", "checkpoint.every=0", "logging.plot=false",

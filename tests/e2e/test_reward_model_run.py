@@ -15,7 +15,6 @@ import json
 import subprocess
 
 import pytest
-
 from _e2e_helpers import PY, REPO, env, read_metrics, run_cli, stable_metrics, tiny_config, write_config
 
 SEPARATE = ("rollout.placement=separate", "train.max_staleness=0")

@@ -12,11 +12,10 @@ import textwrap
 import time
 
 import pytest
-
 from _e2e_helpers import PY, REPO, env, read_metrics, run_cli, stable_metrics, tiny_config, write_config
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import study_runner as SR  # noqa: E402
+import study_runner as SR
 
 DRIVER = textwrap.dedent("""
     import json, sys

@@ -7,9 +7,9 @@ import re
 import time
 
 import pytest
-
 from _scripted import ScriptedEngine
-from megatron_dppo.dist import collectives as D
+
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.env.calculator import CalculatorEnv
 from megatron_dppo.env.config import EnvConfig
 from megatron_dppo.env.protocol import Step, Task

@@ -21,8 +21,8 @@ import re
 from types import SimpleNamespace
 
 import pytest
-
 from _scripted import ScriptedEngine
+
 from megatron_dppo.env.config import EnvConfig
 from megatron_dppo.env.protocol import Step, Task
 from megatron_dppo.env.tokens import ChatTokens, Trajectory, audit_render, conversation_messages

@@ -14,8 +14,8 @@ tests/e2e/test_multiturn_run.py.
 from __future__ import annotations
 
 import pytest
-
 from _scripted import ScriptedEngine
+
 from megatron_dppo.data import ArithmeticTask, tool_traces, train_sentencepiece_tokenizer
 from megatron_dppo.data.tokenizer import ROLE_TOKENS
 from megatron_dppo.env import EnvConfig, Task

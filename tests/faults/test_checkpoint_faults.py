@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 
-from _dist import single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
-from _tmpfs import small_tmpfs  # noqa: E402
+import _engine_fixtures as F
+from _dist import single_process_world
+from _tmpfs import small_tmpfs
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def world():
 
 def _engine():
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(F.SEED)
     return PolicyEngine(F.tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-3), LossConfig())

@@ -20,9 +20,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
-from _e2e_helpers import PY, REPO, checkpoint_tensors, env, free_port, latest_checkpoint, read_metrics, \
-    stable_metrics, tiny_config, write_config  # noqa: E402
-from _tmpfs import small_tmpfs  # noqa: E402
+from _e2e_helpers import (
+    PY,
+    REPO,
+    checkpoint_tensors,
+    env,
+    free_port,
+    latest_checkpoint,
+    read_metrics,
+    stable_metrics,
+    tiny_config,
+    write_config,
+)
+from _tmpfs import small_tmpfs
 
 pytestmark = [pytest.mark.slow]
 

@@ -44,7 +44,7 @@ time.sleep(600)
 """
 CHILD = """
 import sys, time
-from megatron_dppo.dist.launch import die_with_parent
+from megatron_dppo.distributed.launch import die_with_parent
 assert die_with_parent()
 open(sys.argv[1] if len(sys.argv) > 1 else "/dev/null", "w").close()
 time.sleep(600)
@@ -71,7 +71,7 @@ def test_child_dies_with_its_sigkilled_parent(bound):
 
 
 def test_bind_to_launcher_only_binds_torchrun_workers():
-    from megatron_dppo.dist.launch import LaunchInfo, bind_to_launcher
+    from megatron_dppo.distributed.launch import LaunchInfo, bind_to_launcher
 
     single = LaunchInfo(0, 1, 0, 1, "127.0.0.1", 29500, "single")
     slurm = LaunchInfo(0, 2, 0, 2, "127.0.0.1", 29500, "slurm")

@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 
-from _dist import single_process_world  # noqa: E402
-from _sampling_reference import teacher_forced  # noqa: E402
+from _dist import single_process_world
+from _sampling_reference import teacher_forced
 
 T = 0.7
 EOS = 2
@@ -62,9 +62,9 @@ def divergence(sampling: dict, stale: bool) -> dict:
     from megatron_dppo.algo.losses import LossConfig, sequence_token_weights
     from megatron_dppo.config import load_config
     from megatron_dppo.convert.weights import export_hf_weights, load_hf_weights
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
     from megatron_dppo.megatron.model import ModelArch
     from megatron_dppo.megatron.parallel import ParallelConfig
-    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
     from megatron_dppo.packing import build_rank_micro_batches
     from megatron_dppo.rollout import HFRolloutEngine
     from megatron_dppo.rollout.handover import MemoryHandover

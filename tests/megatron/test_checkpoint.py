@@ -10,8 +10,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import run_distributed, single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
+import _engine_fixtures as F
+from _dist import run_distributed, single_process_world
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,8 @@ def world():
 
 def _small_engine(**optim):
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(F.SEED)
     return PolicyEngine(F.tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-3, **optim), LossConfig())
@@ -100,8 +100,14 @@ def test_failed_save_leaves_no_partial_checkpoint(world, tmp_path, monkeypatch):
 
 
 def test_latest_pointer_keep_last_and_overwrite(world, tmp_path):
-    from megatron_dppo.megatron.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint,
-                                                   read_checkpoint_meta, resolve_checkpoint, save_checkpoint)
+    from megatron_dppo.megatron.checkpoint import (
+        latest_checkpoint,
+        list_checkpoints,
+        load_checkpoint,
+        read_checkpoint_meta,
+        resolve_checkpoint,
+        save_checkpoint,
+    )
 
     engine = _small_engine()
     assert latest_checkpoint(tmp_path) is None
@@ -127,8 +133,8 @@ def test_latest_pointer_keep_last_and_overwrite(world, tmp_path):
 def test_load_refuses_a_different_architecture(world, tmp_path):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig
 
     save_checkpoint(_small_engine(), tmp_path)
     other = PolicyEngine(F.tiny_arch(num_layers=4), ParallelConfig(), OptimConfig(), LossConfig())

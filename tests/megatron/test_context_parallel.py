@@ -11,8 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist import run_distributed, single_process_world  # noqa: E402
-import _engine_fixtures as F  # noqa: E402
+import _engine_fixtures as F
+from _dist import run_distributed, single_process_world
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +87,8 @@ def resume_worker(src_root: str, ckpt_root: str, cp: int, resume: bool):
 
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
     from megatron_dppo.packing import thd_pad_multiple
 
     arch, parallel = F.tiny_arch(), ParallelConfig(cp=cp)
@@ -185,6 +185,7 @@ def test_cp_options_are_validated():
                                       attention_backend="sdpa")
     assert config.context_parallel_size == 2 and config.cp_comm_type == "all_gather"
     from _tiny import TINY_MOE_CONFIGS
+
     from megatron_dppo.megatron.model import ModelArch
 
     arch = ModelArch.from_hf_config(TINY_MOE_CONFIGS["mixtral"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from _dist import run_distributed
 
 CU = [0, 8, 12, 28, 32]  # four sequences, padded lengths multiples of 2*cp = 4
@@ -110,10 +109,10 @@ def _module_worker():
     from types import SimpleNamespace
 
     import torch.distributed as dist
+    from _engine_fixtures import tiny_arch
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from _engine_fixtures import tiny_arch
     from megatron_dppo.megatron.attention import SDPACoreAttention, VarlenCoreAttention
     from megatron_dppo.megatron.model import build_transformer_config
     from megatron_dppo.megatron.parallel import ParallelConfig

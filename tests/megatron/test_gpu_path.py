@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _dist import single_process_world
 from _tiny import TINY_CONFIGS, TINY_MOE_CONFIGS, packed_batches
 
@@ -190,10 +189,10 @@ def test_varlen_module_equals_sdpa_twin_on_padded_thd(world):
 def test_train_state_offload_round_trip_is_bit_exact(world, family):
     """Dense, and MoE, whose optimizer chains a dense and an expert optimizer: every Adam state of both leaves."""
     from megatron_dppo.algo.losses import LossConfig
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
     from megatron_dppo.megatron.model import ModelArch
     from megatron_dppo.megatron.offload import _inner_optimizers, engine_offloader, train_state_tensors
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
-    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
     arch = ModelArch.from_hf_config({**TINY_CONFIGS, **TINY_MOE_CONFIGS}[family])
     seed_everything(5)

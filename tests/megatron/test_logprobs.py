@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _dist import run_distributed, single_process_world
 from _tiny import TINY_CONFIGS, packed_batches
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _dist import run_distributed, single_process_world
 from _tiny import TINY_CONFIGS, packed_batches, random_sequences
+
 from megatron_dppo.megatron.model import ModelArch
 from megatron_dppo.megatron.parallel import ParallelConfig, validate_parallel
 
@@ -290,10 +290,10 @@ def test_sdpa_thd_equals_one_call_per_sequence(world):
     for outputs and input gradients: lengths 1..13 across several buckets, an empty segment, GQA (4 query /
     2 KV heads), positions after the last segment (zero output, zero gradient)."""
     import torch.nn.functional as F_
-
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     from megatron_dppo.megatron.attention import SDPACoreAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,

@@ -5,7 +5,6 @@ import logging
 
 import pytest
 import torch
-
 from _dist import single_process_world
 from _tiny import TINY_CONFIGS, packed_batches
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _dist import single_process_world
 from _tiny import TINY_CONFIGS, TINY_MOE_CONFIGS
 
@@ -81,8 +80,8 @@ def test_place_model_casts_every_tensor_and_keeps_the_parameter_objects(world):
 
 def test_engine_policy_and_reference_pass_the_audit(world):
     from megatron_dppo.algo.losses import LossConfig
-    from megatron_dppo.megatron.parallel import seed_everything
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import seed_everything
 
     seed_everything(3)
     engine = PolicyEngine(_arch("qwen3_moe"), _parallel(), OptimConfig(lr=1e-3), LossConfig(kl_coef=0.1),

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _dist import run_distributed
 
 pytestmark = pytest.mark.multiproc

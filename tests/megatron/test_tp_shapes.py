@@ -11,8 +11,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _engine_fixtures as F  # noqa: E402
-from _dist import run_distributed, single_process_world  # noqa: E402
+import _engine_fixtures as F
+from _dist import run_distributed, single_process_world
 
 # tiny_arch has 4 query heads; here ONE KV head (< tp=2) and 257 vocabulary rows (odd: 384 at TP2, zero-padded)
 ODD = dict(num_kv_heads=1, vocab_size=257)

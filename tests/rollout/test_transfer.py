@@ -1,4 +1,4 @@
-"""dist/transfer.py over real gloo process groups (spawned processes, one TCPStore): weight versions arrive
+"""distributed/transfer.py over real gloo process groups (spawned processes, one TCPStore): weight versions arrive
 bit for bit and in order at every rollout rank (bf16 and fp32 in one bucket, several buckets), the receiver keeps
 the newest, a version that does not increase is refused, batches go the other way, and a rollout process that
 dies ends the trainer's wait with an error naming it, within a bounded time."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dppo.dist.launch import free_port
-from megatron_dppo.dist.transfer import (
+from megatron_dppo.distributed.launch import free_port
+from megatron_dppo.distributed.transfer import (
     BatchReceiver,
     BatchSender,
     PeerFailed,

@@ -29,9 +29,9 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 vllm = pytest.importorskip("vllm", reason="vllm is not importable")
 
 import torch  # noqa: E402
+from _sampling_reference import teacher_forced  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-from _sampling_reference import teacher_forced  # noqa: E402
 from megatron_dppo.rollout import Completion, CompletionGroup  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -180,7 +180,7 @@ SENDER_SCRIPT = textwrap.dedent("""
     import sys
     from transformers import AutoModelForCausalLM
     import torch.distributed as dist
-    from megatron_dppo.dist.transfer import WeightSender, process_group
+    from megatron_dppo.distributed.transfer import WeightSender, process_group
 
     port, model_dir = int(sys.argv[1]), sys.argv[2]
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
@@ -204,8 +204,8 @@ def test_weight_sync_extension_receives_versions_inside_vllm(model_dirs, tmp_pat
 
     import torch.distributed as dist
 
+    from megatron_dppo.distributed.transfer import PeerFailed
     from megatron_dppo.rollout import SamplingParams
-    from megatron_dppo.dist.transfer import PeerFailed
     from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
 
     first, second = model_dirs

@@ -3,7 +3,7 @@
 The three checks the issue asks for run the REAL trainer (``megatron-dppo train``, the scripts' default DPPO_CMD)
 with a tiny CPU config (gloo): 2 nodes x 2 ranks completes with a checkpoint; a failing rank fails the job within a
 minute; a preempted job checkpoints, requeues itself and resumes to the same final step. The other launch modes
-(one srun task per GPU, MPI, refused separate worlds) run the stand-in ``python -m megatron_dppo.dist.launch_check``
+(one srun task per GPU, MPI, refused separate worlds) run the stand-in ``python -m megatron_dppo.distributed.launch_check``
 (gloo, CPU, seconds): it discovers the launch, all-reduces, takes checkpointed steps and writes
 ``out/rank-<r>.json``. Jobs ask for 2 (fake) GPUs per node, so every run is 2 nodes x 2 ranks.
 """
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
 TRAIN = str(REPO / "slurm" / "train.sbatch")
 TRAIN_MPI = str(REPO / "slurm" / "train_mpi.sbatch")
 TWO_BY_TWO = ["--nodes=2", "--gpus-per-node=2"]
-CHECK = "python -m megatron_dppo.dist.launch_check"  # the stand-in program (DPPO_CMD)
+CHECK = "python -m megatron_dppo.distributed.launch_check"  # the stand-in program (DPPO_CMD)
 
 
 def tiny_trainer_config(tmp_path: Path, steps: int, sft_steps: int = 1) -> tuple[Path, Path]:
@@ -245,7 +245,7 @@ def test_mpi_launch(slurm, tmp_path, mpi_launch):
 
 def test_separate_worlds_are_refused(slurm, tmp_path):
     """Two launches that would train N separate models die at start-up with the launcher's explanation."""
-    check = "python -m megatron_dppo.dist.launch_check --out out"
+    check = "python -m megatron_dppo.distributed.launch_check --out out"
     standalone = slurm.submit(tmp_path, ["--wrap", f"srun torchrun --standalone --nproc-per-node=1 --no-python {check}"],
                               name="t-standalone", sbatch_args=["--nodes=2", "--ntasks-per-node=1"])
     batch_step = slurm.submit(tmp_path, ["--wrap", check], name="t-batchstep", sbatch_args=["--nodes=1", "--ntasks=2"])
@@ -312,7 +312,7 @@ def test_real_conversion_job_at_tp2(slurm, tmp_path):
     slurm.run(sys.executable, str(tmp_path / "make_hf.py"), str(tmp_path / "hf"), env=slurm.job_env(), timeout=300)
     env = slurm.job_env(CONFIG="examples/tiny.yaml", HF_MODEL=str(tmp_path / "hf"), MEGATRON_CKPT="mcore",
                         NODES="2", GPUS_PER_NODE="2", TP="2", DPPO_LAUNCH="srun",
-                        DPPO_CMD="python -m megatron_dppo.dist.launch_check")
+                        DPPO_CMD="python -m megatron_dppo.distributed.launch_check")
     out = slurm.run(str(REPO / "slurm" / "submit.sh"), "--out", "out", cwd=tmp_path, env=env)
     train_id = int(out.stdout.strip())
     state, _ = slurm.wait(train_id, timeout=400)

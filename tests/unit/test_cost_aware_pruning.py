@@ -9,12 +9,17 @@ from __future__ import annotations
 import math
 
 import pytest
+import test_pruning as TP
 import torch
 
-import test_pruning as TP
 from megatron_dppo.algo.advantages import compute_advantages
-from megatron_dppo.algo.losses import LossConfig, loss_denominator, loss_numerator, reference_objective, \
-    sequence_token_weights
+from megatron_dppo.algo.losses import (
+    LossConfig,
+    loss_denominator,
+    loss_numerator,
+    reference_objective,
+    sequence_token_weights,
+)
 from megatron_dppo.algo.optimal_keep import cost_water_fill, water_fill
 from megatron_dppo.algo.pruning import DPPOPruner, PruneResult, combine, make_generator
 from megatron_dppo.packing import build_thd_batch

@@ -3,6 +3,7 @@ arithmetic task and its SentencePiece tokenizer."""
 import json
 
 import pytest
+from _shared_data import shared_math_file
 
 from megatron_dppo.data import (
     ArithmeticTask,
@@ -21,8 +22,6 @@ from megatron_dppo.data import (
     train_sentencepiece_tokenizer,
 )
 from megatron_dppo.rewards import arithmetic_reward
-
-from _shared_data import shared_math_file
 
 _data = shared_math_file
 

@@ -13,14 +13,14 @@ import pytest
 
 pytest.importorskip("datasets")
 
-from megatron_dppo.cli import main  # noqa: E402
-from megatron_dppo.data import DatasetError, load_prompt_dataset  # noqa: E402
-from megatron_dppo.data.hub import load_records  # noqa: E402
+from megatron_dppo.cli import main
+from megatron_dppo.data import DatasetError, load_prompt_dataset
+from megatron_dppo.data.hub import load_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from _e2e_helpers import damaged_parquet  # noqa: E402
-from _tmpfs import small_tmpfs  # noqa: E402
+from _e2e_helpers import damaged_parquet
+from _tmpfs import small_tmpfs
 
 
 def _cli(capsys, *argv: str) -> tuple[int, list[str], str]:

@@ -16,12 +16,12 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from megatron_dppo.run.build import build_scorer, load_train_records  # noqa: E402
 from megatron_dppo.config import Config, load_config  # noqa: E402
 from megatron_dppo.data import DatasetError, load_prompt_dataset  # noqa: E402
 from megatron_dppo.data.hub import HUB_DATASETS, hub_error, load_records, resolve_source  # noqa: E402
 from megatron_dppo.data.prepare import expand, parse_sources, prepare  # noqa: E402
 from megatron_dppo.data.suites import suite_files  # noqa: E402
+from megatron_dppo.run.build import build_scorer, load_train_records  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

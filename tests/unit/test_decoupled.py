@@ -7,9 +7,9 @@ gradient, while the naive objective and a tight truncation are measurably biased
 import math
 
 import pytest
+import test_pruning as TP
 import torch
 
-import test_pruning as TP
 from megatron_dppo.algo.decoupled import behavior_correction, decoupled_objective
 from megatron_dppo.algo.losses import LossConfig, per_token_objective
 

@@ -20,9 +20,9 @@ import dataclasses
 import math
 
 import pytest
+import test_pruning as TP
 import torch
 
-import test_pruning as TP
 from megatron_dppo.algo.advantages import compute_advantages, group_advantages
 from megatron_dppo.algo.losses import loss_numerator
 from megatron_dppo.algo.prompt_history import PromptHistory
@@ -132,8 +132,8 @@ def test_pass_rates_count_the_rule_never_the_environments_step_rewards():
     """reward/pass_rate, reward/prompt_solve_rate and reward/pass_rate_kept are the rule's verdict: a shaping
     reward (here +0.25 or +0.5 on most wrong answers) does not make a wrong answer a pass, and a penalty (-1.5 on the
     right ones) does not make a right one a failure."""
-    from megatron_dppo.rewards import RewardScorer
     from megatron_dppo.algo.pruning import keep_all
+    from megatron_dppo.rewards import RewardScorer
     from megatron_dppo.train.rollouts import score
     from megatron_dppo.train.step_metrics import step_metrics
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from _shared_data import SHARED_MATH, shared_math_file
 
-from megatron_dppo.run.build import build_scorer
 from megatron_dppo.config import Config, EvalConfig
 from megatron_dppo.data import load_prompt_dataset
 from megatron_dppo.data.suites import SUITES, suite_files
-from megatron_dppo.train.evaluation import results_table
 from megatron_dppo.rewards.math import format_number, parse_number
+from megatron_dppo.run.build import build_scorer
+from megatron_dppo.train.evaluation import results_table
 
 BENCHMARKS = dict(SUITES["math8"])
 

@@ -80,7 +80,7 @@ def test_the_reader_counts_every_kind_of_import():
     assert "megatron_dppo.megatron.arch" in graph["megatron_dppo.megatron.parallel"]  # module level
     assert "megatron_dppo.run.state" in graph["megatron_dppo.run.console"]  # under TYPE_CHECKING
     assert "megatron_dppo.megatron.parallel" in graph["megatron_dppo.run.setup"]  # inside a function (setup)
-    assert "megatron_dppo.dist.collectives" in graph["megatron_dppo.run.setup"]  # `from megatron_dppo.dist import x`
+    assert "megatron_dppo.distributed.collectives" in graph["megatron_dppo.run.setup"]  # `from megatron_dppo.distributed import x`
     # the circle this test was generalized for: console.py naming Run from setup.py (under TYPE_CHECKING only)
     console, setup = "megatron_dppo.run.console", "megatron_dppo.run.setup"
     assert cycles({**graph, console: graph[console] | {setup}}) == [[console, setup]]
@@ -93,21 +93,21 @@ def test_no_import_circle_in_the_package():
 # --------------------------------------------------------------------------------------------------------------
 # The layers, as data: each package and the packages of ours it may import (besides its own modules)
 # --------------------------------------------------------------------------------------------------------------
-PURE = {"algo", "packing", "config", "dist", "env"}  # import nothing of ours (config: only env's own section)
+PURE = {"algo", "packing", "config", "distributed", "env"}  # import nothing of ours (config: only env's own section)
 ENGINES = {"rewards", "data", "rollout", "megatron", "convert"}
 ALLOWED: dict[str, set[str]] = {
     "algo": set(),  # plain torch: advantages, pruning, losses
     "packing": set(),  # plain torch: Dense Prompt Packing, THD batches
     "config": {"env"},  # typed dataclasses, YAML, overrides; the env section is EnvConfig, defined once where the
     # episode loop reads it (env/config.py; env imports nothing of ours, so config stays below every engine)
-    "dist": set(),  # the process layer: launch, collectives, placement, weight/batch transfer, staleness
+    "distributed": set(),  # the process layer: launch, collectives, placement, weight/batch transfer, staleness
     "env": set(),  # multi-turn environments, tools, token-in-token-out streams
-    "rewards": {"dist"},
+    "rewards": {"distributed"},
     "data": {"rewards", "env"},  # (gold-answer extraction is the reward's; tool-use traces are the episodes' tokens)
-    "rollout": {"dist", "env"},  # generation engines (HF, vLLM), multi-turn episodes
-    "megatron": {"algo", "packing", "dist", "config"},  # the training engine (its parallel layout is config's
+    "rollout": {"distributed", "env"},  # generation engines (HF, vLLM), multi-turn episodes
+    "megatron": {"algo", "packing", "distributed", "config"},  # the training engine (its parallel layout is config's
     # parallel section: one class)
-    "convert": {"megatron", "dist"},  # HF <-> Megatron checkpoints
+    "convert": {"megatron", "distributed"},  # HF <-> Megatron checkpoints
     "run": PURE | ENGINES,  # what a run is built from, its state, lifecycle, console, metrics sinks
     "train": PURE | ENGINES | {"run"},  # the RL loop, its stages, evaluation, the rollout worker
     "cli": PURE | ENGINES | {"run", "train"},  # the command line, on top

@@ -15,9 +15,9 @@ probability pi_q(H_{t-k}); E[keep / pi | past] = 1 for any past, so E[ghat_t - g
 average to 0 over runs, whatever the lag. Using pi from another history breaks E[keep / pi] = 1."""
 
 import pytest
+import test_pruning as TP
 import torch
 
-import test_pruning as TP
 from megatron_dppo.algo.pruning import DPPOPruner, make_generator
 
 DT = torch.float64

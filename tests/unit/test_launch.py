@@ -1,4 +1,4 @@
-"""megatron_dppo.dist.launch on environment dicts (no processes, no Slurm needed).
+"""megatron_dppo.distributed.launch on environment dicts (no processes, no Slurm needed).
 
 The Slurm / Open MPI environments below are trimmed copies of what the local Slurm 22.05 cluster
 (.ci/slurm_cluster.sh) actually exported: a 2-node x 2-task job, its batch script, an srun step, an
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dppo.dist.launch import (
+from megatron_dppo.distributed.launch import (
     LaunchError,
     LaunchInfo,
     check_single_world,
@@ -55,7 +55,7 @@ def discover(env: dict[str, str], **kw) -> LaunchInfo:
 
 @pytest.fixture(autouse=True)
 def _no_scontrol(monkeypatch):
-    monkeypatch.setattr("megatron_dppo.dist.launch.shutil.which", lambda name: None)
+    monkeypatch.setattr("megatron_dppo.distributed.launch.shutil.which", lambda name: None)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -285,7 +285,7 @@ def test_free_port():
 
 
 def test_stop_requested_follows_the_stop_file(tmp_path):
-    from megatron_dppo.dist.launch import stop_requested
+    from megatron_dppo.distributed.launch import stop_requested
 
     flag = tmp_path / "stop-requested"
     env = {"DPPO_STOP_FILE": str(flag)}
@@ -298,7 +298,7 @@ def test_stop_requested_follows_the_stop_file(tmp_path):
 def test_launch_check_resumes_from_the_newest_complete_step_whatever_latest_says(tmp_path):
     """The self-test's checkpoints follow the trainer's rule: a kill between renaming step 3 into place and updating
     ``latest`` (still naming step 2) resumes from step 3; an unfinished temporary step is never taken."""
-    from megatron_dppo.dist.launch_check import load_latest, save_checkpoint
+    from megatron_dppo.distributed.launch_check import load_latest, save_checkpoint
 
     assert load_latest(tmp_path) is None
     for step in (1, 2, 3):

@@ -327,8 +327,8 @@ def test_presets_carry_the_peer_forms():
 
 
 def test_config_options_reach_the_loss():
-    from megatron_dppo.run.build import build_loss
     from megatron_dppo.config import load_config
+    from megatron_dppo.run.build import build_loss
 
     verl, _ = build_loss(load_config(None, ["loss.preset=verl_grpo", "loss.policy_loss=gspo"], validate=False))
     assert (verl.policy_loss, verl.clip_ratio_c, verl.gspo_gradient) == ("gspo", None, "stop_gradient")

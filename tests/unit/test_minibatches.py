@@ -478,8 +478,8 @@ def test_config_errors_name_the_value(override, match):
 
 
 def test_presets_by_name_with_overrides():
-    from megatron_dppo.run.build import build_loss
     from megatron_dppo.config import load_config
+    from megatron_dppo.run.build import build_loss
 
     cfg = load_config(None, ["data.task=arithmetic", "loss.preset=verl_grpo", "loss.rollout_correction=tis",
                              "loss.rollout_correction_cap=3.0", "train.mini_batches=4", "train.epochs=2"],
@@ -585,7 +585,11 @@ def test_one_mini_batch_one_epoch_is_todays_step():
     checkpoint tensors bit-identical to the commit before this feature) is in the branch's report."""
     from megatron_dppo.config import load_config
     from megatron_dppo.run.state import TrainSide
-    from megatron_dppo.train.stages import fill_old_and_reference_logprobs, several_updates_per_rollout, split_mini_batches
+    from megatron_dppo.train.stages import (
+        fill_old_and_reference_logprobs,
+        several_updates_per_rollout,
+        split_mini_batches,
+    )
 
     cfg = load_config(None, ["train.recompute_old_logprobs=false"], validate=False)
     side = TrainSide(cfg=cfg, engine=None, loss_cfg=LossConfig(), estimator="grpo", pruner=None)

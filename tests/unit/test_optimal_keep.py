@@ -8,10 +8,10 @@ import os
 import tempfile
 
 import pytest
-import torch
-
 import test_minibatches as TM
 import test_pruning as TP
+import torch
+
 from megatron_dppo.algo.losses import LossConfig, loss_denominator, per_token_objective
 from megatron_dppo.algo.minibatches import split_prompts
 from megatron_dppo.algo.optimal_keep import predicted_relative_variance, systematic_sample, water_fill

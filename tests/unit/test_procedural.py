@@ -87,8 +87,8 @@ def test_final_number_reward(text, gold, expected):
 
 def test_run_configuration_uses_the_task_its_test_split_and_its_reward():
     from megatron_dppo.config import load_config
-    from megatron_dppo.run.build import build_scorer, procedural_task
     from megatron_dppo.rewards.registry import reward_name
+    from megatron_dppo.run.build import build_scorer, procedural_task
 
     overrides = ["model.hf_config={model_type: qwen2}", "data.task=procedural", "data.procedural_task=addition", "data.procedural_seed=5",
                  "data.procedural_options={low: 1, high: 9}"]

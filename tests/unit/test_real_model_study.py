@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import real_model_study as R  # noqa: E402
+import real_model_study as R
 
 
 def test_the_committed_protocol_is_the_scripts():

@@ -13,8 +13,8 @@ import time
 
 import pytest
 import torch
-
 from _reward_models import TASK, arithmetic_tokenizer, judge_tokenizer, random_classifier, random_judge
+
 from megatron_dppo.data import PromptFormatter
 from megatron_dppo.rewards.hf_model import HFRewardEngine, load_tokenizer
 from megatron_dppo.rewards.model import JudgeOptions, RewardModel, RewardModelError, parse_verdict, yes_probability

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from _reward_models import TASK, arithmetic_tokenizer
+
 from megatron_dppo.data.arithmetic import preference_pairs
 from megatron_dppo.rewards.agreement import group_agreement, kendall_tau_b
 

@@ -20,12 +20,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from tests._peers import VERL_PACKAGE
 from _reward_models import TASK, arithmetic_tokenizer, random_classifier
+
 from megatron_dppo.rewards.hf_model import HFRewardEngine, load_tokenizer
 from megatron_dppo.rewards.model import RewardModel
 from megatron_dppo.rewards.model_inputs import Sample
+from tests._peers import VERL_PACKAGE
 
 
 @pytest.fixture(scope="module")

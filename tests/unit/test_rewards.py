@@ -6,6 +6,7 @@ import textwrap
 import time
 
 import pytest
+from _shared_data import shared_math_file
 
 from megatron_dppo.rewards import (
     RewardScorer,
@@ -22,7 +23,6 @@ from megatron_dppo.rewards import (
     score_batch,
 )
 
-from _shared_data import shared_math_file
 
 def _rows(name):
     return [json.loads(line) for line in shared_math_file(name).open()]

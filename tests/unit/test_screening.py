@@ -10,9 +10,9 @@ continue after a screen with one reward for all) and a prompt that can carry gra
 import math
 
 import pytest
+import test_pruning as TP
 import torch
 
-import test_pruning as TP
 from megatron_dppo.algo.advantages import compute_advantages
 from megatron_dppo.algo.gradient_energy import energy_curve
 from megatron_dppo.algo.losses import LOSS_PRESETS

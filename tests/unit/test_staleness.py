@@ -1,12 +1,12 @@
-"""The staleness bound (megatron_dppo/dist/staleness.py) and the placement options' validation (config.py)."""
-
-import pytest
+"""The staleness bound (megatron_dppo/distributed/staleness.py) and the placement options' validation (config.py)."""
 
 from pathlib import Path
 
+import pytest
+
 from megatron_dppo.config import Config, load_config
-from megatron_dppo.dist.placement import Roles, roles
-from megatron_dppo.dist.staleness import StalenessExceeded, StalenessGate
+from megatron_dppo.distributed.placement import Roles, roles
+from megatron_dppo.distributed.staleness import StalenessExceeded, StalenessGate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -160,7 +160,7 @@ def test_in_flight_batches_pickled_by_another_version_are_generated_again():
     import sys
     import types
 
-    from megatron_dppo.dist.placement import _unpickle_in_flight
+    from megatron_dppo.distributed.placement import _unpickle_in_flight
 
     assert _unpickle_in_flight(pickle.dumps([1, 2])) == [1, 2]
     old = types.ModuleType("megatron_dppo.rollout_side")  # where DrawnBatch lived before the packages

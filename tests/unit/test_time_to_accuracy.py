@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import _tta_stats as S  # noqa: E402
-import time_to_accuracy as T  # noqa: E402
+import _tta_stats as S
+import time_to_accuracy as T
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from megatron_dppo.dist import collectives as D
 from megatron_dppo.config import load_config
+from megatron_dppo.distributed import collectives as D
 from megatron_dppo.run.metrics import MetricsSink, pass_at_k, read_jsonl
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import tta_equal_compute as E  # noqa: E402
+import tta_equal_compute as E
 
 
 def test_schedule_runs_grpo_first_in_every_seed_and_rotates_the_others():

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import vs_trl  # noqa: E402
+import vs_trl
 
-from megatron_dppo.rewards.math import arithmetic_reward, final_number_reward  # noqa: E402
+from megatron_dppo.rewards.math import arithmetic_reward, final_number_reward
 
 COMPLETIONS = ["91", " 91\n", "The largest number is 91.", "91, not 78", "78 then 91", "$91$", "9,1", "1,234",
                "The answer: 1,234.", "-5", "91.0", ".5", "0.50", "no number", "", "91 or 92", "x=-7", "3/4",

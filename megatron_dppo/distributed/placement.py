@@ -21,8 +21,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_dppo.dist import collectives as D
-from megatron_dppo.dist.transfer import (
+from megatron_dppo.distributed import collectives as D
+from megatron_dppo.distributed.staleness import StalenessGate
+from megatron_dppo.distributed.transfer import (
     BatchReceiver,
     BatchSender,
     PeerFailed,
@@ -30,7 +31,6 @@ from megatron_dppo.dist.transfer import (
     WeightSender,
     process_group,
 )
-from megatron_dppo.dist.staleness import StalenessGate
 
 TIMEOUT_S = 1800.0
 WEIGHTS_READY = "dppo/weights-ready"  # set in the job's store by the trainer main rank before its first weight send
@@ -86,7 +86,7 @@ class Roles:
 def roles(cfg, env=None) -> Roles:
     """The roles of this job from the launcher's world size and ``rollout.workers``; an error names a world too
     small to hold a trainer besides the workers."""
-    from megatron_dppo.dist.launch import discover_launch
+    from megatron_dppo.distributed.launch import discover_launch
 
     info = discover_launch(env)
     workers = cfg.rollout.workers
@@ -110,7 +110,7 @@ def init_side(r: Roles, store: dist.Store) -> None:
     takes the GPU of its local rank first (the rollout engine places itself on the current device)."""
     import torch
 
-    from megatron_dppo.dist.launch import discover_launch
+    from megatron_dppo.distributed.launch import discover_launch
 
     side, size = ("workers", r.workers) if r.is_worker else ("trainers", r.trainers)
     os.environ["DPPO_ROLE"] = "rollout" if r.is_worker else "trainer"

@@ -12,7 +12,7 @@ receive is always posted, so the trainer's send never waits for a generation to 
 
 Batches (``BatchSender`` on the rollout main rank, ``BatchReceiver`` on the trainer main rank): a two-rank process
 group; each batch is one pickled object (length, then bytes). The receiver thread puts batches in a bounded queue;
-the staleness gate (``megatron_dppo.dist.staleness``) already bounds how far the rollout side runs ahead.
+the staleness gate (``megatron_dppo.distributed.staleness``) already bounds how far the rollout side runs ahead.
 
 Failures: a receive that fails (the peer process died: gloo reports the closed connection at once; or the process
 group's timeout passed) is kept by the receiver thread and raised in the main thread as :class:`PeerFailed`, naming

@@ -151,7 +151,7 @@ def pick_free_port_if_single_process() -> None:
                      "MASTER_PORT")
     if is_initialized() or any(os.environ.get(v) for v in launcher_vars):
         return
-    from megatron_dppo.dist.launch import free_port
+    from megatron_dppo.distributed.launch import free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
