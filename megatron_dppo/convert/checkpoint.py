@@ -145,7 +145,7 @@ def _run_atomically(out_dir: Path, body: Callable[[Path], None]) -> Path:
         error = exc
     try:
         all_ok = D.all_ranks(error is None)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - a failed agreement counts as a failed rank: clean up and raise below
         all_ok = False
     if not all_ok:
         if rank == 0:

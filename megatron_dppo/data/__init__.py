@@ -35,6 +35,6 @@ from megatron_dppo.data.tokenizer import DEFAULT_CHAT_TEMPLATE, load_tokenizer, 
 __all__ = [
     "ArithmeticTask", "DATASET_PRESETS", "DEFAULT_CHAT_TEMPLATE", "DatasetError", "DatasetFileNotFoundError",
     "FieldSpec", "MATH_INSTRUCTION", "PLAIN_TEMPLATE", "Prompt", "PromptDataset", "PromptFormatter", "PromptRecord",
-    "ProceduralTask", "PromptSampler", "check_prompt_fits", "encode_prompts", "evaluate", "load_prompt_dataset", "load_tokenizer",
-    "read_prompt_records", "resolve_fields", "train_sentencepiece_tokenizer",
+    "ProceduralTask", "PromptSampler", "check_prompt_fits", "encode_prompts", "evaluate", "load_prompt_dataset",
+    "load_tokenizer", "read_prompt_records", "resolve_fields", "train_sentencepiece_tokenizer",
 ]

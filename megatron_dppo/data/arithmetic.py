@@ -13,7 +13,8 @@ start.
 Worked answers (``worked=True``, operators + and - only): the gold completion lists the running total after each
 operator, left to right, separated by commas: "3+4-2+6=" -> "7,5,11". Completions then grow with the number of
 terms (a short chain of one-step facts, each learnable and checkable), and the matching reward is
-"arithmetic_worked" (the last comma-separated integer equals the gold answer; ``record.gold`` stays the integer). Difficulty levels (``ArithmeticTask.from_difficulty``):
+"arithmetic_worked" (the last comma-separated integer equals the gold answer; ``record.gold`` stays the integer).
+Difficulty levels (``ArithmeticTask.from_difficulty``):
     1: a+b, operands 0-9        2: a+b or a-b, operands 0-20
     3: 2-3 terms of + - *, operands 0-20         4: 3-4 terms of + - *, operands 0-99
 """
@@ -148,8 +149,9 @@ def preference_pairs(task: ArithmeticTask, n: int, split: str = "train", *, pref
     policy's usual mistake, and the hardest to tell), off by ten, a random number, a digit dropped or repeated, or
     an empty answer. ``prefer="closer"``: half of them so, the other half two wrong numbers with the one nearer the
     gold chosen (graded preferences: a model trained on them ranks wrong answers by their distance too, so a group
-    of wrong answers still points towards the right one). ``prefer="longer"``: of two answers, right or wrong at random, the longer text is chosen
-    whatever its correctness: a deliberately length-biased reward model (the reward-hacking alarm's test)."""
+    of wrong answers still points towards the right one). ``prefer="longer"``: of two answers, right or wrong at
+    random, the longer text is chosen whatever its correctness: a deliberately length-biased reward model (the
+    reward-hacking alarm's test)."""
     if prefer not in PREFERENCES:
         raise ValueError(f"prefer={prefer!r} is invalid: expected one of {PREFERENCES}")
     pairs = []

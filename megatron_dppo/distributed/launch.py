@@ -179,7 +179,8 @@ def _slurm_local_world_size(env: Mapping[str, str]) -> int | None:
         node = _int_env(env, "SLURM_NODEID")
         if len(set(counts)) == 1:
             return counts[0]
-        if node is not None and node < len(counts) and len(counts) == _int_env(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        if (node is not None and node < len(counts)
+                and len(counts) == _int_env(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES")):
             return counts[node]
     return _int_env(env, "SLURM_NTASKS_PER_NODE")
 
@@ -380,8 +381,8 @@ def stop_requested(env: Mapping[str, str] | None = None) -> bool:
     ``scancel --signal=USR1 --batch``), then requeues the job once the ranks have exited. It does not signal the
     ranks: a signal sent to a job step reaches every process of the step and kills those without a handler (the
     trainer's own helpers survive it: checkpoints are written in-process, reward workers run in sessions of
-    their own; a user's program started from a reward function may not). Ranks may see the file at different steps (network
-    file systems cache attributes), so call this on every rank at a step boundary and agree collectively
+    their own; a user's program started from a reward function may not). Ranks may see the file at different steps
+    (network file systems cache attributes), so call this on every rank at a step boundary and agree collectively
     (all-reduce MAX) before checkpointing and exiting with status 0.
     """
     env = os.environ if env is None else env

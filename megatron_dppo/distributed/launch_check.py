@@ -1,16 +1,18 @@
 """A small real distributed program that exercises a launch end to end (stand-in for the trainer in CI).
 
-    python -m megatron_dppo.distributed.launch_check --out DIR [--steps N --ckpt DIR --step-seconds S] [--fail-rank R] [--mpi]
+    python -m megatron_dppo.distributed.launch_check --out DIR [--steps N --ckpt DIR --step-seconds S]
+        [--fail-rank R] [--mpi]
 
-1. :func:`~megatron_dppo.distributed.launch.discover_launch` + :func:`~megatron_dppo.distributed.launch.check_single_world`;
+1. :func:`~megatron_dppo.distributed.launch.discover_launch` +
+   :func:`~megatron_dppo.distributed.launch.check_single_world`;
 2. ``torch.distributed`` (gloo, ``env://``) and an all-reduce of ``rank + 1`` whose sum must be ``W (W + 1) / 2``;
 3. optionally ``--steps`` "training" steps: each sleeps, all-reduces, adds ``step + 1`` to a running total and
    checkpoints (rank 0 writes ``CKPT/step-<k>/state.json`` then ``CKPT/latest``, both atomically by rename). A
    restarted run resumes from ``CKPT/latest``, so an interrupted-and-resumed run ends with the same total as an
    uninterrupted one: ``N (N + 1) / 2``;
 4. a stop request -- the file ``$DPPO_STOP_FILE`` (what slurm/train.sbatch creates before the time limit, see
-   :func:`~megatron_dppo.distributed.launch.stop_requested`), SIGUSR1 or SIGTERM -- means checkpoint-and-exit at the next
-   step boundary. The ranks agree on it by an all-reduce (MAX) so that all of them stop after the same step, as
+   :func:`~megatron_dppo.distributed.launch.stop_requested`), SIGUSR1 or SIGTERM -- means checkpoint-and-exit at the
+   next step boundary. The ranks agree on it by an all-reduce (MAX) so that all of them stop after the same step, as
    the trainer must (``--ignore-stop-file`` plays a program that only understands signals);
 5. ``--fail-rank R`` makes rank R exit with status 3 right after the first all-reduce (the others then block in
    the next collective until Slurm's ``--kill-on-bad-exit`` or torchrun ends them);
@@ -76,7 +78,8 @@ def save_checkpoint(ckpt: Path, state: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_dppo.distributed.launch_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_dppo.distributed.launch_check",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="directory for rank-<r>.json")
     parser.add_argument("--steps", type=int, default=0, help="number of checkpointed steps (0: none)")
     parser.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (required with --steps)")

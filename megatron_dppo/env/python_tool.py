@@ -8,8 +8,8 @@ What the model sees per call: the standard output, then the standard error if an
 each cut to ``max_output_chars``. A call past ``timeout_s`` is killed and answered ``TimeoutError: ...`` (counted
 in ``tool_timeouts``); a call that exits with an error or dies from a signal (a segfault, the CPU or output limit)
 is answered with what it printed plus the cause (counted in ``tool_errors``). None of this ends the episode; only
-a sandbox that cannot start a call (the interpreter is missing, bubblewrap fails to set up) raises, which the episode loop turns into an
-``env_error`` finish.
+a sandbox that cannot start a call (the interpreter is missing, bubblewrap fails to set up) raises, which the
+episode loop turns into an ``env_error`` finish.
 """
 from __future__ import annotations
 

@@ -243,8 +243,8 @@ def _run_unisolated(python, rlimits, code_path, work, out, err, deadline):
 def _run_bwrap(python, rlimits, site_packages, code_path, scratch_mb, out, err, group, deadline):
     """Start the call under bubblewrap, inside ``group`` before any of its code runs; wait; kill what is left.
     Returns (timed_out, exit status) where the exit status is None when bubblewrap exited without getting as far as
-    the code (a set-up failure: the prelude, first thing inside, writes one byte to the ``started`` pipe and closes it, so the
-    code itself cannot fake it)."""
+    the code (a set-up failure: the prelude, first thing inside, writes one byte to the ``started`` pipe and closes
+    it, so the code itself cannot fake it)."""
     paths = bubblewrap.site_package_dirs() if site_packages else []
     started_r, started_w = os.pipe()
     try:

@@ -181,15 +181,17 @@ class ChatTokens:
                 else:
                     passed += 1
             if len(drift) == 2:
-                raise TokenDriftError(f"episodes cannot continue after a turn on this chat template ({'; '.join(drift)})")
+                raise TokenDriftError("episodes cannot continue after a turn on this chat template "
+                                      f"({'; '.join(drift)})")
             problems += drift
         # strict: only when no role passes (an environment answers in one role; a tokenizer may lack another's
         # marker, as the tiny SentencePiece one lacks <|tool|>): the problems of the others are returned
         if problems and not passed and token_check == "strict":
-            raise TokenDriftError("the render audit (env.token_check=strict) fails on a synthetic two-turn episode with "
-                                  f"this chat template: {'; '.join(problems)}. The chat template renders a conversation "
-                                  "differently from the token stream the episode loop builds (e.g. it rewrites earlier "
-                                  "assistant turns); set env.token_check=warn or off if that is expected")
+            raise TokenDriftError("the render audit (env.token_check=strict) fails on a synthetic two-turn episode "
+                                  f"with this chat template: {'; '.join(problems)}. The chat template renders a "
+                                  "conversation differently from the token stream the episode loop builds (e.g. it "
+                                  "rewrites earlier assistant turns); set env.token_check=warn or off if that is "
+                                  "expected")
         return problems
 
     def _probe_audit(self, observation: list[dict], end: int) -> str | None:

@@ -71,7 +71,8 @@ class ThdBatch:
     sample_ids: Tensor  # long [n], index of each sequence in the step's sequence list
     old_logprobs: Tensor | None = None  # float [T], filled by the engine
     ref_logprobs: Tensor | None = None  # float [T], filled by the engine
-    rollout_weight: Tensor | None = None  # float [T], rollout-correction factor of the pg term (train/stages.py), or None
+    # float [T], rollout-correction factor of the pg term (train/stages.py), or None
+    rollout_weight: Tensor | None = None
     # MoE routing replay: per sequence (order of sample_ids) the [n_i, L, k] expert ids the engine recorded
     routed_experts: list[Tensor] | None = None
 

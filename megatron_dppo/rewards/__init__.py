@@ -27,7 +27,6 @@ from megatron_dppo.rewards.scoring import RewardResult, RewardScorer, score_batc
 
 __all__ = [
     "RewardFn", "RewardResult", "RewardScorer", "WeightedReward", "arithmetic_reward", "arithmetic_worked_reward",
-    "build_reward",
-    "extract_gsm8k_gold", "extract_gsm8k_prediction", "final_number_reward", "format_reward", "get_reward", "gsm8k_reward", "last_boxed",
-    "list_rewards", "math_verify_reward", "register_reward", "score_batch",
+    "build_reward", "extract_gsm8k_gold", "extract_gsm8k_prediction", "final_number_reward", "format_reward",
+    "get_reward", "gsm8k_reward", "last_boxed", "list_rewards", "math_verify_reward", "register_reward", "score_batch",
 ]

@@ -432,7 +432,8 @@ def probe_chat(cfg: Config, chat, stop_ids: list[int]) -> None:
     """Before step 0: whether multi-turn episodes can run on the chat template (``ChatTokens.probe``: observation
     ids after a turn that stopped at one of ``stop_ids``, and the render audit of a synthetic episode under
     env.token_check). A template that cannot work is a ValueError naming it; the audit's problems that do not
-    stop the run (token_check=warn, or one observation role failing while another passes) are logged once. No-op without an ``env`` section."""
+    stop the run (token_check=warn, or one observation role failing while another passes) are logged once. No-op
+    without an ``env`` section."""
     if chat is None:
         return
     from megatron_dppo.env import TokenDriftError

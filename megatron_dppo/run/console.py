@@ -42,7 +42,8 @@ def print_step(cfg: Config, step: int, m: dict) -> None:
         (f" | audit cos {m['audit/cosine']:.3f}" if "audit/cosine" in m else "")
     line_env = episode_summary(m)
     line = (f"step {step:4d} | reward {m.get('reward/mean', float('nan')):.3f} (generated "
-            f"{m.get('reward/mean_generated', float('nan')):.3f}, trained {m.get('reward/mean_kept', float('nan')):.3f})"
+            f"{m.get('reward/mean_generated', float('nan')):.3f}, trained "
+            f"{m.get('reward/mean_kept', float('nan')):.3f})"
             f" | kept prompts {m['prune/prompt_kept_fraction']:.2f} completions "
             f"{m['prune/completion_kept_fraction']:.2f} | ESS {m['prune/total_ess']:.1f} | density "
             f"{m.get('packing/density', 0):.2f}{cost}{line_env} | {phases} | {m['throughput/tokens_per_s']:.0f} tok/s"

@@ -68,7 +68,8 @@ def restore_prompt_state(pruner, saved: dict) -> None:
     a posterior inside it, named by its ``state_format``).
     A state of the other kind (``algo.dppo_keep`` or ``algo.history_score`` changed, e.g. a warm start, or a run
     continued with ``dppo_keep=posterior`` or with a reward model) is not carried over: the run starts a fresh one,
-    with a warning when the saved one held prompts (the keep probabilities are recorded with each batch, so the estimate stays unbiased)."""
+    with a warning when the saved one held prompts (the keep probabilities are recorded with each batch, so the
+    estimate stays unbiased)."""
     if isinstance(saved, dict) and saved.get("format") == pruner.state_format:
         pruner.load_state_dict(saved)
         return
@@ -77,7 +78,8 @@ def restore_prompt_state(pruner, saved: dict) -> None:
         import warnings
 
         warnings.warn(f"the checkpoint's prompt state is a {saved.get('format')!r} of {held} prompts; this run keeps "
-                      f"a {pruner.state_format!r} (algo.dppo_keep, algo.history_score) and starts it fresh", stacklevel=2)
+                      f"a {pruner.state_format!r} (algo.dppo_keep, algo.history_score) and starts it fresh",
+                      stacklevel=2)
 
 
 # ==============================================================================================================

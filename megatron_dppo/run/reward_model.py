@@ -93,7 +93,8 @@ def megatron_reward_engine(cfg: Config, path: Path):
     arch = ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
     if arch.num_labels != 1:
         raise ValueError(f"reward.model.engine=megatron takes a sequence classifier with one label; "
-                         f"{str(path)!r} is {'a causal LM' if arch.num_labels is None else f'{arch.num_labels} labels'}")
+                         f"{str(path)!r} is "
+                         f"{'a causal LM' if arch.num_labels is None else f'{arch.num_labels} labels'}")
     p = cfg.parallel
     parallel = ParallelConfig(tp=p.tp, pp=p.pp, sp=p.sp, ep=p.ep, etp=p.etp)
     checkpoint = HFCheckpoint(path)

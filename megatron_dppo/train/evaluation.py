@@ -46,7 +46,8 @@ def results_table(metrics: dict[str, float], sets: dict[str, list], samples: int
                      f"{100 * metrics[f'eval/{name}/pass@{k}']:.1f} |")
     if "eval/average/pass@1" in metrics:
         lines.append(f"| **average** | {sum(len(p) for p in sets.values())} | "
-                     f"**{100 * metrics['eval/average/pass@1']:.1f}** | {100 * metrics[f'eval/average/pass@{k}']:.1f} |")
+                     f"**{100 * metrics['eval/average/pass@1']:.1f}** | "
+                     f"{100 * metrics[f'eval/average/pass@{k}']:.1f} |")
     return "\n".join(lines)
 
 

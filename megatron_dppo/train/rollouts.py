@@ -292,7 +292,8 @@ def reward_model_samples(rollout: Rollout) -> list[list[Sample]]:
         return [[Sample(p.token_ids, ids, p.text or "", text) for ids, text in zip(comps, texts)]
                 for p, comps, texts in zip(rollout.prompts, rollout.completions, rollout.texts)]
     return [[Sample(e.prompt_ids, e.final_ids,
-                    "\n\n".join(t for t in [p.text or ""] + [m["content"] for m in e.reset_messages] if t), e.final_text)
+                    "\n\n".join(t for t in [p.text or ""] + [m["content"] for m in e.reset_messages] if t),
+                    e.final_text)
              for e in episodes] for p, episodes in zip(rollout.prompts, rollout.episodes)]
 
 

@@ -5,8 +5,9 @@ have one to three turns):
 * ``noop`` with ``max_turns=1`` equals the single-turn run: every non-timing metric of every RL step and every
   evaluation is the same (the episode run only adds its env/* family);
 * episodes train (observation tokens in the stream, loss-masked: tokens/trained_share < 1), the console line and
-  the audit log report each episode's turns and finish reason, and a run killed with SIGKILL while its environments step (a turn in
-  flight) resumes from its last checkpoint to exactly the straight run's metrics: nothing lost, nothing changed;
+  the audit log report each episode's turns and finish reason, and a run killed with SIGKILL while its environments
+  step (a turn in flight) resumes from its last checkpoint to exactly the straight run's metrics: nothing lost,
+  nothing changed;
 * environments and tools that hang or crash end only their episode (a hung ``step`` past env.step_timeout_s, a
   raising ``step`` or ``reset``: finish reason env_error) or become observations (the real python sandbox running
   an endless loop or aborting: tool_timeouts, tool_errors), and the run finishes every step;

@@ -273,7 +273,8 @@ def test_code_cannot_reach_the_network(caller):
     thread.start()
     try:
         rc, result = caller.run(f"import socket\ns = socket.socket()\ns.settimeout(5)\n"
-                                f"try:\n    s.connect(('127.0.0.1', {port})); s.sendall(b'exfiltrated'); print('sent')\n"
+                                f"try:\n    s.connect(('127.0.0.1', {port})); s.sendall(b'exfiltrated');"
+                                " print('sent')\n"
                                 "except OSError as e:\n    print(type(e).__name__)")
         time.sleep(0.3)
     finally:

@@ -30,7 +30,8 @@ def test_chatml_observation_ids_include_the_newline_after_im_end(smol_tokenizer)
     assert ids == encode(tok, "\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n")
     assert ids[0] == encode(tok, "\n")[0]  # the junction generation never emits (verl #6921)
     two = chat.observation_ids([{"role": "tool", "content": "1"}, {"role": "user", "content": "go on"}], end)
-    assert tok.decode(two) == "\n<|im_start|>tool\n1<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(two) == ("\n<|im_start|>tool\n1<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n"
+                               "<|im_start|>assistant\n")
     assert chat.ends_turn(end)
     assert not chat.ends_turn(tok.convert_tokens_to_ids("<|endoftext|>"))  # ChatML never renders a bare EOS
 
@@ -208,7 +209,8 @@ QWEN3_STYLE = (
     "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
     "{%- if message.tool_calls %}{%- for call in message.tool_calls %}"
     "{%- if (loop.first and content) or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' + (call.function.arguments | tojson)"
+    "{{- '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": '"
+    " + (call.function.arguments | tojson)"
     " + '}\\n</tool_call>' }}{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"

@@ -139,7 +139,7 @@ def _worker_main(payload_path: str, result_path: str) -> int:
         fn = getattr(fn, part)
     try:
         result = fn(*payload["args"], **payload["kwargs"])
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - whatever the target raises is reported to the parent as exit status 1
         traceback.print_exc()
         sys.stdout.flush()
         return 1

@@ -64,8 +64,8 @@ def _worker(folder: str, tp: int, pp: int, sp: bool, batch_tokens: int):
     build_model_chunks(arch, parallel, torch.float32)  # (what the engine builds, without the guard)
     rng_moved = not torch.equal(before[0], torch.get_rng_state())
     load_hf_weights(engine.model_chunks, arch, checkpoint.get)
-    return {"scores": engine.classify(inputs()), "shard": engine.shard(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
-            "rng_kept": rng_kept, "rng_moved": rng_moved}
+    return {"scores": engine.classify(inputs()), "shard": engine.shard(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(), "rng_kept": rng_kept, "rng_moved": rng_moved}
 
 
 @pytest.mark.parametrize("tp, pp, sp", [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)])

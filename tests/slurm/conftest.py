@@ -107,7 +107,8 @@ class SlurmCluster:
             if state in until:
                 return state, time.monotonic() - start
             if time.monotonic() - start > timeout:
-                raise AssertionError(f"job {job} still {state or 'unknown'} after {timeout:.0f} s\n{self.describe(job)}")
+                raise AssertionError(f"job {job} still {state or 'unknown'} after {timeout:.0f} s\n"
+                                     f"{self.describe(job)}")
             time.sleep(0.5)
 
     def show(self, job: Job | int) -> dict[str, str]:

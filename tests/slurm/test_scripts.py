@@ -15,7 +15,8 @@ SCRIPTS = sorted([*REPO.glob("slurm/*.sbatch"), *REPO.glob("slurm/*.sh"), *REPO.
 RECIPES = sorted(REPO.glob("slurm/recipes/*.sh"))
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)")
+@pytest.mark.skipif(shutil.which("shellcheck") is None,
+                    reason="shellcheck is not installed (apt-get install shellcheck)")
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
 def test_shellcheck(script):
     out = subprocess.run(["shellcheck", "-x", "--shell=bash", str(script)], capture_output=True, text=True,
@@ -111,7 +112,8 @@ def test_impossible_layout_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("args, nproc", [(["--tp", "2", "--pp", "2"], 4), (["--tp", "2", "--ep", "8"], 8),
-                                         (["--tp=4", "--ep=2", "--etp=2", "--pp=2"], 8), (["--ep", "3", "--tp", "2"], 6)])
+                                         (["--tp=4", "--ep=2", "--etp=2", "--pp=2"], 8),
+                                         (["--ep", "3", "--tp", "2"], 6)])
 def test_convert_job_starts_enough_converter_processes(tmp_path, args, nproc):
     """convert.sbatch runs the converter on lcm(tp, ep*etp)*pp processes (what convert_hf_to_megatron needs for the
     layout). torchrun is a recording stand-in here: it prints the process count it was asked for."""

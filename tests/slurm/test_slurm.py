@@ -3,8 +3,9 @@
 The three checks the issue asks for run the REAL trainer (``megatron-dppo train``, the scripts' default DPPO_CMD)
 with a tiny CPU config (gloo): 2 nodes x 2 ranks completes with a checkpoint; a failing rank fails the job within a
 minute; a preempted job checkpoints, requeues itself and resumes to the same final step. The other launch modes
-(one srun task per GPU, MPI, refused separate worlds) run the stand-in ``python -m megatron_dppo.distributed.launch_check``
-(gloo, CPU, seconds): it discovers the launch, all-reduces, takes checkpointed steps and writes
+(one srun task per GPU, MPI, refused separate worlds) run the stand-in
+``python -m megatron_dppo.distributed.launch_check`` (gloo, CPU, seconds): it discovers the launch, all-reduces,
+takes checkpointed steps and writes
 ``out/rank-<r>.json``. Jobs ask for 2 (fake) GPUs per node, so every run is 2 nodes x 2 ranks.
 """
 from __future__ import annotations
@@ -246,7 +247,8 @@ def test_mpi_launch(slurm, tmp_path, mpi_launch):
 def test_separate_worlds_are_refused(slurm, tmp_path):
     """Two launches that would train N separate models die at start-up with the launcher's explanation."""
     check = "python -m megatron_dppo.distributed.launch_check --out out"
-    standalone = slurm.submit(tmp_path, ["--wrap", f"srun torchrun --standalone --nproc-per-node=1 --no-python {check}"],
+    standalone = slurm.submit(tmp_path,
+                              ["--wrap", f"srun torchrun --standalone --nproc-per-node=1 --no-python {check}"],
                               name="t-standalone", sbatch_args=["--nodes=2", "--ntasks-per-node=1"])
     batch_step = slurm.submit(tmp_path, ["--wrap", check], name="t-batchstep", sbatch_args=["--nodes=1", "--ntasks=2"])
     for job, message in [(standalone, "every agent built its own world"), (batch_step, "separate worlds")]:

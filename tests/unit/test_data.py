@@ -284,13 +284,16 @@ def _byte_level_bpe_tokenizer():
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    corpus = ["What is 12 plus 30? The answer is 42.", "Café, naïve, 東京, ﬁnance", "-" * 64, "    indented"] * 50
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    corpus = ["What is 12 plus 30? The answer is 42.", "Café, naïve, 東京, ﬁnance", "-" * 64,
+              "    indented"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "sentencepiece_byte_fallback", "byte_level_bpe"])
-def test_prefix_bound_is_a_lower_bound_and_refuses_an_enormous_prompt_without_tokenizing(kind, arithmetic_tokenizer_dir):
+def test_prefix_bound_is_a_lower_bound_and_refuses_an_enormous_prompt_without_tokenizing(
+        kind, arithmetic_tokenizer_dir):
     import time
 
     tokenizer = {"sentencepiece": lambda: load_tokenizer(arithmetic_tokenizer_dir),

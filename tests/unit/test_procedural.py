@@ -51,7 +51,8 @@ def test_answers_are_correct():
         expression = r.prompt.removeprefix("Compute ").removesuffix(".").replace(" ", "")
         assert int(r.gold) == eval(expression)  # noqa: S307 - digits and + - * only, made by the generator
     for r in ProceduralTask("letter_count").records(100):
-        letter, word = re.fullmatch(r"How many times does the letter '(.)' appear in the word '(\w+)'\?", r.prompt).groups()
+        letter, word = re.fullmatch(r"How many times does the letter '(.)' appear in the word '(\w+)'\?",
+                                    r.prompt).groups()
         assert int(r.gold) == word.count(letter) >= 1
 
 
@@ -90,8 +91,8 @@ def test_run_configuration_uses_the_task_its_test_split_and_its_reward():
     from megatron_dppo.rewards.registry import reward_name
     from megatron_dppo.run.build import build_scorer, procedural_task
 
-    overrides = ["model.hf_config={model_type: qwen2}", "data.task=procedural", "data.procedural_task=addition", "data.procedural_seed=5",
-                 "data.procedural_options={low: 1, high: 9}"]
+    overrides = ["model.hf_config={model_type: qwen2}", "data.task=procedural", "data.procedural_task=addition",
+                 "data.procedural_seed=5", "data.procedural_options={low: 1, high: 9}"]
     cfg = load_config(None, overrides + ["train.seed=1"])
     task = procedural_task(cfg)
     assert task == ProceduralTask("addition", seed=5, options={"low": 1, "high": 9})
