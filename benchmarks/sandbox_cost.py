@@ -1,4 +1,4 @@
-"""What the python tool's sandbox costs (docs/benchmarks.md section 17; docs/environments.md, "The python tool's
+"""What the python tool's sandbox costs (docs/benchmarks.md section 18; docs/environments.md, "The python tool's
 sandbox").
 
 1. Per call: start-up of one call that runs ``48*97`` (``print_last``), wall milliseconds and CPU milliseconds (the

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "megatron"))  # _dist (launcher helper shared with the engine tests)
+sys.path.insert(0, str(HERE.parent / "megatron"))  # _dist (also conftest.py: for imports sorted before this one)
 
 # Every family with grouped-query attention (4 query heads, 2 KV heads), tied and untied output embeddings.
 # Qwen3 uses an explicit head_dim (heads * head_dim != hidden), as the real Qwen3 models do.

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run_distributed
-from _hf_models import ODD_SHAPES, TINY, hf_logits, save_hf_model, tokens  # isort: first
+from _hf_models import ODD_SHAPES, TINY, hf_logits, save_hf_model, tokens
 
 from megatron_dppo.convert.hf_io import HFCheckpoint
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run_distributed, single_process_world
-from _hf_models import TINY_MOE, hf_logits, megatron_logits, save_hf_model, tokens  # isort: first
+from _hf_models import TINY_MOE, hf_logits, megatron_logits, save_hf_model, tokens
 from safetensors.torch import load_file, save_file
 
 from megatron_dppo.convert import export_hf_weights, load_hf_weights

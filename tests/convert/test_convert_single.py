@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import single_process_world
-from _hf_models import TINY, build_hf_model, hf_logits, megatron_logits, save_hf_model, tokens  # isort: first
+from _hf_models import TINY, build_hf_model, hf_logits, megatron_logits, save_hf_model, tokens
 from safetensors.torch import load_file, save_file
 
 from megatron_dppo.convert import export_hf_weights, load_hf_weights

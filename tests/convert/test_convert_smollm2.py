@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import single_process_world
-from _hf_models import megatron_logits  # isort: first
+from _hf_models import megatron_logits
 
 from megatron_dppo.convert.gguf import find_smollm2_gguf, smollm2_hf_dir
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from _dist import single_process_world
-from _hf_models import TINY, build_hf_model, megatron_logits, tokens  # isort: first
+from _hf_models import TINY, build_hf_model, megatron_logits, tokens
 
 from megatron_dppo.convert import load_hf_weights
 from megatron_dppo.convert.peft import (
