@@ -59,16 +59,17 @@ def run(cmd: list[str], log: Path, timeout: Optional[float] = None, env: Optiona
         f.write(" ".join(map(str, cmd)) + "\n")
         f.flush()
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=full_env)
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        while True:  # wait4: the CPU seconds of the process tree; polled only to enforce a timeout
+            pid, status, usage = os.wait4(proc.pid, 0 if timeout is None else os.WNOHANG)
             if pid:
                 break
-            if timeout is not None and time.perf_counter() > t0 + timeout:
+            if time.perf_counter() > t0 + timeout:
                 proc.kill()
                 proc.wait()
                 raise RunFailed(f"{' '.join(map(str, cmd))} timed out after {timeout} s; log {log}")
-            time.sleep(0.5)
-    code = os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # (reaped here: Popen must not wait for it again)
+    code = proc.returncode
     if code != 0:
         raise RunFailed(f"{' '.join(map(str, cmd))} failed with exit {code}; log {log}:\n{log.read_text()[-3000:]}")
     return {"wall_s": time.perf_counter() - t0, "cpu_s": usage.ru_utime + usage.ru_stime}
