@@ -21,8 +21,10 @@ import math
 import re
 from pathlib import Path
 
-import _real_gradients as R
 import torch
+
+from benchmarks import _real_gradients as R
+from benchmarks.common import read_metrics
 
 MAX_WEIGHT = 20.0  # the posterior's weight cap (pi >= 0.05)
 HISTORY_FLOOR = 0.3  # today's dppo-optimal keep_floor (the library default)
@@ -360,8 +362,7 @@ def costs_of(work: Path, group_size: int, generation_share: float) -> dict:
     """The CPU run's StepCost from its own phase timers, and a generation-dominated regime with the same
     per-step total and generation share ``generation_share`` (modelled, not measured)."""
     from megatron_dppo.algo.step_cost import StepCost, fit_step_cost
-    records = [json.loads(line) for line in open(work / "train" / "metrics.jsonl")]
-    cpu = fit_step_cost([r for r in records if r.get("phase") == "rl"], group_size)
+    cpu = fit_step_cost(read_metrics(work / "train", "rl"), group_size)
     total = cpu.generate + cpu.train
     gen = StepCost(generate=generation_share * total, train=(1 - generation_share) * total, fixed=cpu.fixed)
     return {"cpu (measured)": cpu, f"generation {generation_share:.0%} (modelled)": gen}

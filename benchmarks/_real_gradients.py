@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.common import QUIET, REPO, RunFailed, cli, train
+
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
 
 
@@ -42,8 +41,7 @@ QUICKSTART = REPO / "examples" / "quickstart.yaml"
 # ----------------------------------------------------------------------------------------------------------
 def train_overrides(out_dir: Path, steps: int, every: int) -> list[str]:
     return ["algo.pruner=none", f"train.output_dir={out_dir}", f"train.steps={steps}", "eval.every=0",
-            f"checkpoint.every={every}", "checkpoint.keep_last=1000", "logging.plot=false",
-            "logging.progress_bar=false", "logging.tensorboard=false", "logging.print_every=10",
+            f"checkpoint.every={every}", "checkpoint.keep_last=1000", *QUIET, "logging.print_every=10",
             "logging.audit_log=true", "train.cpu_threads=1"]
 
 
@@ -72,18 +70,16 @@ def ensure_checkpoints(work: Path, steps: list[int], config: Path = QUICKSTART) 
         if any(s > 0 and s % every for s in steps):
             raise ValueError(f"steps {steps}: each must be a multiple of {every}")
         segments = ([0] if 0 not in index and not index else []) + [max(steps)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         for n in segments:
-            cmd = [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", str(config),
-                   *train_overrides(train_dir, n, every)]
-            print("training:", " ".join(cmd), file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
-            work.mkdir(parents=True, exist_ok=True)
-            with open(work / f"train_steps{n}.log", "w") as log:
-                rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-            if rc != 0:
-                sys.exit(f"training failed (exit {rc}); see {work / f'train_steps{n}.log'}")
-            info["segments"].append({"command": " ".join(cmd), "seconds": time.perf_counter() - t0})
+            overrides = train_overrides(train_dir, n, every)
+            print("training:", " ".join(cli("train", "--config", str(config), *overrides)), file=sys.stderr, flush=True)
+            try:
+                seconds = train(config, overrides, work / f"train_steps{n}.log",
+                                env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})["wall_s"]
+            except RunFailed as err:
+                sys.exit(f"training failed: {err}")
+            info["segments"].append({"command": " ".join(cli("train", "--config", str(config), *overrides)),
+                                     "seconds": seconds})
         index = checkpoint_index(root, sft_steps)
     missing = [s for s in steps if s not in index]
     if missing:

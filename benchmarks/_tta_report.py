@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import _tta_stats as S
+from benchmarks import _tta_stats as S
 
 EVAL_LABEL = "in-distribution pass@1 from fresh samples"
 

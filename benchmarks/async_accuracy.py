@@ -21,30 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_overlap import free_port  # noqa: E402
+if not __package__:  # `python benchmarks/async_accuracy.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import REPO, cli, read_metrics, run
 
 ARMS = ["k0-none", "k0-tis", "k1-none", "k1-tis", "k2-none", "k2-tis"]
 
 
-def _env() -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
-    return env
-
-
-def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def run_arm(arm: str, seed: int, steps: int, root: Path, overrides: list[str] = ()) -> dict:
@@ -53,12 +42,10 @@ def run_arm(arm: str, seed: int, steps: int, root: Path, overrides: list[str] = 
     config = str(REPO / "examples" / "quickstart.yaml")
     common = [f"train.steps={steps}", f"train.seed={seed}", f"train.output_dir={out}", "logging.plot=false",
               "logging.tensorboard=false", f"loss.rollout_correction={correction}", *overrides]
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-          f"--master-port={free_port()}", "-m", "megatron_dppo.cli", "train", "--config", config, *common,
-          "rollout.placement=separate", f"train.max_staleness={k}", "eval.every=0", "checkpoint.every=0"])
-    _run([sys.executable, "-m", "megatron_dppo.cli", "eval", "--config", config, *common])
-    rl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rl = [r for r in rl if r.get("phase") == "rl"]
+    run(cli("train", "--config", config, *common, "rollout.placement=separate", f"train.max_staleness={k}",
+            "eval.every=0", "checkpoint.every=0", nproc=2), root / f"{arm}-s{seed}-train.log", env=ENV)
+    run(cli("eval", "--config", config, *common), root / f"{arm}-s{seed}-eval.log", env=ENV)
+    rl = read_metrics(out, "rl")
     ev = json.loads((out / "eval.json").read_text())
     pass1 = [v for key, v in ev.items() if key.endswith("pass@1")]
     return {"arm": arm, "seed": seed, "pass@1": pass1[0] if pass1 else float("nan"),

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+if not __package__:  # `python benchmarks/async_overlap.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import REPO, cli, read_metrics, run
+
 ARMS = {
     "sync": ("colocated, synchronous (1 process)", 1, []),
     "k0": ("separate, max_staleness 0 (1 + 1)", 2, ["rollout.placement=separate", "train.max_staleness=0"]),
@@ -39,34 +39,15 @@ ARMS = {
 }
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_arm(name: str, steps: int, sft_steps: int, root: Path, extra: list[str], rep: int = 0) -> dict:
     label, nproc, overrides = ARMS[name]
     out = root / f"{name}-{rep}"
     common = [f"train.steps={steps}", f"train.sft_steps={sft_steps}", "eval.every=0", "checkpoint.every=0",
               "logging.plot=false", "logging.tensorboard=false", f"train.output_dir={out}", *overrides, *extra]
-    cli = ["-m", "megatron_dppo.cli", "train", "--config", str(REPO / "examples" / "quickstart.yaml"), *common]
-    if nproc == 1:
-        cmd = [sys.executable, *cli]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", *cli]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
-    start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.monotonic() - start
-    if proc.returncode:
-        raise SystemExit(f"arm {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rl = [r for r in records if r.get("phase") == "rl"][1:]  # the first RL step carries start-up costs
+    cmd = cli("train", "--config", str(REPO / "examples" / "quickstart.yaml"), *common, nproc=nproc)
+    wall = run(cmd, root / f"{name}-{rep}.log", env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    wall = wall["wall_s"]
+    rl = read_metrics(out, "rl")[1:]  # the first RL step carries start-up costs
     step = [r["time/step"] for r in rl]
     total = lambda key: sum(r.get(key, 0.0) for r in rl)  # noqa: E731
     result = {

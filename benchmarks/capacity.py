@@ -16,9 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C
+if not __package__:  # `python benchmarks/capacity.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
+
+from benchmarks import _engine as E
+from benchmarks import common as C
 
 
 def main() -> None:
@@ -33,7 +36,7 @@ def main() -> None:
 
     C.quiet()
     torch.set_num_threads(1)
-    arch = C.bench_arch("small")
+    arch = E.bench_arch("small")
     g = torch.Generator().manual_seed(0)
     n = args.sequences
     prompt_len = torch.randint(4, 7, (n,), generator=g)
@@ -47,16 +50,16 @@ def main() -> None:
     plans = {c: build_rank_micro_batches(pack_sequences(lengths, c, 1)[0], tokens, prompt_len.tolist(), adv, tw)
              for c in caps}
     times: dict[int, list[float]] = {c: [] for c in caps}
-    with C.engine_world(arch, LossConfig(kl_coef=0.0), lr=1e-4) as engine:
+    with E.engine_world(arch, LossConfig(kl_coef=0.0), lr=1e-4) as engine:
         engine.train_step(plans[caps[0]], float(n))  # warm-up
         for rep in range(args.reps):
             for c in caps:
-                _, cpu, _ = C.timed2(engine.train_step, plans[c], float(n))
+                _, cpu, _ = E.timed2(engine.train_step, plans[c], float(n))
                 times[c].append(cpu)
             print(f"rep {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
     total = sum(lengths)
-    rows = [{"capacity": c, "micro_batches": len(plans[c]), "cpu_s": C.median(times[c]),
-             "us_per_token": 1e6 * C.median(times[c]) / total} for c in caps]
+    rows = [{"capacity": c, "micro_batches": len(plans[c]), "cpu_s": E.median(times[c]),
+             "us_per_token": 1e6 * E.median(times[c]) / total} for c in caps]
     print(f"{n} sequences, {total} tokens; train_step process CPU s (median of {args.reps}), 1 thread\n")
     print("| capacity | micro-batches | train CPU s | us / token |\n|---|---|---|---|")
     for r in rows:

@@ -35,11 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "megatron"))
+import torch
 
-import torch  # noqa: E402
+if not __package__:  # `python benchmarks/cp_memory.py`: the repository joins sys.path (this checkout's library)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _arch(hidden: int, layers: int, tokens: int):
@@ -52,7 +51,7 @@ def _arch(hidden: int, layers: int, tokens: int):
 
 
 def measure(cp: int, tokens: int, hidden: int, layers: int) -> dict:
-    """One rank's measurement (run under ``_dist.run_distributed`` with ``cp`` processes)."""
+    """One rank's measurement (run under ``megatron_dppo.distributed.spawn.run_distributed`` with ``cp`` processes)."""
     import torch.distributed as dist
 
     from megatron_dppo.megatron.logprobs import batch_logprobs, forward_thd
@@ -100,7 +99,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    from _dist import run_distributed
+    from megatron_dppo.distributed.spawn import run_distributed
 
     rows = []
     for cp in (1, 2):

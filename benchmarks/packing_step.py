@@ -1,12 +1,13 @@
 """Megatron train-step time by packing method: Dense Prompt Packing (window-greedy) vs padded batches vs FFD vs
 verl-style Karmarkar-Karp, on real GSM8K length distributions.
 
-Workload: ``benchmarks/_common.py`` (GSM8K prompts in the Qwen chat template and reference-answer-based
+Workload: ``benchmarks/_engine.py`` (GSM8K prompts in the Qwen chat template and reference-answer-based
 completion lengths, tokenized with the offline Qwen tokenizer, then SCALED by ``--scale`` = 1/4 by default so
 sequences fit the tiny model's context: prompt ~ 1/4 of its real token count, completion ~ 1/4 of its sampled
 length, capped at ``--max-completion``). Optionally a DPPO-like random completion keep (``--keep``) so sequence
-counts stop being round. ``--dp d > 1`` is SIMULATED in one process: the plan is made for d ranks, each rank's micro-batches are timed in
-turn (logprob + train), and the step time is the SLOWEST rank's (a data-parallel step waits for it).
+counts stop being round. ``--dp d > 1`` is SIMULATED in one process: the plan is made for d ranks, each rank's
+micro-batches are timed in turn (logprob + train), and the step time is the SLOWEST rank's (a data-parallel step
+waits for it).
 
 For each method the kept sequences become micro-batches of capacity ``--capacity`` tokens:
 * ``dpp``: ``pack_sequences`` (window-greedy best fit) -> THD micro-batches.
@@ -26,9 +27,12 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C
+if not __package__:  # `python benchmarks/packing_step.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
+
+from benchmarks import _engine as E
+from benchmarks import common as C
 
 METHODS = {"dpp": "dpp", "padded": "padded", "ffd": "ffd", "verl-kk": "kk"}
 
@@ -39,16 +43,17 @@ def run(args) -> dict:
 
     C.quiet()
     torch.set_num_threads(args.threads)
-    questions = C.load_gsm8k(limit=args.questions, seed=args.seed)
-    arch = C.bench_arch(args.model)
+    questions = E.load_gsm8k(limit=args.questions, seed=args.seed)
+    arch = E.bench_arch(args.model)
     loss_cfg = LossConfig()
     planners = {"dpp": lambda L, d: pack_sequences(L, args.capacity, d),
                 "padded": lambda L, d: pack_padded(L, args.capacity, d),
-                "ffd": lambda L, d: pack_ffd(L, args.capacity, d), "verl-kk": lambda L, d: pack_verl_kk(L, args.capacity, d)}
+                "ffd": lambda L, d: pack_ffd(L, args.capacity, d),
+                "verl-kk": lambda L, d: pack_verl_kk(L, args.capacity, d)}
     work = {}
     for keep_p in args.keep:
         for s in range(args.steps):
-            r = C.make_rollouts(questions, args.prompts, args.group, arch.vocab_size, seed=args.seed + s,
+            r = E.make_rollouts(questions, args.prompts, args.group, arch.vocab_size, seed=args.seed + s,
                                 scale=args.scale, max_completion=args.max_completion)
             g = torch.Generator().manual_seed(args.seed + 100 + s)
             keep = torch.rand(r.B, r.G, generator=g) < keep_p
@@ -56,7 +61,7 @@ def run(args) -> dict:
             weight = torch.where(keep, 1.0 / keep_p, 0.0)
             for d in args.dp:
                 for m, packer in METHODS.items():
-                    ranks, lengths = C.plan_micro_batches(r, keep, weight, loss_cfg.aggregation, args.capacity,
+                    ranks, lengths = E.plan_micro_batches(r, keep, weight, loss_cfg.aggregation, args.capacity,
                                                           packer, dp=d)
                     stats = packing_stats(planners[m](lengths, d), lengths, args.capacity,
                                           layout="padded" if m == "padded" else "thd")
@@ -67,7 +72,7 @@ def run(args) -> dict:
                         "positions": sum(int(b.tokens.numel()) for x in ranks for b in x),
                         "times": [[] for _ in ranks]}
     D = float(args.prompts * args.group)
-    with C.engine_world(arch, loss_cfg, lr=1e-4, seed=args.seed) as engine:
+    with E.engine_world(arch, loss_cfg, lr=1e-4, seed=args.seed) as engine:
         first = next(iter(work.values()))["ranks"][0]
         engine.fill_logprobs(first)
         engine.train_step(first, D)
@@ -76,8 +81,8 @@ def run(args) -> dict:
                 for k, mbs in enumerate(w["ranks"]):  # the DP ranks' shares, one after the other
                     for b in mbs:
                         b.old_logprobs = None
-                    wl, cl, _ = C.timed2(engine.fill_logprobs, mbs)
-                    wt, ct, _ = C.timed2(engine.train_step, mbs, D)
+                    wl, cl, _ = E.timed2(engine.fill_logprobs, mbs)
+                    wt, ct, _ = E.timed2(engine.train_step, mbs, D)
                     w["times"][k].append((wl + wt, cl + ct, ct))
             print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
     results = []
@@ -86,9 +91,9 @@ def run(args) -> dict:
             for m in METHODS:
                 rows = [work[keep_p, s, d, m] for s in range(args.steps)]
                 # a data-parallel step lasts as long as its slowest rank
-                cpu = sum(max(C.median([t[1] for t in ts]) for ts in w["times"]) for w in rows) / len(rows)
-                train_cpu = sum(max(C.median([t[2] for t in ts]) for ts in w["times"]) for w in rows) / len(rows)
-                total_cpu = sum(sum(C.median([t[1] for t in ts]) for ts in w["times"]) for w in rows) / len(rows)
+                cpu = sum(max(E.median([t[1] for t in ts]) for ts in w["times"]) for w in rows) / len(rows)
+                train_cpu = sum(max(E.median([t[2] for t in ts]) for ts in w["times"]) for w in rows) / len(rows)
+                total_cpu = sum(sum(E.median([t[1] for t in ts]) for ts in w["times"]) for w in rows) / len(rows)
                 wall = sum(max(min(t[0] for t in ts) for ts in w["times"]) for w in rows) / len(rows)
                 results.append({"keep": keep_p, "dp": d, "method": m,
                                 "tokens": sum(w["tokens"] for w in rows) / len(rows),

@@ -39,11 +39,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C
-import _prompt_level as PL
-import _real_gradients as R
+if not __package__:  # `python benchmarks/prompt_diagnosis.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
+
+from benchmarks import _prompt_level as PL
+from benchmarks import _real_gradients as R
+from benchmarks import common as C
 
 BUCKETS = (1.0, 1.5, 3.0, 10.0, math.inf)  # weight buckets of 1/pi_q
 

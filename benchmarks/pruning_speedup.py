@@ -1,6 +1,6 @@
 """Pruning speed-up on the Megatron engine: GRPO (no pruning) vs CPPO vs DPPO on the SAME rollouts.
 
-For each of ``--steps`` recorded-style rollout batches (``benchmarks/_common.py``: real GSM8K lengths and token
+For each of ``--steps`` recorded-style rollout batches (``benchmarks/_engine.py``: real GSM8K lengths and token
 ids, scaled by ``--scale`` to the tiny model's context; seeded rewards; B prompts x G completions), every
 configuration selects its kept sequences exactly as the trainer does:
 
@@ -33,9 +33,12 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C
+if not __package__:  # `python benchmarks/pruning_speedup.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
+
+from benchmarks import _engine as E
+from benchmarks import common as C
 
 
 def configs(args) -> list[dict]:
@@ -48,7 +51,7 @@ def configs(args) -> list[dict]:
     return out
 
 
-def select(cfg: dict, r: C.Rollouts, step: int, seed: int):
+def select(cfg: dict, r: E.Rollouts, step: int, seed: int):
     """(keep [B,G], weight [B,G], denominator) of one configuration on one step's rollouts."""
     from megatron_dppo.algo.pruning import CPPOPruner, DPPOPruner, combine, make_generator
 
@@ -82,21 +85,21 @@ def run(args) -> dict:
 
     C.quiet()
     torch.set_num_threads(args.threads)
-    questions = C.load_gsm8k(limit=args.questions, seed=args.seed)
-    arch = C.bench_arch(args.model)
+    questions = E.load_gsm8k(limit=args.questions, seed=args.seed)
+    arch = E.bench_arch(args.model)
     loss_cfg = LossConfig()  # grpo preset: ppo_clip, seq_mean_token_mean, no KL
-    steps = [C.make_rollouts(questions, args.prompts, args.group, arch.vocab_size, seed=args.seed + s,
+    steps = [E.make_rollouts(questions, args.prompts, args.group, arch.vocab_size, seed=args.seed + s,
                              scale=args.scale, max_completion=args.max_completion) for s in range(args.steps)]
     cfgs = configs(args)
     plans = {}  # (config, step) -> (micro_batches, kept tokens, kept sequences, D)
     for ci, cfg in enumerate(cfgs):
         for s, r in enumerate(steps):
             keep, weight, D = select(cfg, r, s, args.seed)
-            t_pack, (mbs, lengths) = C.timed(C.micro_batches, r, keep, weight, loss_cfg.aggregation, args.capacity)
+            t_pack, (mbs, lengths) = E.timed(E.micro_batches, r, keep, weight, loss_cfg.aggregation, args.capacity)
             plans[ci, s] = {"mbs": mbs, "tokens": sum(lengths), "sequences": len(lengths), "D": D,
                             "completion_tokens": int(r.completion_lengths[keep].sum()), "pack_s": t_pack}
     times = {k: {"logprob": [], "train": []} for k in plans}
-    with C.engine_world(arch, loss_cfg, lr=args.lr, seed=args.seed) as engine:
+    with E.engine_world(arch, loss_cfg, lr=args.lr, seed=args.seed) as engine:
         # warm-up (allocator, first-call overheads)
         engine.fill_logprobs(plans[0, 0]["mbs"])
         engine.train_step(plans[0, 0]["mbs"], plans[0, 0]["D"])
@@ -106,8 +109,8 @@ def run(args) -> dict:
                     p = plans[ci, s]
                     for b in p["mbs"]:
                         b.old_logprobs = None
-                    w_lp, c_lp, _ = C.timed2(engine.fill_logprobs, p["mbs"])
-                    w_tr, c_tr, _ = C.timed2(engine.train_step, p["mbs"], p["D"])
+                    w_lp, c_lp, _ = E.timed2(engine.fill_logprobs, p["mbs"])
+                    w_tr, c_tr, _ = E.timed2(engine.train_step, p["mbs"], p["D"])
                     times[ci, s]["logprob"].append((w_lp, c_lp))
                     times[ci, s]["train"].append((w_tr, c_tr))
             print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
@@ -119,7 +122,7 @@ def run(args) -> dict:
         for s, r in enumerate(steps):
             p, t = plans[ci, s], times[ci, s]
             # CPU time: median over reps; wall clock: minimum over reps (the least-disturbed repetition)
-            lp, tr = C.median([c for _, c in t["logprob"]]), C.median([c for _, c in t["train"]])
+            lp, tr = E.median([c for _, c in t["logprob"]]), E.median([c for _, c in t["train"]])
             tot["wall_logprob"] += min(w for w, _ in t["logprob"])
             tot["wall_train"] += min(w for w, _ in t["train"])
             tot["logprob"] += lp
@@ -147,7 +150,9 @@ def run(args) -> dict:
         r["wall_speedup"] = base["wall_s"] / r["wall_s"]
         r["wall_of_bound"] = r["wall_speedup"] / r["bound"]
         # the speed-up the fitted model predicts (fixed cost + tokens + micro-batches): what the overhead allows
-        pred = lambda x: prof["fixed_s"] + prof["per_token_s"] * x["tokens"] + prof["per_micro_batch_s"] * x["micro_batches"]  # noqa: E731
+        def pred(x):
+            return prof["fixed_s"] + prof["per_token_s"] * x["tokens"] + prof["per_micro_batch_s"] * x["micro_batches"]
+
         r["model_speedup"] = pred(base) / pred(r)
     return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "machine": C.machine(), "arch": arch.__dict__,

@@ -34,11 +34,12 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _tta_stats as S
-import study_runner as SR
+if not __package__:  # `python benchmarks/real_model_study.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _tta_stats as S
+from benchmarks import study_runner as SR
+from benchmarks.common import REPO, read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "smollm2_list_max_cpu.yaml"
 EVAL_KEY = "eval/list_max_test/pass@1"
 
@@ -83,7 +84,7 @@ def jobs(work: Path, protocol: dict, extra: list[str]) -> list[SR.Job]:
 # Analysis
 # ----------------------------------------------------------------------------------------------------------
 def summarize_run(path: Path, protocol: dict) -> dict:
-    records = SR.read_records(path)
+    records = read_metrics(path)
     cum = dict(SR.cumulative_cpu(records))
     evals = sorted((r for r in records if r.get("phase") == "eval"), key=lambda r: r["step"])
     points = [(0.0 if r["step"] < 0 else cum[r["step"]], r[EVAL_KEY], r["step"]) for r in evals if EVAL_KEY in r]

@@ -41,8 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, machine, write_json
+if not __package__:  # `python benchmarks/real_step_profile.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import QUIET, REPO, machine, write_json
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -247,8 +248,7 @@ def main(argv=None):
 
     load_before = machine()["load_avg_1m"]
     work = Path(tempfile.mkdtemp(prefix="real_step_profile-"))
-    cfg = load_config(args.config, [f"train.output_dir={work}", "eval.every=0", "checkpoint.every=0",
-                                    "logging.plot=false", "logging.tensorboard=false", "logging.progress_bar=false",
+    cfg = load_config(args.config, [f"train.output_dir={work}", "eval.every=0", "checkpoint.every=0", *QUIET,
                                     "logging.print_every=0", f"train.cpu_threads={args.threads}",
                                     *args.overrides])
     run = setup(cfg, resume=False)

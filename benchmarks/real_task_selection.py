@@ -21,9 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, machine, write_json
-from _tta_stats import wilson
+if not __package__:  # `python benchmarks/real_task_selection.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._tta_stats import wilson
+from benchmarks.common import REPO, machine, write_json
 
 CANDIDATES = ("list_max", "addition", "expression", "letter_count")
 RANGE = (0.05, 0.5)

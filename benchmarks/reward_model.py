@@ -29,14 +29,13 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, write_json
-from time_to_reward import cli, read_metrics, summarize
+if not __package__:  # `python benchmarks/reward_model.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import QUIET, REPO, cli, read_metrics, run, train, write_json
+from benchmarks.time_to_reward import summarize
 
 RUNS = {"rule": ["algo.pruner=none", "logging.audit_log=true"],
         "rm": ["algo.pruner=none", "logging.audit_log=true", "{rm}"],
@@ -45,12 +44,10 @@ RUNS = {"rule": ["algo.pruner=none", "logging.audit_log=true"],
 
 
 def train_rm(args, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "megatron_dppo.cli", "rm", "train", "--config", str(args.config), "--out", str(out),
-           *args.rm_args]
-    start = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=args.timeout)
+    seconds = run(cli("rm", "train", "--config", str(args.config), "--out", str(out), *args.rm_args),
+                  out.with_suffix(".log"), args.timeout)["wall_s"]
     record = json.loads((out / "reward_model.json").read_text())
-    record["process_seconds"] = time.perf_counter() - start
+    record["process_seconds"] = seconds
     return record
 
 
@@ -141,7 +138,8 @@ def markdown(rep: dict) -> str:
                   "", "| score at visit v | next mean abs(A) (normalized) | next mean abs(r - mean r) |",
                   "|---|---|---|"]
         for score in ("mean_abs_adv", "reward_std"):
-            lines.append(f"| {score} | {h[f'{score}->next_mean_abs_adv']:.3f} | {h[f'{score}->next_raw_abs_adv']:.3f} |")
+            lines.append(f"| {score} | {h[f'{score}->next_mean_abs_adv']:.3f} "
+                         f"| {h[f'{score}->next_raw_abs_adv']:.3f} |")
     return "\n".join(lines)
 
 
@@ -159,8 +157,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=7200)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    common = ["logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false", "checkpoint.every=0",
-              "logging.print_every=10"]
+    common = [*QUIET, "checkpoint.every=0", "logging.print_every=10"]
     if args.quick:
         common += ["train.sft_steps=60", "eval.max_prompts=50", "eval.every=10", "train.prompts_per_step=32"]
         args.steps = args.steps or 40
@@ -175,15 +172,16 @@ def main(argv=None):
     record = json.loads((rm_dir / "reward_model.json").read_text()) if args.rm else train_rm(args, rm_dir)
     print(f"reward model {rm_dir}: held-out pairwise accuracy {record['heldout_accuracy']:.3f}", flush=True)
     warm = work / "warm"
-    cli(args, common + ["train.steps=0", "eval.every=0", f"train.output_dir={warm}"], work / "warm.log", args.timeout)
+    train(args.config, common + ["train.steps=0", "eval.every=0", f"train.output_dir={warm}"], work / "warm.log",
+          args.timeout)
     results, history = [], {}
     for name in args.runs:
         out = work / name
         shutil.copytree(warm, out)
         overrides = [o.format(rm=f"reward.model.path={rm_dir}") for o in RUNS[name]]
-        s = cli(args, common + overrides + ["checkpoint.resume=must", f"train.output_dir={out}"], work / f"{name}.log",
-                args.timeout)
-        records = read_metrics(out / "metrics.jsonl")
+        s = train(args.config, common + overrides + ["checkpoint.resume=must", f"train.output_dir={out}"],
+                  work / f"{name}.log", args.timeout)["wall_s"]
+        records = read_metrics(out)
         result = summarize(name, records, s, args.eval_target)
         result["costs"] = step_costs(records)
         results.append(result)

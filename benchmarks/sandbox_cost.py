@@ -2,9 +2,10 @@
 sandbox").
 
 1. Per call: start-up of one call that runs ``48*97`` (``print_last``), wall milliseconds and CPU milliseconds (the
-   caller's reaped children plus, under bwrap, the call's control group: bwrap's init and the interpreter), median and 90th percentile over ``--calls`` calls, for
-   ``isolation=none`` (the old subprocess), ``bwrap`` (namespaces + a control group per call) and ``bwrap`` without
-   the installed packages mounted (``site_packages=false``). Calls run one at a time.
+   caller's reaped children plus, under bwrap, the call's control group: bwrap's init and the interpreter), median
+   and 90th percentile over ``--calls`` calls, for ``isolation=none`` (the old subprocess), ``bwrap`` (namespaces +
+   a control group per call) and ``bwrap`` without the installed packages mounted (``site_packages=false``). Calls
+   run one at a time.
 2. In training: the calculator example (examples/calculator_multiplication.yaml) from ONE shared warm start, then
    ``--steps`` RL steps in three arms that differ only in the tool behind ``<calc>...</calc>``: the built-in
    calculator (in-process, no sandbox), the python tool under bwrap, the python tool with isolation=none (both with
@@ -17,7 +18,6 @@ sandbox").
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -26,13 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, machine, write_json
-from time_to_accuracy import cli
+if not __package__:  # `python benchmarks/sandbox_cost.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import QUIET, REPO, machine, read_metrics, train, write_json
 
 CONFIG = REPO / "examples" / "calculator_multiplication.yaml"
-QUIET = ["logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false", "checkpoint.every=0",
-         "logging.print_every=5"]
+COMMON = [*QUIET, "checkpoint.every=0", "logging.print_every=5"]
 PYTHON_TOOL = "env.name=python"
 ARMS = {
     "calculator": [],
@@ -72,18 +71,14 @@ def _p90(xs: list[float]) -> float:
     return sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))]
 
 
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def training(args, work: Path) -> dict:
-    common = QUIET + [f"train.seed={args.seed}", f"train.sft_steps={args.sft_steps}",
+    common = COMMON + [f"train.seed={args.seed}", f"train.sft_steps={args.sft_steps}",
                       f"eval.max_prompts={args.eval_prompts}", "eval.samples=2", "eval.pass_k=2"]
     warm = work / "warm"
     if not (warm / "checkpoints" / "latest").exists():
         shutil.rmtree(warm, ignore_errors=True)
         print(f"[{time.strftime('%H:%M:%S')}] warm start", flush=True)
-        cli(CONFIG, common + ["train.steps=0", "eval.every=0", f"train.output_dir={warm}"], work / "warm.log",
+        train(CONFIG, common + ["train.steps=0", "eval.every=0", f"train.output_dir={warm}"], work / "warm.log",
             args.timeout)
     out = {}
     for arm, extra in ARMS.items():
@@ -91,10 +86,10 @@ def training(args, work: Path) -> dict:
         shutil.rmtree(run, ignore_errors=True)
         shutil.copytree(warm, run)
         print(f"[{time.strftime('%H:%M:%S')}] {arm}", flush=True)
-        usage = cli(CONFIG, common + extra + [f"train.steps={args.steps}", f"eval.every={args.steps}",
+        usage = train(CONFIG, common + extra + [f"train.steps={args.steps}", f"eval.every={args.steps}",
                                              "checkpoint.resume=must", f"train.output_dir={run}"],
                     work / f"{arm}.log", args.timeout)
-        rs = records(run)
+        rs = read_metrics(run)
         rl = [r for r in rs if r.get("phase") == "rl"]
         evals = [r for r in rs if r.get("phase") == "eval"]
         key = next(k for k in evals[-1] if k.endswith("/pass@1"))

@@ -31,7 +31,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,22 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-REPO = Path(__file__).resolve().parents[1]
+if not __package__:  # `python benchmarks/study_runner.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import REPO, cli, read_metrics, run_pool
+from megatron_dppo.distributed.launch import free_port
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def read_records(output_dir: Path) -> list[dict]:
-    """The JSON lines of ``<output_dir>/metrics.jsonl`` (a torn last line, from a kill mid-write, is skipped)."""
-    path = Path(output_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def rl_steps(records: list[dict]) -> int:
@@ -94,7 +83,7 @@ class Job:
     env: dict = field(default_factory=dict)
 
     def finished(self) -> bool:
-        records = read_records(self.output_dir)
+        records = read_metrics(self.output_dir)
         if self.done is not None:
             return self.done(records)
         return rl_steps(records) >= self._steps()
@@ -107,8 +96,8 @@ class Job:
         return self.steps
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", str(self.config), *self.overrides,
-                f"train.output_dir={self.output_dir}", "checkpoint.resume=auto"]
+        return cli("train", "--config", str(self.config), *self.overrides, f"train.output_dir={self.output_dir}",
+                   "checkpoint.resume=auto")
 
 
 class StudyState:
@@ -137,10 +126,12 @@ class StudyState:
         os.replace(tmp, self.path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class JobFailed(RuntimeError):
+    """A job's process exited before the job was finished (the message says how)."""
+
+
+def _reason(err: Exception) -> str:
+    return str(err) if isinstance(err, JobFailed) else f"{type(err).__name__}: {err}"
 
 
 class Runner:
@@ -170,35 +161,24 @@ class Runner:
         jobs are stopped and the runner exits with 128 + signal (``SystemExit``)."""
         previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS} \
             if threading.current_thread() is threading.main_thread() else {}
-        queue, failed = list(self.jobs), []
         try:
-            threads = [threading.Thread(target=self._worker, args=(queue, failed)) for _ in range(self.parallel)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.2)  # (the main thread stays responsive to signals)
+            failed = run_pool(self.jobs, self._worker, self.parallel, stop=lambda: self.stop_signal is not None,
+                              report=self._report)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         if self.stop_signal is not None:
             raise SystemExit(128 + self.stop_signal)
-        return failed
+        return [(job.name, _reason(err)) for job, err in failed]
 
-    def _worker(self, queue: list[Job], failed: list) -> None:
-        while self.stop_signal is None:
-            with self.lock:
-                if not queue:
-                    return
-                job = queue.pop(0)
-            try:
-                reason = self._run_job(job)
-            except Exception as err:  # noqa: BLE001 - one broken job must not stop the others; reported at the end
-                reason = f"{type(err).__name__}: {err}"
-            if reason is not None:
-                failed.append((job.name, reason))
-                self.state.update(job.name, status="failed", reason=reason)
-                self.log(f"[{time.strftime('%H:%M:%S')}] FAILED {job.name}: {reason}")
+    def _worker(self, job: Job) -> None:
+        reason = self._run_job(job)
+        if reason is not None:
+            raise JobFailed(reason)
+
+    def _report(self, job: Job, err: Exception) -> None:
+        self.state.update(job.name, status="failed", reason=_reason(err))
+        self.log(f"[{time.strftime('%H:%M:%S')}] FAILED {job.name}: {_reason(err)}")
 
     def _run_job(self, job: Job) -> Optional[str]:
         """None when the job finished (or the study was stopped), else why it failed."""
@@ -207,9 +187,9 @@ class Runner:
             return None
         resumed = (job.output_dir / "checkpoints" / "latest").is_file()
         self.log(f"[{time.strftime('%H:%M:%S')}] {'resuming' if resumed else 'starting'} {job.name} "
-                 f"({rl_steps(read_records(job.output_dir))} RL steps logged)")
+                 f"({rl_steps(read_metrics(job.output_dir))} RL steps logged)")
         job.output_dir.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(_free_port()), **job.env)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_PORT=str(free_port()), **job.env)
         env.pop("RANK", None), env.pop("WORLD_SIZE", None)
         t0, started = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S")
         with open(job.output_dir.parent / f"{job.name}.log", "a") as log:
@@ -238,7 +218,7 @@ class Runner:
         code = os.waitstatus_to_exitcode(status)
         segment = {"start": started, "end": time.strftime("%Y-%m-%dT%H:%M:%S"), "exit": code, "resumed": resumed,
                    "wall_s": time.perf_counter() - t0, "cpu_s": usage.ru_utime + usage.ru_stime,
-                   "rl_steps_logged": rl_steps(read_records(job.output_dir))}
+                   "rl_steps_logged": rl_steps(read_metrics(job.output_dir))}
         if job.finished():
             self.state.update(job.name, status="finished", segment=segment)
             self.log(f"[{time.strftime('%H:%M:%S')}] finished {job.name} ({segment['rl_steps_logged']} RL steps)")

@@ -60,7 +60,6 @@ import datetime
 import hashlib
 import json
 import math
-import os
 import shutil
 import statistics
 import subprocess
@@ -69,11 +68,11 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _tta_stats as S
-from _common import REPO, machine, write_json
-from _tta_report import EVAL_LABEL, markdown, plot, posthoc
-
+if not __package__:  # `python benchmarks/time_to_accuracy.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _tta_stats as S
+from benchmarks._tta_report import EVAL_LABEL, markdown, plot, posthoc
+from benchmarks.common import QUIET, REPO, machine, read_metrics, run_pool, train, write_json
 from megatron_dppo.config import load_config
 
 METHODS = {  # nothing is tuned per arm
@@ -94,8 +93,7 @@ METHODS = {  # nothing is tuned per arm
 }
 DEFAULT_ARMS = ["grpo", "dapo-filter", "dppo-0.5", "dppo-0.7", "dppo-0.5-zvf", "dppo-opt", "cppo-0.5-alloc"]
 DPPO_FAMILY = ["dppo-0.5", "dppo-0.7", "dppo-0.5-zvf", "dppo-opt"]
-COMMON = ["logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false", "checkpoint.every=0",
-          "logging.print_every=10", "data.arithmetic_eval_split=train"]
+COMMON = [*QUIET, "checkpoint.every=0", "logging.print_every=10", "data.arithmetic_eval_split=train"]
 ALPHA = 0.05
 RULES = {"g_star": 0.6, "T_star": 0.5, "margin": 0.25, "min_gain": 0.10}
 CLOCK_KEYS = {"cpu": "time/step_cpu", "wall": "time/step"}
@@ -106,41 +104,8 @@ class PreregError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Running the CLI
+# Runs
 # ----------------------------------------------------------------------------------------------------------
-def cli(config: Path, overrides: list[str], log: Path, timeout: float) -> dict:
-    """One CLI process; returns its wall seconds and CPU seconds (user + sys, from wait4)."""
-    cmd = [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", str(config), *overrides]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), MASTER_PORT=str(free_port()))
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > t0 + timeout:
-                proc.kill()
-                proc.wait()
-                raise RuntimeError(f"{' '.join(cmd)} timed out after {timeout} s; log {log}")
-            time.sleep(0.5)
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed with exit {code}; log {log}:\n{log.read_text()[-3000:]}")
-    return {"wall_s": time.perf_counter() - t0, "cpu_s": usage.ru_utime + usage.ru_stime}
-
-
-def free_port() -> int:
-    """A free TCP port for the run's (single-process) rendezvous: parallel runs must not share one."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def schedule(seeds: list[int], arms: list[str]) -> list[tuple[int, str]]:
     """Seed-major, the arm order rotated by one from seed to seed (each arm runs early and late)."""
     out = []
@@ -148,30 +113,6 @@ def schedule(seeds: list[int], arms: list[str]) -> list[tuple[int, str]]:
         order = arms[k % len(arms):] + arms[:k % len(arms)]
         out += [(seed, m) for m in order]
     return out
-
-
-def run_pool(jobs: list, worker, parallel: int) -> list:
-    """Run ``worker(job)`` over ``jobs`` in order with ``parallel`` threads; returns the (job, error) that failed."""
-    lock, queue, errors = threading.Lock(), list(jobs), []
-
-    def loop():
-        while True:
-            with lock:
-                if not queue:
-                    return
-                job = queue.pop(0)
-            try:
-                worker(job)
-            except Exception as err:  # noqa: BLE001 - one failed run must not stop the others; reported at the end
-                print(f"FAILED {job}: {err}", flush=True)
-                errors.append((job, err))
-
-    threads = [threading.Thread(target=loop) for _ in range(parallel)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
 
 
 def train_runs(args, work: Path, seeds: list[int], arms: list[str], overrides: list[str]) -> dict:
@@ -197,11 +138,11 @@ def train_runs(args, work: Path, seeds: list[int], arms: list[str], overrides: l
             return
         shutil.rmtree(out, ignore_errors=True)
         print(f"[{time.strftime('%H:%M:%S')}] warm start seed {seed}", flush=True)
-        record(f"{seed}:warm", cli(args.config, overrides + [f"train.seed={seed}", "train.steps=0", "eval.every=0",
+        record(f"{seed}:warm", train(args.config, overrides + [f"train.seed={seed}", "train.steps=0", "eval.every=0",
                                                              f"train.output_dir={out}"], work / f"warm{seed}.log",
                                    args.timeout))
 
-    def train(job: tuple[int, str]) -> None:
+    def train_arm(job: tuple[int, str]) -> None:
         seed, arm = job
         out = work / f"{arm}_s{seed}"
         if args.resume and run_finished(out, steps):
@@ -209,7 +150,7 @@ def train_runs(args, work: Path, seeds: list[int], arms: list[str], overrides: l
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(work / f"warm{seed}", out)
         print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}", flush=True)
-        record(f"{seed}:{arm}", cli(args.config, overrides + METHODS[arm] + [
+        record(f"{seed}:{arm}", train(args.config, overrides + METHODS[arm] + [
             f"train.seed={seed}", "checkpoint.resume=must", f"train.output_dir={out}"], work / f"{arm}_s{seed}.log",
             args.timeout))
         r = read_run(out, args.clock)
@@ -219,17 +160,14 @@ def train_runs(args, work: Path, seeds: list[int], arms: list[str], overrides: l
 
     failed = run_pool(seeds, warm, args.parallel)
     warmed = [s for s in seeds if (work / f"warm{s}" / "checkpoints" / "latest").exists()]
-    failed += run_pool(schedule(warmed, arms), train, args.parallel)
+    failed += run_pool(schedule(warmed, arms), train_arm, args.parallel)
     if failed:
         print(f"{len(failed)} run(s) failed: {[job for job, _ in failed]} (left out of the analysis)", flush=True)
     return process
 
 
 def count_phase(path: Path, phase: str) -> int:
-    if not (path / "metrics.jsonl").exists():
-        return 0
-    with open(path / "metrics.jsonl", encoding="utf-8") as f:
-        return sum(json.loads(line).get("phase") == phase for line in f if line.strip())
+    return len(read_metrics(path, phase))
 
 
 def run_finished(path: Path, steps: int) -> bool:
@@ -350,10 +288,8 @@ def make_prereg(args, current: dict, gains: dict, totals: dict, arms: list[str],
 # Reading one run and its endpoint values
 # ----------------------------------------------------------------------------------------------------------
 def read_run(path: Path, clock: str) -> dict:
-    with open(Path(path) / "metrics.jsonl", encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    rl = sorted((r for r in records if r.get("phase") == "rl"), key=lambda r: r["step"])
-    ev = sorted((r for r in records if r.get("phase") == "eval"), key=lambda r: r["step"])
+    rl = sorted(read_metrics(path, "rl"), key=lambda r: r["step"])
+    ev = sorted(read_metrics(path, "eval"), key=lambda r: r["step"])
     if not rl or not ev or ev[0]["step"] != -1:
         raise ValueError(f"{path}: needs RL records and a pre-RL evaluation (step -1)")
     key = CLOCK_KEYS[clock]

@@ -27,37 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, write_json
+if not __package__:  # `python benchmarks/time_to_reward.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import QUIET, REPO, read_metrics, train, write_json
 
 PRUNERS = {"grpo": ["algo.pruner=none"], "cppo": ["algo.pruner=cppo"], "dppo": ["algo.pruner=dppo"]}
-
-
-def cli(args, overrides: list[str], log: Path, timeout: float) -> float:
-    cmd = [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", str(args.config), *overrides]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        tail = log.read_text()[-3000:]
-        raise RuntimeError(f"{' '.join(cmd)} failed with exit {proc.returncode}; log {log}:\n{tail}")
-    return seconds
-
-
-def read_metrics(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def summarize(name: str, records: list[dict], process_s: float, eval_target: float) -> dict:
@@ -79,7 +57,8 @@ def summarize(name: str, records: list[dict], process_s: float, eval_target: flo
             "final_eval_pass@1": evals[-1][2] if evals else float("nan"),
             "train_reward_last5": sum(tail) / max(1, len(tail)), "mean_kept_fraction": sum(kept) / max(1, len(kept)),
             "tokens_trained": sum(r.get("tokens/trained_sequences", 0.0) for r in rl), "seconds": seconds,
-            "train_s": sum(r.get("time/train", 0.0) for r in rl), "logprob_s": sum(r.get("time/logprob", 0.0) for r in rl),
+            "train_s": sum(r.get("time/train", 0.0) for r in rl),
+            "logprob_s": sum(r.get("time/logprob", 0.0) for r in rl),
             "generate_s": sum(r.get("time/generate", 0.0) for r in rl)}
 
 
@@ -108,8 +87,9 @@ def plot(results: list[dict], eval_target: float, png: Path) -> None:
 
 def markdown(rep: dict) -> str:
     c = rep["config"]
-    lines = [f"config {c['config']} + {' '.join(rep['common'])}; target pass@1 (in-distribution, fresh samples) >= {c['eval_target']} at an "
-             "evaluation (every eval.every steps). Seconds = sum of RL step times (eval / start-up excluded). The "
+    lines = [f"config {c['config']} + {' '.join(rep['common'])}; target pass@1 (in-distribution, fresh samples) >= "
+             f"{c['eval_target']} at an evaluation (every eval.every steps). Seconds = sum of RL step times (eval / "
+             "start-up excluded). The "
              "training reward is a diagnostic (1/pi estimate over all drawn prompts), not the comparison.",
              "", "| run | steps | eval: steps to target | eval: s to target | RL s | train+logprob s | "
              "generate s | kept frac | tokens trained | final eval pass@1 | train reward, last 5 steps | "
@@ -140,8 +120,7 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None, help="default: <work-dir>/time_to_reward.png")
     args = ap.parse_args(argv)
-    common = ["logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false", "checkpoint.every=0",
-              "logging.print_every=10"]
+    common = [*QUIET, "checkpoint.every=0", "logging.print_every=10"]
     if args.eval_target is None:
         args.eval_target = 0.15 if args.quick else 0.3
     if args.quick:
@@ -157,7 +136,7 @@ def main(argv=None):
         process_s = {r["name"]: r["process_seconds"] for r in old.get("results", [])}
         warm_s = old.get("warm_start_seconds")
         for name in args.runs:
-            results.append(summarize(name, read_metrics(work / name / "metrics.jsonl"),
+            results.append(summarize(name, read_metrics(work / name),
                                      process_s.get(name, float("nan")), args.eval_target))
     else:
         if work.exists():
@@ -165,15 +144,15 @@ def main(argv=None):
         work.mkdir(parents=True)
         warm = work / "warm"
         print(f"warm start -> {warm}", flush=True)
-        warm_s = cli(args, common + ["train.steps=0", "eval.every=0", f"train.output_dir={warm}"],
-                     work / "warm.log", args.timeout)
+        warm_s = train(args.config, common + ["train.steps=0", "eval.every=0", f"train.output_dir={warm}"],
+                       work / "warm.log", args.timeout)["wall_s"]
         for name in args.runs:
             out = work / name
             shutil.copytree(warm, out)
             print(f"{name}: {' '.join(PRUNERS[name])} -> {out}", flush=True)
-            s = cli(args, common + PRUNERS[name] + ["checkpoint.resume=must", f"train.output_dir={out}"],
-                    work / f"{name}.log", args.timeout)
-            results.append(summarize(name, read_metrics(out / "metrics.jsonl"), s, args.eval_target))
+            s = train(args.config, common + PRUNERS[name] + ["checkpoint.resume=must", f"train.output_dir={out}"],
+                      work / f"{name}.log", args.timeout)["wall_s"]
+            results.append(summarize(name, read_metrics(out), s, args.eval_target))
             print(f"  {name}: {results[-1]['steps']} steps, {results[-1]['rl_seconds']:.1f} s RL, final eval "
                   f"pass@1 {results[-1]['final_eval_pass@1']:.3f}", flush=True)
     png = args.png or work / "time_to_reward.png"

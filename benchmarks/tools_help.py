@@ -29,7 +29,6 @@ Endpoints (95% Student-t intervals over seeds, paired by seed):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import statistics
@@ -37,26 +36,21 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _tta_stats as S
-from _common import REPO, machine, write_json
-from time_to_accuracy import cli, run_pool
+if not __package__:  # `python benchmarks/tools_help.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _tta_stats as S
+from benchmarks.common import QUIET, REPO, machine, read_metrics, run_pool, train, write_json
 
 CONFIG = REPO / "examples" / "calculator_multiplication.yaml"
 PLAIN = ["env=null", "data.arithmetic_warm_start=answer", "rollout.max_new_tokens=8"]
 MODES = {"tool": [], "plain": PLAIN}
 ARMS = {"tool-dppo": ("tool", []), "tool-grpo": ("tool", ["algo.pruner=none"]), "plain-dppo": ("plain", [])}
-COMMON = ["logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false", "checkpoint.every=0",
-          "logging.print_every=10"]
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+COMMON = [*QUIET, "checkpoint.every=0", "logging.print_every=10"]
 
 
 def read_run(out: Path) -> dict:
     """A run's warm-start CPU seconds, its RL CPU time at each evaluation, the held-out pass@1 there."""
-    rs = records(out)
+    rs = read_metrics(out)
     warm = sum(r.get("time/step_cpu", 0.0) for r in rs if r.get("phase") == "sft")
     rl = [r for r in rs if r.get("phase") == "rl"]
     cpu = [0.0]
@@ -86,11 +80,11 @@ def train_runs(args, work: Path) -> dict:
             return
         shutil.rmtree(out, ignore_errors=True)
         print(f"[{time.strftime('%H:%M:%S')}] warm start {mode} seed {seed}", flush=True)
-        process[f"{seed}:warm-{mode}"] = cli(CONFIG, overrides + MODES[mode] + [
+        process[f"{seed}:warm-{mode}"] = train(CONFIG, overrides + MODES[mode] + [
             f"train.seed={seed}", "train.steps=0", "eval.every=0", f"train.output_dir={out}"],
             work / f"warm-{mode}-s{seed}.log", args.timeout)
 
-    def train(job):
+    def train_arm(job):
         seed, arm = job
         mode, extra = ARMS[arm]
         out = work / f"{arm}-s{seed}"
@@ -100,9 +94,9 @@ def train_runs(args, work: Path) -> dict:
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(work / f"warm-{mode}-s{seed}", out)
         print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}", flush=True)
-        process[f"{seed}:{arm}"] = cli(CONFIG, overrides + MODES[mode] + extra + [
-            f"train.steps={steps}", f"train.seed={seed}", "checkpoint.resume=must", f"train.output_dir={out}"], work / f"{arm}-s{seed}.log",
-            args.timeout)
+        process[f"{seed}:{arm}"] = train(CONFIG, overrides + MODES[mode] + extra + [
+            f"train.steps={steps}", f"train.seed={seed}", "checkpoint.resume=must", f"train.output_dir={out}"],
+            work / f"{arm}-s{seed}.log", args.timeout)
         r = read_run(out)
         print(f"[{time.strftime('%H:%M:%S')}]   {arm} seed {seed}: pass@1 {r['acc'][0]:.3f} -> {r['acc'][-1]:.3f}, "
               f"RL {r['rl_total']:.0f} CPU-s", flush=True)
@@ -110,7 +104,7 @@ def train_runs(args, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     failed = run_pool([(s, m) for s in args.seeds for m in MODES], warm, args.parallel)
     jobs = [(s, a) for k, s in enumerate(args.seeds) for a in (list(ARMS)[k % 3:] + list(ARMS)[:k % 3])]
-    failed += run_pool(jobs, train, args.parallel)
+    failed += run_pool(jobs, train_arm, args.parallel)
     for job, err in failed:
         print(f"FAILED {job}: {err}", flush=True)
     return process
@@ -127,18 +121,20 @@ def analyse(args, work: Path) -> dict:
         return S.interp([run["warm_cpu"] + x for x in run["rl_t"]], run["smoothed"], t)
 
     short = [f"{a}-s{s}" for (s, a), t in total.items() if s in seeds and t < t_eq]
-    out = {"seeds": seeds, "T_eq_cpu_s": t_eq, "ended_before_T_eq": short, "level": args.level, "metric": runs[(seeds[0], "tool-dppo")]["metric"],
-           "arms": {}, "runs": {f"{a}-s{s}": r for (s, a), r in runs.items()}}
+    out = {"seeds": seeds, "T_eq_cpu_s": t_eq, "ended_before_T_eq": short, "level": args.level,
+           "metric": runs[(seeds[0], "tool-dppo")]["metric"], "arms": {},
+           "runs": {f"{a}-s{s}": r for (s, a), r in runs.items()}}
     for a in ARMS:
         rs = [runs[(s, a)] for s in seeds]
         out["arms"][a] = {
             "warm_cpu_s": S.mean_ci([r["warm_cpu"] for r in rs]), "rl_cpu_s": S.mean_ci([r["rl_total"] for r in rs]),
             "pre_rl": S.mean_ci([r["acc"][0] for r in rs]), "final": S.mean_ci([r["smoothed"][-1] for r in rs]),
             "at_T_eq": S.mean_ci([at(r, t_eq) for r in rs]),
-            "turns": statistics.fmean(r["turns"] for r in rs), "tool_calls": statistics.fmean(r["tool_calls"] for r in rs),
+            "turns": statistics.fmean(r["turns"] for r in rs),
+            "tool_calls": statistics.fmean(r["tool_calls"] for r in rs),
             "kept": statistics.fmean(r["kept"] for r in rs)}
-    out["tool_minus_plain_at_T_eq"] = S.paired_test([at(runs[(s, "tool-dppo")], t_eq) - at(runs[(s, "plain-dppo")], t_eq)
-                                                     for s in seeds])
+    out["tool_minus_plain_at_T_eq"] = S.paired_test(
+        [at(runs[(s, "tool-dppo")], t_eq) - at(runs[(s, "plain-dppo")], t_eq) for s in seeds])
     times = {}
     for a in ("tool-dppo", "tool-grpo"):
         times[a] = [S.time_to_target(runs[(s, a)]["rl_t"], runs[(s, a)]["smoothed"], args.level,
@@ -175,10 +171,11 @@ def markdown(res: dict) -> str:
     lines += ["", f"- tool-dppo - plain-dppo at T_eq: {100 * diff['mean']:+.1f} points [{100 * diff['lo']:+.1f}, "
                   f"{100 * diff['hi']:+.1f}] (p = {diff['p']:.3g}).",
               f"- RL CPU seconds to pass@1 {res['level']:.2f} (smoothed), tool-dppo / tool-grpo: geometric mean "
-              f"{ratio['geo_mean']:.2f} [{ratio['lo']:.2f}, {ratio['hi']:.2f}] (n = {ratio['n']}, p = {ratio['p']:.3g});"
-              f" censored runs (never reached): {cens}.",
-              f"- Noise floor: one evaluation's binomial standard error {100 * res['noise_floor']['eval_binomial_se_at_mean_final']:.1f}"
-              f" points ({res['noise_floor']['eval_samples']} samples); spread of the final pass@1 over seeds (sd): "
+              f"{ratio['geo_mean']:.2f} [{ratio['lo']:.2f}, {ratio['hi']:.2f}] (n = {ratio['n']}, "
+              f"p = {ratio['p']:.3g}); censored runs (never reached): {cens}.",
+              "- Noise floor: one evaluation's binomial standard error "
+              f"{100 * res['noise_floor']['eval_binomial_se_at_mean_final']:.1f} points "
+              f"({res['noise_floor']['eval_samples']} samples); spread of the final pass@1 over seeds (sd): "
               + ", ".join(f"{a} {100 * v:.1f}" for a, v in res["noise_floor"]["seed_sd_final"].items()) + " points."]
     return "\n".join(lines)
 

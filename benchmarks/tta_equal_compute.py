@@ -63,11 +63,11 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _tta_stats as S
-from _common import REPO, machine, write_json
-from time_to_accuracy import cli, count_phase, eval_coverage, git_info, read_run
-
+if not __package__:  # `python benchmarks/tta_equal_compute.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _tta_stats as S
+from benchmarks.common import QUIET, REPO, machine, read_metrics, run_pool, train, write_json
+from benchmarks.time_to_accuracy import count_phase, eval_coverage, git_info, read_run
 from megatron_dppo.config import load_config
 
 ARMS = {  # nothing tuned per arm; the rates are pinned here and in the preregistration
@@ -91,7 +91,7 @@ SCREENING = ("left out: the gradient measurement (docs/benchmarks.md section 11)
              "2.5x the completion level's error at the CPU regime's cost 0.5 (0.398 vs 0.158), and screening is "
              "not wired into the trainer")
 CHECKPOINT_EVERY = 50
-COMMON = ["logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false", "logging.print_every=25",
+COMMON = [*QUIET, "logging.print_every=25",
           "data.arithmetic_eval_split=train", f"checkpoint.every={CHECKPOINT_EVERY}", "checkpoint.keep_last=1"]
 RULES = {"g_star": 0.6, "eval_fraction": 1 / 6, "min_gain": 0.10, "smoke_fraction": 0.25}
 ALPHA = 0.05
@@ -139,7 +139,7 @@ class Study:
         shutil.rmtree(out, ignore_errors=True)
         sft = load_config(self.args.config, self.base).train.sft_steps
         print(f"[{time.strftime('%H:%M:%S')}] warm start seed {seed}", flush=True)
-        self.record(f"{seed}:warm", cli(self.args.config, self.base + [
+        self.record(f"{seed}:warm", train(self.args.config, self.base + [
             f"train.seed={seed}", "train.steps=0", "eval.every=0", "eval.every_cpu_s=null",
             f"train.output_dir={out}"], self.work / f"warm{seed}.log", self.args.timeout))
         if count_phase(out, "sft") < sft:
@@ -161,7 +161,7 @@ class Study:
         else:
             resumed = True
         print(f"[{time.strftime('%H:%M:%S')}] {name}{' (resumed)' if resumed else ''}", flush=True)
-        self.record(f"{seed}:{name}", cli(self.args.config, self.base + overrides + [
+        self.record(f"{seed}:{name}", train(self.args.config, self.base + overrides + [
             f"train.seed={seed}", "checkpoint.resume=must", f"train.output_dir={out}"],
             self.work / f"{name}.log", self.args.timeout))
         cpu, steps = rl_cpu(out)
@@ -173,50 +173,8 @@ class Study:
 
 def rl_cpu(path: Path) -> tuple[float, int]:
     """(total RL CPU seconds, RL steps) of a run folder, from its metrics."""
-    with open(path / "metrics.jsonl", encoding="utf-8") as f:
-        rl = [r for r in (json.loads(line) for line in f if line.strip()) if r.get("phase") == "rl"]
+    rl = read_metrics(path, "rl")
     return math.fsum(r["time/step_cpu"] for r in rl), len(rl)
-
-
-def pool(jobs: list, ready, worker, parallel: int) -> list:
-    """Run ``worker(job)`` over ``jobs`` with ``parallel`` threads, each taking the first job whose ``ready(job)``
-    is true (a job waits while its dependencies run); returns the (job, error) pairs that failed. A job whose
-    dependency failed is never ready: it is reported as failed once nothing else can run."""
-    cond, queue, errors, running = threading.Condition(), list(jobs), [], [0]
-
-    def loop():
-        while True:
-            with cond:
-                while True:
-                    job = next((j for j in queue if ready(j)), None)
-                    if job is not None or not queue:
-                        break
-                    if running[0] == 0:  # nothing runs and nothing is ready: the rest can never run
-                        errors.extend((j, RuntimeError("a dependency failed")) for j in queue)
-                        queue.clear()
-                        cond.notify_all()
-                        return
-                    cond.wait()
-                if job is None:
-                    return
-                queue.remove(job)
-                running[0] += 1
-            try:
-                worker(job)
-            except Exception as err:  # noqa: BLE001 - one failed run must not stop the others; reported at the end
-                print(f"FAILED {job}: {err}", flush=True)
-                errors.append((job, err))
-            finally:
-                with cond:
-                    running[0] -= 1
-                    cond.notify_all()
-
-    threads = [threading.Thread(target=loop) for _ in range(parallel)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
 
 
 def schedule(seeds: list[int], arms: list[str]) -> list[tuple[int, str]]:
@@ -259,8 +217,8 @@ def pilot(args) -> dict:
         sys.exit(f"error: {args.prereg} exists (a preregistration is written once); --force replaces it")
     study = Study(args, args.work_dir / "pilot", COMMON + list(args.extra))
     seeds = args.calibration_seeds
-    errors = pool(seeds, lambda s: True, study.warm, args.parallel)
-    errors += pool(seeds, lambda s: True, lambda s: study.train(
+    errors = run_pool(seeds, study.warm, args.parallel)
+    errors += run_pool(seeds, lambda s: study.train(
         s, "grpo", arm_overrides(args, "grpo", None)
         + eval_overrides(args, None, every_steps=max(1, args.grpo_steps // 6))),
         args.parallel)
@@ -280,7 +238,7 @@ def pilot(args) -> dict:
         cpu, steps = rl_cpu(out)
         smoke[arm] = {"budget_cpu_s": budget, "steps": steps, "cpu_s": cpu, "cpu_s_per_step": cpu / max(steps, 1)}
 
-    errors = pool([a for a in ARMS if a != "grpo"], lambda a: True, smoke_run, args.parallel)
+    errors = run_pool([a for a in ARMS if a != "grpo"], smoke_run, args.parallel)
     if errors:
         sys.exit(f"error: pilot arm runs failed: {errors}")
     g_cal = statistics.fmean(gains.values())
@@ -357,10 +315,11 @@ def main_phase(args) -> dict:
     if not args.reuse:
         for arm in arms:  # fail fast on an arm the trainer does not know
             load_config(args.config, base + arm_overrides(args, arm, 1.0))
-        warm_errors = pool(seeds, lambda s: True, study.warm, args.parallel)
+        warm_errors = run_pool(seeds, study.warm, args.parallel)
         warmed = [s for s in seeds if (study.work / f"warm{s}" / "done.json").exists()]
-        errors = pool(schedule(warmed, arms), lambda j: j[1] == "grpo" or budget(j[0]) is not None,
-                      lambda j: study.train(j[0], j[1], arm_overrides(args, j[1], budget(j[0]))), args.parallel)
+        errors = run_pool(schedule(warmed, arms),
+                          lambda j: study.train(j[0], j[1], arm_overrides(args, j[1], budget(j[0]))), args.parallel,
+                          ready=lambda j: j[1] == "grpo" or budget(j[0]) is not None)
         if warm_errors or errors:
             print(f"{len(warm_errors) + len(errors)} job(s) failed: {[j for j, _ in warm_errors + errors]}")
     runs = {}

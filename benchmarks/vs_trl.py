@@ -53,13 +53,15 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+if not __package__:  # `python benchmarks/vs_trl.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import REPO, RunFailed, cli, run  # (the standard library only: the TRL worker imports it)
+
 METHODS = ("trl-grpo", "ours-grpo", "ours-dppo")
 
 
@@ -82,19 +84,15 @@ WORKS = {"quickstart": Work("examples/quickstart.yaml", 64, 8, 6, 5e-4, "arithme
 # ==============================================================================================================
 # Driver (main environment)
 # ==============================================================================================================
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    return env
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+       "TRANSFORMERS_VERBOSITY": "error"}
 
 
 def _run(cmd: list[str], log: Path) -> float:
-    t0 = time.time()
-    with open(log, "w") as f:
-        rc = subprocess.call(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)
-    if rc != 0:
-        sys.exit(f"command failed ({rc}), see {log}: {' '.join(cmd)}")
-    return time.time() - t0
+    try:
+        return run(cmd, log, env=ENV)["wall_s"]
+    except RunFailed as err:
+        sys.exit(str(err))
 
 
 def prepare(out: Path, python: str, work: str) -> Path:
@@ -110,10 +108,9 @@ def prepare(out: Path, python: str, work: str) -> Path:
         return hf
     warm = out / "warm"
     print("warm start (examples/quickstart.yaml, train.steps=0) ...", flush=True)
-    _run([python, "-m", "megatron_dppo.cli", "train", "--config", "examples/quickstart.yaml", "train.steps=0",
-          "eval.every=0", "logging.plot=false", f"train.output_dir={warm}"], out / "warm.log")
-    _run([python, "-m", "megatron_dppo.cli", "convert", "megatron-to-hf", str(warm / "checkpoints"), str(hf)],
-         out / "export.log")
+    _run(cli("train", "--config", "examples/quickstart.yaml", "train.steps=0", "eval.every=0", "logging.plot=false",
+             f"train.output_dir={warm}", python=python), out / "warm.log")
+    _run(cli("convert", "megatron-to-hf", str(warm / "checkpoints"), str(hf), python=python), out / "export.log")
     return hf
 
 
@@ -354,7 +351,8 @@ def trl_worker(argv: list[str]) -> None:
         output_dir=a.workdir, seed=a.seed, max_steps=a.steps, use_cpu=True, bf16=False,
         per_device_train_batch_size=work.prompts_per_step * work.group, num_generations=work.group,
         steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
-        max_completion_length=work.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, learning_rate=work.lr, lr_scheduler_type="constant", warmup_steps=0,
+        max_completion_length=work.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, learning_rate=work.lr,
+        lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, beta=0.0,
         epsilon=0.2, loss_type="grpo", scale_rewards="group", logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
@@ -371,5 +369,4 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "_ours":
         ours_worker(sys.argv[2:])
     else:
-        sys.path.insert(0, str(REPO))
         main()

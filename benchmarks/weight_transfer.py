@@ -36,10 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from megatron_dppo.distributed.transfer import (  # noqa: E402 - after the repository joins sys.path
+if not __package__:  # `python benchmarks/weight_transfer.py`: the repository joins sys.path (this checkout's library)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megatron_dppo.distributed.transfer import (
     WeightReceiver,
     WeightSender,
     process_group,
@@ -132,8 +131,8 @@ def main(argv=None) -> int:
     for r in rows:
         mode = "background" if r["background"] else "inline"
         rate = "-" if r["background"] else f"{r['gb_per_s']:.2f}"
-        print(f"{r['bucket_mb']:>10} {mode:>10} {r['wall_s_median']:>10.2f} {rate:>6} {r['sender_cpu_s_median']:>13.2f} "
-              f"{str(r['receivers_ok']):>16}")
+        print(f"{r['bucket_mb']:>10} {mode:>10} {r['wall_s_median']:>10.2f} {rate:>6} "
+              f"{r['sender_cpu_s_median']:>13.2f} {str(r['receivers_ok']):>16}")
     print(f"(background: s/version is the time send() blocked the trainer, with {args.train_s} s of stand-in "
           "training between sends)")
     if args.out:

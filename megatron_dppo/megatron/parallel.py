@@ -19,8 +19,10 @@ with the CPU backend applied), Megatron's model-parallel groups, and seeds every
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import os
 import random
 from typing import TYPE_CHECKING
 
@@ -172,3 +174,25 @@ def destroy_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def single_process_world(parallel: ParallelConfig | None = None, seed: int = 1234, arch: "ModelArch | None" = None):
+    """A world of one process (gloo on CPU) with Megatron's model-parallel state, inside the current process: the
+    launcher's variables set for rank 0 of 1 (a free rendezvous port) and restored on exit, the state torn down."""
+    from megatron_dppo.distributed.launch import free_port
+
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    try:
+        initialize_parallel(parallel or ParallelConfig(), seed, arch)
+        yield
+    finally:
+        destroy_parallel()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

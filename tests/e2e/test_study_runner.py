@@ -14,14 +14,15 @@ import time
 import pytest
 from _e2e_helpers import PY, REPO, env, read_metrics, run_cli, stable_metrics, tiny_config, write_config
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-import study_runner as SR
+sys.path.insert(0, str(REPO))
+from benchmarks import study_runner as SR
+from benchmarks.common import read_metrics as read_records
 
 DRIVER = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    sys.path.insert(0, {bench!r})
-    import study_runner as SR
+    sys.path.insert(0, {repo!r})
+    from benchmarks import study_runner as SR
     spec = json.loads(Path(sys.argv[1]).read_text())
     jobs = [SR.Job(j["name"], Path(j["config"]), j["overrides"], Path(j["output_dir"]),
                    done=SR.cpu_budget_reached(j["budget"]) if j.get("budget") else None) for j in spec["jobs"]]
@@ -45,7 +46,7 @@ def test_cpu_budget_rule_on_synthetic_metrics(tmp_path):
     assert done(_records([2, 2, 2, 2], [3]))
     # a torn last line (a kill mid-write) is skipped, not an error
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "phase": "rl"}) + "\n{\"step\": 1, \"pha")
-    assert SR.rl_steps(SR.read_records(tmp_path)) == 1
+    assert SR.rl_steps(read_records(tmp_path)) == 1
 
 
 @pytest.mark.slow
@@ -64,7 +65,7 @@ def test_a_stopped_study_resumes_each_run_from_its_checkpoint(tmp_path):
          "output_dir": str(work / "budget"), "budget": 1.0},
     ]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    (tmp_path / "driver.py").write_text(DRIVER.format(bench=str(REPO / "benchmarks")))
+    (tmp_path / "driver.py").write_text(DRIVER.format(repo=str(REPO)))
     cmd = [PY, str(tmp_path / "driver.py"), str(tmp_path / "spec.json")]
 
     # 1. start the study, stop it (SIGTERM to the runner) once the first run has logged 2 RL steps

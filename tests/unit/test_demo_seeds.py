@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import demo_seeds  # noqa: E402
+sys.path.insert(0, str(REPO))
+from benchmarks import demo_seeds  # noqa: E402
 
 
 def _records(rewards, evals, nll=(4.0, 1.0)):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import real_model_study as R
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import real_model_study as R
 
 
 def test_the_committed_protocol_is_the_scripts():

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import _tta_stats as S
-import time_to_accuracy as T
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _tta_stats as S
+from benchmarks import time_to_accuracy as T
 
 
 # ----------------------------------------------------------------------------------------------------------

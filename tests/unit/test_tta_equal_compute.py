@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import tta_equal_compute as E
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import tta_equal_compute as E
+from benchmarks.common import run_pool
 
 
 def test_schedule_runs_grpo_first_in_every_seed_and_rotates_the_others():
@@ -38,7 +39,7 @@ def test_pool_waits_for_dependencies_and_fails_what_can_never_run():
             done.add(job)
 
     jobs = E.schedule([1, 2], ["grpo", "x", "y"])
-    errors = E.pool(jobs, lambda j: j[1] == "grpo" or (j[0], "grpo") in done, worker, parallel=2)
+    errors = run_pool(jobs, worker, parallel=2, ready=lambda j: j[1] == "grpo" or (j[0], "grpo") in done)
     for seed, arm in order:
         if arm != "grpo":
             assert order.index((seed, "grpo")) < order.index((seed, arm))

@@ -6,9 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import vs_trl
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import vs_trl
 from megatron_dppo.rewards.math import arithmetic_reward, final_number_reward
 
 COMPLETIONS = ["91", " 91\n", "The largest number is 91.", "91, not 78", "78 then 91", "$91$", "9,1", "1,234",

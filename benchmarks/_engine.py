@@ -1,4 +1,5 @@
-"""Shared pieces of the Megatron-engine benchmarks (pruning_speedup, packing_step, gradient_fidelity).
+"""The Megatron-engine benchmarks' workload, model and timing (pruning_speedup, packing_step, gradient_fidelity,
+packing, capacity, prompt_diagnosis).
 
 Workload ("recorded rollouts", stated exactly)
 ----------------------------------------------
@@ -24,7 +25,6 @@ import gc
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -32,57 +32,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "megatron"))
+import torch
 
-import torch  # noqa: E402
+from benchmarks.common import REPO
 
 SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 TEMPLATE = "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 DATA_DIR = Path(os.environ.get("DPPO_DATA_DIR", REPO / "data" / "math"))  # `data prepare gsm8k math500 --out` here
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Machine / output
-# ----------------------------------------------------------------------------------------------------------
-def machine() -> dict:
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "processor": platform.processor() or platform.machine(),
-            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-
-
-def write_json(path: Path | None, report: dict, digits: int | None = None) -> None:
-    """``digits``: round every float to that many significant digits and write without indentation (the large
-    reports committed under docs/benchmarks)."""
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if digits is None:
-        path.write_text(json.dumps(report, indent=1, default=str))
-    else:
-        path.write_text(json.dumps(_rounded(report, digits), default=str, separators=(",", ":")))
-    print(f"\nwrote {path}")
-
-
-def _rounded(x, digits: int):
-    if isinstance(x, float):
-        return float(f"{x:.{digits}g}") if math.isfinite(x) else x
-    if isinstance(x, dict):
-        return {k: _rounded(v, digits) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_rounded(v, digits) for v in x]
-    return x
-
-
-def quiet() -> None:
-    import logging
-    import warnings
-    logging.basicConfig(level=logging.ERROR)
-    for name in ("megatron", "megatron.core", "torch.distributed", "megatron_dppo"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -190,10 +146,8 @@ def bench_arch(size: str = "small"):
 @contextlib.contextmanager
 def engine_world(arch, loss_cfg, lr: float = 1e-3, seed: int = 1234):
     """An in-process world of one (gloo) with a PolicyEngine on ``arch``."""
-    from _dist import single_process_world
-
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
-    from megatron_dppo.megatron.parallel import ParallelConfig
+    from megatron_dppo.megatron.parallel import ParallelConfig, single_process_world
 
     with single_process_world(ParallelConfig(), seed=seed, arch=arch):
         engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=lr, grad_clip=1.0), loss_cfg)
