@@ -41,7 +41,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     questions = C.load_gsm8k(limit=args.questions, seed=args.seed)
     arch = C.bench_arch(args.model)
-    loss_cfg = LossConfig()
+    loss_cfg = LossConfig(kl_coef=0.0).resolved()
     planners = {"dpp": lambda L, d: pack_sequences(L, args.capacity, d),
                 "padded": lambda L, d: pack_padded(L, args.capacity, d),
                 "ffd": lambda L, d: pack_ffd(L, args.capacity, d), "verl-kk": lambda L, d: pack_verl_kk(L, args.capacity, d)}
