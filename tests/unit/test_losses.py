@@ -329,3 +329,21 @@ def test_registry_new_policy_loss_is_one_function():
         POLICY_LOSSES.unregister("_test_vanilla_pg")
     with pytest.raises(ValueError, match="_test_vanilla_pg"):
         LossConfig(policy_loss="_test_vanilla_pg").resolved()
+
+
+def test_one_loss_config_resolves_to_final_values():
+    """The run's loss section and the loss code's config are one class: as written a field may say "the preset's
+    value" (null, or "preset" where null means off); resolved() gives the same class with every field final, and
+    the loss refuses a config that is not."""
+    section = LossConfig(preset="verl_grpo", eps_high=0.3, kl_clamp=None)
+    assert not section.is_resolved and section.gspo_log_ratio_cap == "preset"
+    final = section.resolved(temperature=0.7)
+    assert type(final) is LossConfig and final.is_resolved
+    assert (final.eps_low, final.eps_high, final.kl_coef, final.aggregation) == (0.2, 0.3, 0.001, "token_mean")
+    assert (final.kl_clamp, final.gspo_log_ratio_cap, final.clip_ratio_c) == (None, 10.0, 3.0)  # null = off
+    assert (final.advantage_estimator, final.temperature) == ("grpo", 0.7)
+    assert final.resolved() == final  # final values stay (the temperature too)
+    assert LossConfig(preset="dr_grpo").resolved() == LOSS_PRESETS["dr_grpo"]
+    t = torch.zeros(2, dtype=DT)
+    with pytest.raises(ValueError, match=r"still say .*resolved\(temperature\)"):
+        per_token_objective(t, t, t, torch.ones(2), torch.arange(2), section)
