@@ -235,7 +235,7 @@ def collect(run, path: Path, B: int, G: int, dapo: bool = False, coord_count: in
     if dapo:
         trainer = run.train_side
         saved = trainer.loss_cfg, trainer.engine.loss_cfg
-        preset = dataclasses.replace(LOSS_PRESETS["dapo"][0], kl_coef=trainer.loss_cfg.kl_coef)
+        preset = dataclasses.replace(LOSS_PRESETS["dapo"], kl_coef=trainer.loss_cfg.kl_coef)
         trainer.loss_cfg = trainer.engine.loss_cfg = preset
         try:
             b = build_train_batch(trainer, prompts, prompt_cut, rollout, adv, total_cut)

@@ -50,7 +50,7 @@ def main() -> None:
     plans = {c: build_rank_micro_batches(pack_sequences(lengths, c, 1)[0], tokens, prompt_len.tolist(), adv, tw)
              for c in caps}
     times: dict[int, list[float]] = {c: [] for c in caps}
-    with E.engine_world(arch, LossConfig(kl_coef=0.0), lr=1e-4) as engine:
+    with E.engine_world(arch, LossConfig(kl_coef=0.0).resolved(), lr=1e-4) as engine:
         engine.train_step(plans[caps[0]], float(n))  # warm-up
         for rep in range(args.reps):
             for c in caps:

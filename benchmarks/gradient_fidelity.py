@@ -129,9 +129,10 @@ def run(args) -> dict:
     L_max = args.max_completion
     kl = args.kl > 0
     results = []
-    with E.engine_world(arch, LossConfig(kl_coef=args.kl, kl_estimator="k3"), seed=args.seed) as engine:
+    with E.engine_world(arch, LossConfig(kl_coef=args.kl, kl_estimator="k3").resolved(), seed=args.seed) as engine:
         for loss_name in args.losses:
-            preset, estimator = LOSS_PRESETS[loss_name]
+            preset = LOSS_PRESETS[loss_name]
+            estimator = preset.advantage_estimator
             cfg = dataclasses.replace(preset, kl_coef=args.kl, kl_estimator="k3")
             engine.loss_cfg = cfg
             agg = cfg.aggregation

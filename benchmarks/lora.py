@@ -102,7 +102,7 @@ def run_mode(args) -> dict:
     hf_dir = Path(args.hf_dir)
     arch = ModelArch.from_hf_config(json.loads((hf_dir / "config.json").read_text()))
     lora = L.LoraConfig(rank=args.rank, alpha=2.0 * args.rank) if args.mode == "lora" else None
-    loss = LossConfig(kl_coef=args.kl, kl_estimator="k3")
+    loss = LossConfig(kl_coef=args.kl, kl_estimator="k3").resolved()
     with single_process_world(ParallelConfig(), seed=1234, arch=arch):
         engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-5, grad_clip=1.0), loss, lora=lora)
         load_hf_folder(engine.model_chunks, hf_dir, arch)

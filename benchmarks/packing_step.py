@@ -45,7 +45,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     questions = E.load_gsm8k(limit=args.questions, seed=args.seed)
     arch = E.bench_arch(args.model)
-    loss_cfg = LossConfig()
+    loss_cfg = LossConfig(kl_coef=0.0).resolved()
     planners = {"dpp": lambda L, d: pack_sequences(L, args.capacity, d),
                 "padded": lambda L, d: pack_padded(L, args.capacity, d),
                 "ffd": lambda L, d: pack_ffd(L, args.capacity, d),

@@ -87,7 +87,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     questions = E.load_gsm8k(limit=args.questions, seed=args.seed)
     arch = E.bench_arch(args.model)
-    loss_cfg = LossConfig()  # grpo preset: ppo_clip, seq_mean_token_mean, no KL
+    loss_cfg = LossConfig(kl_coef=0.0).resolved()  # grpo preset: ppo_clip, seq_mean_token_mean, no KL
     steps = [E.make_rollouts(questions, args.prompts, args.group, arch.vocab_size, seed=args.seed + s,
                              scale=args.scale, max_completion=args.max_completion) for s in range(args.steps)]
     cfgs = configs(args)

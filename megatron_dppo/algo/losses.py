@@ -79,8 +79,8 @@ Registries: a new policy loss is one function ``fn(logp, old_logp, advantages, l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Literal, Optional, Union, get_args, get_type_hints
 
 import torch
 from torch import Tensor
@@ -117,33 +117,128 @@ def register_kl_estimator(name: str, overwrite: bool = False):
 # --------------------------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+#: The options for which null is a value of their own (off), so their default is "preset" (the preset's value); every
+#: other option's null is the preset's value.
+LOSS_NULL_MEANS_OFF = ("clip_ratio_c", "kl_clamp", "gspo_log_ratio_cap")
+
+
+def _opt(default: Any, help: str) -> Any:  # noqa: A002 - the config sections' spelling (config/fields.opt)
+    return field(default=default, metadata={"help": help})
+
+
+def _check(ok: bool, key: str, value: Any, valid: str) -> None:  # the config sections' message (config/fields._check)
+    if not ok:
+        raise ValueError(f"{key}={value!r} is invalid: expected {valid}")
+
+
+@dataclass
 class LossConfig:
-    policy_loss: str = "ppo_clip"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    kl_coef: float = 0.0
-    kl_estimator: str = "k1"
-    aggregation: str = "seq_mean_token_mean"
-    clip_ratio_c: float | None = None  # dual clip for A < 0 (None = off)
-    kl_clamp: float | None = None  # k3 only (ignored by k1/k2): clamp the estimate to [-kl_clamp, kl_clamp]
-    advantage_eps: float = 1e-6  # eps of the grpo estimator's std + eps (read by the trainer)
-    rollout_correction: str = "none"  # none | tis | mis
-    rollout_correction_cap: float = 2.0  # upper bound of the rollout IS weight
-    rollout_correction_cap_low: float = 0.0  # lower bound of the rollout IS weight
-    gspo_gradient: str = "autograd"  # autograd (TRL) | stop_gradient (verl); module docstring, gspo
-    gspo_log_ratio_cap: float | None = None  # gspo: clamp log S (log s_t) at this value (verl: 10; None = off)
-    kl_bias_correction: bool = False  # KL_t times the importance ratio (TRL use_bias_correction_kl)
+    """Policy loss: a preset (docs/algorithms.md) plus optional per-field overrides (null = preset value, except for
+    the overrides that can be off: ``LOSS_NULL_MEANS_OFF``, where "preset" is the preset's value and null is off).
+
+    One class for the run's ``loss`` section and the loss code: as written (YAML, or in code) a field may still say
+    "the preset's value"; ``resolved(temperature)`` returns the same class with every field final (the preset's
+    values under the set ones), which is what the loss functions and the engine read (they refuse an unresolved
+    one). ``temperature`` is not an option of the section: the run sets it from ``rollout.temperature``.
+    """
+
+    preset: Literal["grpo", "dapo", "gspo", "dr_grpo", "verl_grpo", "trl_grpo"] = _opt(
+        "grpo", "Loss preset: grpo (PPO clip, seq-mean-token-mean, std-normalized A), dapo (clip-higher 0.28, "
+                "token-mean), gspo (sequence ratio), dr_grpo (no std, sum-norm by L_max); the peers' defaults by "
+                "name: verl_grpo (token-mean, dual clip 3, k3 KL 0.001 clamped to 10, advantage eps 1e-6; with "
+                "policy_loss=gspo as verl's GSPO: no dual clip, gspo_gradient=stop_gradient, gspo_log_ratio_cap "
+                "10), trl_grpo (token-mean, no KL, advantage eps 1e-4, kl_bias_correction on). Several updates per "
+                "rollout are train."
+                "mini_batches / train.epochs (verl ppo_mini_batch_size / ppo_epochs, TRL steps_per_generation / "
+                "num_iterations).")
+    policy_loss: Optional[Literal["ppo_clip", "gspo"]] = _opt(None, "Override: per-token PPO clip or GSPO.")
+    eps_low: Optional[float] = _opt(None, "Override: lower clip range (ratio >= 1 - eps_low).")
+    eps_high: Optional[float] = _opt(None, "Override: upper clip range (ratio <= 1 + eps_high).")
+    kl_coef: Optional[float] = _opt(None, "Override: KL penalty beta against the initial (reference) policy.")
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = _opt(None, "Override: KL estimator (k3 = low-variance).")
+    aggregation: Optional[Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm",
+                                  "seq_mean_token_sum"]] = _opt(
+        None, "Override: loss aggregation (fixes the full-batch denominator D). seq_mean_token_sum = verl's "
+              "seq-mean-token-sum: per-sequence token sums over D = B*G.")
+    advantage_estimator: Optional[Literal["grpo", "dr_grpo", "rloo"]] = _opt(
+        None, "Override: advantage estimator on the full group.")
+    advantage_eps: Optional[float] = _opt(None, "Override: eps of the grpo advantage (r - mean) / (std + eps); "
+                                               "presets use 1e-6 (verl), trl_grpo 1e-4 (TRL).")
+    clip_ratio_c: Union[float, Literal["preset"], None] = _opt(
+        "preset", "Override: dual-clip bound c > 1 for tokens with A < 0 (objective bounded below by c*A; verl's "
+                  "clip_ratio_c, 3 in verl_grpo, off in the other presets); preset = the preset's value, null = off.")
+    kl_clamp: Union[float, Literal["preset"], None] = _opt(
+        "preset", "Override: clamp the k3 KL estimate to [-kl_clamp, kl_clamp] (and its log-ratio to [-20, 20]) as "
+                  "verl's low_var_kl does with 10 (verl_grpo; off in the other presets); k3 only, k1/k2 ignore it. "
+                  "preset = the preset's value, null = off.")
+    rollout_correction: Optional[Literal["none", "tis", "mis"]] = _opt(
+        None, "Override: rollout/trainer mismatch correction of the policy-gradient term per token with u = "
+              "exp(trainer old logp - rollout-engine logp): tis = truncated IS, clamp(u, cap_low, cap) (verl token "
+              "TIS, slime TIS); mis = masked IS, u inside [cap_low, cap] else 0 (slime icepop, verl IcePop: "
+              "rollout_is_threshold \"lo_hi\"); none (preset default). verl's token rejection (rollout_rs, kept "
+              "tokens weigh 1, rejected ones leave the denominators) is not offered: docs/algorithms.md, \"Rollout "
+              "correction\". Forces the trainer's old log-prob pass; composes with the pruning weights 1/pi. Logs "
+              "rollout/is_ratio, rollout/is_corrected_fraction, rollout/kl_k1, rollout/kl_k3.")
+    rollout_correction_cap: Optional[float] = _opt(None, "Override: upper bound of the rollout IS weight (preset 2.0, "
+                                                        "the verl and slime default).")
+    rollout_correction_cap_low: Optional[float] = _opt(None, "Override: lower bound of the rollout IS weight "
+                                                            "(preset 0.0, slime's default).")
+    gspo_gradient: Optional[Literal["autograd", "stop_gradient"]] = _opt(
+        None, "Override: how GSPO's sequence ratio S passes a per-token rollout-correction factor u_t to the "
+              "gradient. autograd (presets' default; TRL): u_t weighs the sequence term, every token gets gradient "
+              "through S, so a token zeroed by mis still learns; stop_gradient (verl_grpo; verl): s_t = sg[S] "
+              "pi_t/sg[pi_t], token t's gradient carries its own u_t. Identical without rollout_correction. "
+              "Default autograd: it is the exact gradient of the GSPO objective the docs write, and leaves runs "
+              "without rollout correction bit for bit as before; prefer stop_gradient with mis.")
+    gspo_log_ratio_cap: Union[float, Literal["preset"], None] = _opt(
+        "preset", "Override: GSPO only: clamp the log of the sequence ratio (log S; log s_t under stop_gradient) at "
+                  "this value before exp, so the ratio is at most e^cap and gets no gradient where the clamp binds "
+                  "(log S > cap; only negative-advantage terms reach it). 10 in verl_grpo (verl's "
+                  "compute_policy_loss_gspo), no cap in the other presets; preset = the preset's value, null = no "
+                  "cap.")
+    kl_bias_correction: Optional[bool] = _opt(
+        None, "Override: multiply the KL term by the importance ratio (rho_t; S for gspo) with full autograd, "
+              "TRL's use_bias_correction_kl (on in trl_grpo, off elsewhere); acts only with kl_coef > 0.")
     # Every log-prob of the loss (current, old, reference) is of softmax(logits / temperature): the rollout's sampling
-    # temperature (run/build wires rollout.temperature in), as verl and TRL do; 1 = the raw policy (warm start).
-    temperature: float = 1.0
+    # temperature (run/build wires rollout.temperature in), as verl and TRL do; 1 = the raw policy (warm start). Not
+    # an option of the loss section (``set_by``: the loader neither reads nor lists it); None until resolved.
+    temperature: Optional[float] = field(default=None, metadata={"set_by": "rollout.temperature"})
 
     def __post_init__(self) -> None:
+        if self.is_resolved:  # a final config (``resolved()``, a preset, or every field given in code) is checked
+            self._check_final()
+
+    @property
+    def unresolved(self) -> list[str]:
+        """The fields that still say "the preset's value" (or, for temperature, "not set yet")."""
+        return [f.name for f in fields(self)
+                if getattr(self, f.name) == "preset" or (getattr(self, f.name) is None
+                                                         and f.name not in LOSS_NULL_MEANS_OFF)]
+
+    @property
+    def is_resolved(self) -> bool:
+        return not self.unresolved
+
+    def resolved(self, temperature: float | None = None) -> LossConfig:
+        """The preset ``preset`` with its policy-loss rules (``PRESET_POLICY_RULES``) and then the fields set here
+        (the user's explicit choices, which win), every field final; ``temperature``: the rollout's sampling
+        temperature (None: this config's, or 1 when unset)."""
+        check_choice("loss preset", self.preset, tuple(LOSS_PRESETS))
+        base = LOSS_PRESETS[self.preset]
+        overrides = {f.name: getattr(self, f.name) for f in fields(self)
+                     if f.name not in self.unresolved and f.name != "temperature"}
+        rules = PRESET_POLICY_RULES.get((self.preset, overrides.get("policy_loss", base.policy_loss)), {})
+        if temperature is None:
+            temperature = 1.0 if self.temperature is None else self.temperature
+        return replace(base, **{**rules, **overrides, "temperature": temperature})
+
+    def _check_final(self) -> None:
         POLICY_LOSSES.check(self.policy_loss)
         KL_ESTIMATORS.check(self.kl_estimator)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         check_choice("gspo_gradient", self.gspo_gradient, GSPO_GRADIENTS)
+        ADVANTAGE_ESTIMATORS.check(self.advantage_estimator)
         if not isinstance(self.kl_bias_correction, bool):
             raise ValueError(f"LossConfig.kl_bias_correction must be True or False, got {self.kl_bias_correction!r}")
         for name in ("eps_low", "eps_high", "kl_coef", "advantage_eps", "rollout_correction_cap",
@@ -169,6 +264,26 @@ class LossConfig:
         if self.rollout_correction_cap <= self.rollout_correction_cap_low:
             raise ValueError(f"LossConfig.rollout_correction_cap={self.rollout_correction_cap} must be > "
                              f"rollout_correction_cap_low={self.rollout_correction_cap_low}")
+
+    def validate(self) -> None:
+        for name in ("eps_low", "eps_high"):
+            v = getattr(self, name)
+            _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
+        _check(self.kl_coef is None or self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "null or >= 0")
+        _check(self.advantage_eps is None or self.advantage_eps >= 0, "loss.advantage_eps", self.advantage_eps,
+               "null or >= 0")
+        for name, bound in (("clip_ratio_c", 1), ("kl_clamp", 0), ("gspo_log_ratio_cap", 0)):
+            v = getattr(self, name)
+            _check(v in (None, "preset") or v > bound, f"loss.{name}", v, f"preset, null (off) or > {bound}")
+        for name in ("rollout_correction_cap", "rollout_correction_cap_low"):
+            v = getattr(self, name)
+            _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
+
+
+def _require_resolved(cfg: LossConfig) -> None:
+    if not cfg.is_resolved:
+        raise ValueError(f"LossConfig fields {cfg.unresolved} still say \"the preset's value\"; the loss reads a "
+                         f"resolved config: LossConfig(...).resolved(temperature)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -278,10 +393,11 @@ def importance_ratio(logp: Tensor, old_logp: Tensor, loss_mask: Tensor, seq_inde
 # --------------------------------------------------------------------------------------------------------------
 # Presets
 # --------------------------------------------------------------------------------------------------------------
-#: name -> (LossConfig, advantage estimator). grpo follows DeepSeekMath (eps 0.2, beta 0.04 with the k3
-#: estimator, per-sequence mean); dapo: clip-higher 0.28, no KL, token_mean (the DAPO paper's loss; its dynamic
-#: sampling is algo.drop_zero_variance_groups, its overlong shaping is not reproduced); gspo: the GSPO paper's clip
-#: range (3e-4, 4e-4) on the sequence ratio; dr_grpo: no std scaling, constant B*G*L_max normaliser, no KL.
+#: name -> its LossConfig (every field final, the advantage estimator too). grpo follows DeepSeekMath (eps 0.2,
+#: beta 0.04 with the k3 estimator, per-sequence mean); dapo: clip-higher 0.28, no KL, token_mean (the DAPO paper's
+#: loss; its dynamic sampling is algo.drop_zero_variance_groups, its overlong shaping is not reproduced); gspo: the
+#: GSPO paper's clip range (3e-4, 4e-4) on the sequence ratio; dr_grpo: no std scaling, constant B*G*L_max
+#: normaliser, no KL.
 #: The peers' shipped defaults, by name, so a user can switch and compare:
 #: verl_grpo: verl's actor defaults with its GRPO example (verl/trainer/config/actor/actor.yaml: clip_ratio 0.2,
 #:   clip_ratio_c 3.0, loss_agg_mode token-mean; examples/grpo_trainer: use_kl_loss, kl_loss_coef 0.001,
@@ -290,31 +406,34 @@ def importance_ratio(logp: Tensor, old_logp: Tensor, loss_mask: Tensor, seq_inde
 #:   (gspo_log_ratio_cap) and no dual clip (PRESET_POLICY_RULES);
 #: trl_grpo: TRL GRPOConfig defaults (epsilon 0.2, beta 0.0, loss_type "dapo" = token sum over the batch's
 #:   tokens, scale_rewards "group" with std + 1e-4, use_bias_correction_kl True: acts once kl_coef > 0).
-LOSS_PRESETS: dict[str, tuple[LossConfig, str]] = {
-    "grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.04, "k3", "seq_mean_token_mean"), "grpo"),
-    "dapo": (LossConfig("ppo_clip", 0.2, 0.28, 0.0, "k3", "token_mean"), "grpo"),
-    "gspo": (LossConfig("gspo", 3e-4, 4e-4, 0.0, "k3", "seq_mean_token_mean"), "grpo"),
-    "dr_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k3", "seq_mean_token_sum_norm"), "dr_grpo"),
-    "verl_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.001, "k3", "token_mean", clip_ratio_c=3.0, kl_clamp=10.0,
-                             advantage_eps=1e-6, gspo_gradient="stop_gradient", gspo_log_ratio_cap=10.0),
-                  "grpo"),
-    "trl_grpo": (LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k3", "token_mean", advantage_eps=1e-4,
-                            kl_bias_correction=True), "grpo"),
-}
-assert all(est in ADVANTAGE_ESTIMATORS for _, est in LOSS_PRESETS.values())
+# The values every preset shares unless it names its own:
+_PRESET_COMMON = dict(eps_low=0.2, eps_high=0.2, clip_ratio_c=None, kl_clamp=None, advantage_eps=1e-6,
+                      rollout_correction="none", rollout_correction_cap=2.0, rollout_correction_cap_low=0.0,
+                      gspo_gradient="autograd", gspo_log_ratio_cap=None, kl_bias_correction=False, temperature=1.0)
+
+
+def _preset(name: str, policy_loss: str, kl_coef: float, aggregation: str, advantage_estimator: str,
+            **values: Any) -> LossConfig:
+    return LossConfig(**{**_PRESET_COMMON, "preset": name, "policy_loss": policy_loss, "kl_coef": kl_coef,
+                         "kl_estimator": "k3", "aggregation": aggregation,
+                         "advantage_estimator": advantage_estimator, **values})
+
+
+LOSS_PRESETS: dict[str, LossConfig] = {cfg.preset: cfg for cfg in (
+    _preset("grpo", "ppo_clip", 0.04, "seq_mean_token_mean", "grpo"),
+    _preset("dapo", "ppo_clip", 0.0, "token_mean", "grpo", eps_high=0.28),
+    _preset("gspo", "gspo", 0.0, "seq_mean_token_mean", "grpo", eps_low=3e-4, eps_high=4e-4),
+    _preset("dr_grpo", "ppo_clip", 0.0, "seq_mean_token_sum_norm", "dr_grpo"),
+    _preset("verl_grpo", "ppo_clip", 0.001, "token_mean", "grpo", clip_ratio_c=3.0, kl_clamp=10.0,
+            gspo_gradient="stop_gradient", gspo_log_ratio_cap=10.0),
+    _preset("trl_grpo", "ppo_clip", 0.0, "token_mean", "grpo", advantage_eps=1e-4, kl_bias_correction=True),
+)}
+assert all(cfg.is_resolved for cfg in LOSS_PRESETS.values())
+assert set(LOSS_PRESETS) == set(get_args(get_type_hints(LossConfig)["preset"]))  # the section's choices
 
 #: (preset, policy loss) -> fields the peer sets differently for that policy loss, applied by
-#: ``resolve_loss_preset`` under the user's overrides. verl's compute_policy_loss_gspo ignores clip_ratio_c.
+#: ``LossConfig.resolved`` under the user's overrides. verl's compute_policy_loss_gspo ignores clip_ratio_c.
 PRESET_POLICY_RULES: dict[tuple[str, str], dict[str, object]] = {("verl_grpo", "gspo"): {"clip_ratio_c": None}}
-
-
-def resolve_loss_preset(name: str, **overrides) -> tuple[LossConfig, str]:
-    """The preset ``name`` with its policy-loss rules (``PRESET_POLICY_RULES``) and then ``overrides`` (LossConfig
-    fields, the user's explicit choices, which win); returns (LossConfig, advantage estimator)."""
-    check_choice("loss preset", name, tuple(LOSS_PRESETS))
-    cfg, estimator = LOSS_PRESETS[name]
-    rules = PRESET_POLICY_RULES.get((name, overrides.get("policy_loss", cfg.policy_loss)), {})
-    return replace(cfg, **{**rules, **overrides}), estimator
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -332,6 +451,7 @@ def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, loss_mask
     logs as ``kl`` / ``k3_kl``.
     """
     _check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp, loss_mask=loss_mask)
+    _require_resolved(cfg)
     dtype = torch.promote_types(old_logp.dtype, torch.float32)
     mask = loss_mask > 0
     zero = torch.zeros(old_logp.shape, dtype=dtype, device=old_logp.device)
@@ -384,6 +504,7 @@ def per_token_objective(
     """
     _check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask,
                       seq_index=seq_index, ref_logp=ref_logp, rollout_weight=rollout_weight)
+    _require_resolved(cfg)
     dtype = torch.promote_types(logp.dtype, torch.float32)
     mask = loss_mask > 0
 

@@ -4,20 +4,20 @@
     print(describe())                                               # every option, its type, default and help
 
 ``root.py``: the root ``Config`` and the rules that span sections; ``sections.py``: model ... logging;
-``data.py``: data; ``algo.py``: algo (pruning); ``dapo.py``: dynamic_sampling, overlong; ``fields.py``: the field
+``data.py``: data; ``algo.py``: algo (pruning); the loss section is the loss code's own (``algo/losses.py``), the env
+section the episode loop's (``env/config.py``); ``dapo.py``: dynamic_sampling, overlong; ``fields.py``: the field
 helpers (``opt``, ``_check``); ``loading.py``: YAML, overrides, coercion, the option catalogue.
 """
+from megatron_dppo.algo.losses import LossConfig
 from megatron_dppo.config.algo import AlgoConfig
 from megatron_dppo.config.dapo import DynamicSamplingConfig, OverlongConfig
 from megatron_dppo.config.data import DataConfig
 from megatron_dppo.config.loading import all_keys, coerce, describe, load_config, parse_override, set_option
 from megatron_dppo.config.root import Config
 from megatron_dppo.config.sections import (
-    LOSS_PRESET_NAMES,
     CheckpointConfig,
     EvalConfig,
     LoggingConfig,
-    LossConfig,
     ModelConfig,
     OptimConfig,
     PackingConfig,
@@ -29,8 +29,8 @@ from megatron_dppo.config.sections import (
 )
 
 __all__ = [
-    "LOSS_PRESET_NAMES", "AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "DynamicSamplingConfig",
+    "AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "DynamicSamplingConfig",
     "EvalConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig", "OverlongConfig", "PackingConfig",
-    "ParallelConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "TrainConfig", "all_keys", "coerce", "describe",
-    "load_config", "parse_override", "set_option",
+    "ParallelConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "TrainConfig", "all_keys", "coerce",
+    "describe", "load_config", "parse_override", "set_option",
 ]

@@ -32,6 +32,12 @@ def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _options(cls: Any) -> list[dataclasses.Field]:
+    """The fields of a section (class or instance) that are options: a field the run sets itself
+    (``metadata["set_by"]``, e.g. the loss's temperature, from rollout.temperature) is neither read nor listed."""
+    return [f for f in dataclasses.fields(cls) if "set_by" not in f.metadata]
+
+
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -53,7 +59,7 @@ def _build_section(cls: type, current: Any, data: Any, prefix: str) -> Any:
         raise ValueError(f"{prefix.rstrip('.')} must be a mapping (or null to leave it out), got {data!r}")
     values = dataclasses.asdict(current) if current is not None else {}
     hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in _options(cls)}
     for k, v in data.items():
         if k not in names:
             raise _unknown_key_error(prefix + str(k))
@@ -64,7 +70,7 @@ def _build_section(cls: type, current: Any, data: Any, prefix: str) -> Any:
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted option name, e.g. ``algo.r_q``."""
     out: list[str] = []
-    for f in dataclasses.fields(cls):
+    for f in _options(cls):
         tp = _hints(cls)[f.name]
         section = tp if _is_dataclass_type(tp) else _optional_section(tp)
         if section is not None:
@@ -188,7 +194,7 @@ def _apply(section: Any, data: dict, prefix: str) -> None:
     if not isinstance(data, dict):
         raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     hints = _hints(type(section))
-    names = {f.name for f in dataclasses.fields(section)}
+    names = {f.name for f in _options(section)}
     for k, v in data.items():
         key = prefix + str(k)
         if k not in names:
@@ -208,13 +214,14 @@ def set_option(cfg: Config, key: str, value: Any) -> None:
     obj: Any = cfg
     for i, part in enumerate(parts):
         if dataclasses.is_dataclass(obj):
-            names = {f.name for f in dataclasses.fields(obj)}
+            names = {f.name for f in _options(obj)}
             if part not in names:
                 raise _unknown_key_error(key)
             tp = _hints(type(obj))[part]
             if (optional := _optional_section(tp)) is not None:  # rebuilt whole: it validates itself
                 rest = parts[i + 1:]
-                if rest and getattr(obj, part) is None and rest[0] != "name" and "name" in optional.__dataclass_fields__:
+                if (rest and getattr(obj, part) is None and rest[0] != "name"
+                        and "name" in optional.__dataclass_fields__):
                     raise ValueError(f"{key}: the {part} section is not configured; set {part}.name first (e.g. "
                                      f"{part}.name=... {key}=...)")
                 data = value
@@ -299,7 +306,7 @@ def describe(cls: type = Config, prefix: str = "") -> str:
     """Human-readable reference of every option: key, type, default, help (``--help-config``)."""
     lines: list[str] = []
     defaults = cls()
-    for f in dataclasses.fields(cls):
+    for f in _options(cls):
         tp = _hints(cls)[f.name]
         section = tp if _is_dataclass_type(tp) else _optional_section(tp)
         if section is tp:
@@ -319,7 +326,7 @@ def _describe_fields(cls: type, prefix: str) -> str:
     """The fields of an optional section (its defaults read from the field declarations: the section itself may
     refuse to be built empty)."""
     lines = []
-    for f in dataclasses.fields(cls):
+    for f in _options(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         lines.append(f"  {prefix}{f.name}: {_type_name(_hints(cls)[f.name])} = {default!r}\n      "
                      f"{f.metadata.get('help', '')}")

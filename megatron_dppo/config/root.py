@@ -11,6 +11,7 @@ from typing import Optional
 
 import yaml
 
+from megatron_dppo.algo.losses import LossConfig  # the loss section is the loss code's own (algo/losses.py)
 from megatron_dppo.config.algo import AlgoConfig
 from megatron_dppo.config.dapo import DynamicSamplingConfig, OverlongConfig
 from megatron_dppo.config.data import DataConfig
@@ -19,7 +20,6 @@ from megatron_dppo.config.sections import (
     CheckpointConfig,
     EvalConfig,
     LoggingConfig,
-    LossConfig,
     ModelConfig,
     OptimConfig,
     PackingConfig,
@@ -173,7 +173,15 @@ class Config:
         return self.checkpoint.dir or str(Path(self.train.output_dir) / "checkpoints")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The options, section by section (a field the run sets, ``metadata["set_by"]``, is not an option)."""
+        out = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                for sub in dataclasses.fields(section):
+                    if "set_by" in sub.metadata:
+                        del out[f.name][sub.name]
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

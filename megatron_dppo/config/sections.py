@@ -5,9 +5,9 @@ own."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 from megatron_dppo.config.fields import _check, opt
 
@@ -357,105 +357,6 @@ class RolloutConfig:
         _check(self.worker_timeout_s > 0, "rollout.worker_timeout_s", self.worker_timeout_s, "> 0")
 
 
-LOSS_PRESET_NAMES = ("grpo", "dapo", "gspo", "dr_grpo")
-#: The loss overrides for which null is a value of their own (off), so their default is "preset" (the preset's value);
-#: every other override's null is the preset's value.
-LOSS_NULL_MEANS_OFF = ("clip_ratio_c", "kl_clamp", "gspo_log_ratio_cap")
-
-
-@dataclass
-class LossConfig:
-    """Policy loss: a preset (docs/algorithms.md) plus optional per-field overrides (null = preset value, except for
-    the overrides that can be off: ``LOSS_NULL_MEANS_OFF``, where "preset" is the preset's value and null is off)."""
-
-    preset: Literal["grpo", "dapo", "gspo", "dr_grpo", "verl_grpo", "trl_grpo"] = opt(
-        "grpo", "Loss preset: grpo (PPO clip, seq-mean-token-mean, std-normalized A), dapo (clip-higher 0.28, "
-                "token-mean), gspo (sequence ratio), dr_grpo (no std, sum-norm by L_max); the peers' defaults by "
-                "name: verl_grpo (token-mean, dual clip 3, k3 KL 0.001 clamped to 10, advantage eps 1e-6; with "
-                "policy_loss=gspo as verl's GSPO: no dual clip, gspo_gradient=stop_gradient, gspo_log_ratio_cap "
-                "10), trl_grpo (token-mean, no KL, advantage eps 1e-4, kl_bias_correction on). Several updates per "
-                "rollout are train."
-                "mini_batches / train.epochs (verl ppo_mini_batch_size / ppo_epochs, TRL steps_per_generation / "
-                "num_iterations).")
-    policy_loss: Optional[Literal["ppo_clip", "gspo"]] = opt(None, "Override: per-token PPO clip or GSPO.")
-    eps_low: Optional[float] = opt(None, "Override: lower clip range (ratio >= 1 - eps_low).")
-    eps_high: Optional[float] = opt(None, "Override: upper clip range (ratio <= 1 + eps_high).")
-    kl_coef: Optional[float] = opt(None, "Override: KL penalty beta against the initial (reference) policy.")
-    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = opt(None, "Override: KL estimator (k3 = low-variance).")
-    aggregation: Optional[Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm",
-                                  "seq_mean_token_sum"]] = opt(
-        None, "Override: loss aggregation (fixes the full-batch denominator D). seq_mean_token_sum = verl's "
-              "seq-mean-token-sum: per-sequence token sums over D = B*G.")
-    advantage_estimator: Optional[Literal["grpo", "dr_grpo", "rloo"]] = opt(
-        None, "Override: advantage estimator on the full group.")
-    advantage_eps: Optional[float] = opt(None, "Override: eps of the grpo advantage (r - mean) / (std + eps); "
-                                               "presets use 1e-6 (verl), trl_grpo 1e-4 (TRL).")
-    clip_ratio_c: Union[float, Literal["preset"], None] = opt(
-        "preset", "Override: dual-clip bound c > 1 for tokens with A < 0 (objective bounded below by c*A; verl's "
-                  "clip_ratio_c, 3 in verl_grpo, off in the other presets); preset = the preset's value, null = off.")
-    kl_clamp: Union[float, Literal["preset"], None] = opt(
-        "preset", "Override: clamp the k3 KL estimate to [-kl_clamp, kl_clamp] (and its log-ratio to [-20, 20]) as "
-                  "verl's low_var_kl does with 10 (verl_grpo; off in the other presets); k3 only, k1/k2 ignore it. "
-                  "preset = the preset's value, null = off.")
-    rollout_correction: Optional[Literal["none", "tis", "mis"]] = opt(
-        None, "Override: rollout/trainer mismatch correction of the policy-gradient term per token with u = "
-              "exp(trainer old logp - rollout-engine logp): tis = truncated IS, clamp(u, cap_low, cap) (verl token "
-              "TIS, slime TIS); mis = masked IS, u inside [cap_low, cap] else 0 (slime icepop, verl IcePop: "
-              "rollout_is_threshold \"lo_hi\"); none (preset default). verl's token rejection (rollout_rs, kept "
-              "tokens weigh 1, rejected ones leave the denominators) is not offered: docs/algorithms.md, \"Rollout "
-              "correction\". Forces the trainer's old log-prob pass; composes with the pruning weights 1/pi. Logs "
-              "rollout/is_ratio, rollout/is_corrected_fraction, rollout/kl_k1, rollout/kl_k3.")
-    rollout_correction_cap: Optional[float] = opt(None, "Override: upper bound of the rollout IS weight (preset 2.0, "
-                                                        "the verl and slime default).")
-    rollout_correction_cap_low: Optional[float] = opt(None, "Override: lower bound of the rollout IS weight "
-                                                            "(preset 0.0, slime's default).")
-    gspo_gradient: Optional[Literal["autograd", "stop_gradient"]] = opt(
-        None, "Override: how GSPO's sequence ratio S passes a per-token rollout-correction factor u_t to the "
-              "gradient. autograd (presets' default; TRL): u_t weighs the sequence term, every token gets gradient "
-              "through S, so a token zeroed by mis still learns; stop_gradient (verl_grpo; verl): s_t = sg[S] "
-              "pi_t/sg[pi_t], token t's gradient carries its own u_t. Identical without rollout_correction. "
-              "Default autograd: it is the exact gradient of the GSPO objective the docs write, and leaves runs "
-              "without rollout correction bit for bit as before; prefer stop_gradient with mis.")
-    gspo_log_ratio_cap: Union[float, Literal["preset"], None] = opt(
-        "preset", "Override: GSPO only: clamp the log of the sequence ratio (log S; log s_t under stop_gradient) at "
-                  "this value before exp, so the ratio is at most e^cap and gets no gradient where the clamp binds "
-                  "(log S > cap; only negative-advantage terms reach it). 10 in verl_grpo (verl's "
-                  "compute_policy_loss_gspo), no cap in the other presets; preset = the preset's value, null = no "
-                  "cap.")
-    kl_bias_correction: Optional[bool] = opt(
-        None, "Override: multiply the KL term by the importance ratio (rho_t; S for gspo) with full autograd, "
-              "TRL's use_bias_correction_kl (on in trl_grpo, off elsewhere); acts only with kl_coef > 0.")
-
-    # Not overrides of the policy loss: the preset itself, and the estimator returned beside the loss.
-    NOT_LOSS_FIELDS = ("preset", "advantage_estimator")
-
-    def overrides(self) -> dict[str, Any]:
-        """The options set here that override a field of the preset's policy loss (``algo.losses.LossConfig``,
-        whose fields these are by name: tests/unit/test_config.py checks it): every option not null, and for the
-        options whose null is a value of its own (off, ``LOSS_NULL_MEANS_OFF``) every option not "preset"."""
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name in self.NOT_LOSS_FIELDS or v == "preset" or (v is None and f.name not in LOSS_NULL_MEANS_OFF):
-                continue
-            out[f.name] = v
-        return out
-
-    def validate(self) -> None:
-        for name in ("eps_low", "eps_high"):
-            v = getattr(self, name)
-            _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
-        _check(self.kl_coef is None or self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "null or >= 0")
-        _check(self.advantage_eps is None or self.advantage_eps >= 0, "loss.advantage_eps", self.advantage_eps,
-               "null or >= 0")
-        for name, bound in (("clip_ratio_c", 1), ("kl_clamp", 0), ("gspo_log_ratio_cap", 0)):
-            v = getattr(self, name)
-            _check(v in (None, "preset") or v > bound, f"loss.{name}", v, f"preset, null (off) or > {bound}")
-        for name in ("rollout_correction_cap", "rollout_correction_cap_low"):
-            v = getattr(self, name)
-            _check(v is None or v >= 0, f"loss.{name}", v, "null or >= 0")
-
-
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -585,7 +486,8 @@ class TrainConfig:
                                                "as its steps' CPU seconds do, resumed or not (two straight quickstart "
                                                "runs on a shared 2-core machine: 20% apart over the same 12 steps), "
                                                "and each restart pays its process warm-up again (two resumes: "
-                                               "0.03-0.06 CPU s, under a tenth of a quickstart step). rollout.placement=colocated only (the "
+                                               "0.03-0.06 CPU s, under a tenth of a quickstart step). "
+                                               "rollout.placement=colocated only (the "
                                                "workers' CPU is not in time/step_cpu). null = no budget.")
 
     def validate(self) -> None:

@@ -241,7 +241,10 @@ class PolicyEngine:
         # DistributedOptimizer checkpoint format: dp_reshardable (resumes bit-exactly, reshards over DP only) or
         # fully_reshardable (any TP/PP/DP change; gathers the state on DP rank 0 at save time)
         self.dist_ckpt_optim_format = dist_ckpt_optim_format
-        self.loss_cfg = loss or LossConfig()
+        self.loss_cfg = loss or LossConfig(kl_coef=0.0).resolved()  # (no KL: no reference model)
+        if not self.loss_cfg.is_resolved:
+            raise ValueError(f"PolicyEngine needs a resolved LossConfig (fields {self.loss_cfg.unresolved} still say "
+                             "\"the preset's value\"): pass LossConfig(...).resolved(temperature)")
         self.dtype = dtype or default_dtype()
         self.device = engine_device()
         self.step = 0

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_dppo.algo.losses import LossConfig, resolve_loss_preset
+from megatron_dppo.algo.losses import LossConfig
 from megatron_dppo.config import Config
 from megatron_dppo.data import Prompt
 from megatron_dppo.distributed import collectives as D
@@ -56,9 +56,9 @@ def _probe_writable(folder: Path, context: str) -> None:
 
 
 def build_loss(cfg: Config) -> tuple[LossConfig, str]:
-    """The loss preset with the config's per-field overrides and the rollout's sampling temperature (every log-prob
-    of the loss is tempered by it), and the advantage estimator."""
-    loss, estimator = resolve_loss_preset(cfg.loss.preset, **cfg.loss.overrides(), temperature=cfg.rollout.temperature)
+    """The loss section resolved: the preset's values under the set options, at the rollout's sampling temperature
+    (every log-prob of the loss is tempered by it); and the advantage estimator."""
+    loss = cfg.loss.resolved(temperature=cfg.rollout.temperature)
     if cfg.algo.screens:  # the denominator must not depend on which continuations are generated
         from megatron_dppo.algo.screening import screening_denominator
 
@@ -68,7 +68,7 @@ def build_loss(cfg: Config) -> tuple[LossConfig, str]:
         except ValueError as err:
             raise ValueError(f"algo.screen_k={cfg.algo.screen_k} with loss.preset={cfg.loss.preset} "
                              f"(aggregation {loss.aggregation}): {err}; set loss.aggregation") from None
-    return loss, cfg.loss.advantage_estimator or estimator
+    return loss, loss.advantage_estimator
 
 
 def build_tokenizer(cfg: Config):

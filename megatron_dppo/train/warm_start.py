@@ -54,7 +54,7 @@ class sft_loss:  # noqa: N801 - used as a context manager
 
     def __enter__(self):
         self.saved = self.engine.loss_cfg
-        self.engine.loss_cfg = LossConfig("ppo_clip", 0.2, 0.2, 0.0, "k1", "seq_mean_token_mean", temperature=1.0)
+        self.engine.loss_cfg = LossConfig(kl_coef=0.0).resolved(temperature=1.0)
 
     def __exit__(self, *exc):
         self.engine.loss_cfg = self.saved

@@ -63,7 +63,7 @@ def build_engine(c: Check, arch, seed: int, distributed_optimizer: bool = True):
     seed_everything(seed)
     return PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-5, grad_clip=1.0,
                                                             distributed_optimizer=distributed_optimizer),
-                        LossConfig(kl_coef=0.0), dtype=c.dtype, reference=False)
+                        LossConfig(kl_coef=0.0).resolved(), dtype=c.dtype, reference=False)
 
 
 def master_weights(engine) -> list:

@@ -35,7 +35,8 @@ def _engine():
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(F.SEED)
-    return PolicyEngine(F.tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-3), LossConfig())
+    return PolicyEngine(F.tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-3),
+                        LossConfig(kl_coef=0.0).resolved())
 
 
 def _params(engine) -> dict[str, torch.Tensor]:

@@ -241,7 +241,8 @@ from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
 root = Path(sys.argv[1])
 with single_process_world(seed=F.SEED):
-    engine = PolicyEngine(F.tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-3), LossConfig())
+    engine = PolicyEngine(F.tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-3),
+                          LossConfig(kl_coef=0.0).resolved())
     for step in (5, 7):
         engine.step = step
         save_checkpoint(engine, root)

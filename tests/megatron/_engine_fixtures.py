@@ -110,7 +110,7 @@ def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vp
     parallel = ParallelConfig(tp=tp, pp=pp, sp=sp, vpp=vpp, cp=cp)
     initialize_parallel(parallel, SEED, arch)
     loss_cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3",
-                          aggregation="seq_mean_token_mean", temperature=temperature)
+                          aggregation="seq_mean_token_mean", temperature=temperature).resolved()
     optim = OptimConfig(lr=1e-2, grad_clip=1.0, weight_decay=0.01, distributed_optimizer=distributed_optimizer)
     engine = PolicyEngine(arch, parallel, optim, loss_cfg)
     if save:
@@ -179,7 +179,7 @@ def resume_engine(parallel, distributed_optimizer: bool, kl: bool = True, optim_
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
-    loss_cfg = LossConfig(kl_coef=0.05 if kl else 0.0, kl_estimator="k3")
+    loss_cfg = LossConfig(kl_coef=0.05 if kl else 0.0, kl_estimator="k3").resolved()
     optim = OptimConfig(lr=3e-3, warmup_steps=2, scheduler="cosine", weight_decay=0.1,
                         distributed_optimizer=distributed_optimizer)
     return PolicyEngine(tiny_arch(num_layers=2), parallel, optim, loss_cfg, total_steps=8,
@@ -226,7 +226,7 @@ def reshard_worker(root: str, tp: int = 1, pp: int = 1, save: bool = False, dist
     arch = tiny_arch()
     parallel = ParallelConfig(tp=tp, pp=pp)
     initialize_parallel(parallel, SEED, arch)
-    loss_cfg = LossConfig()
+    loss_cfg = LossConfig(kl_coef=0.0).resolved()
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, distributed_optimizer=distributed_optimizer)
     engine = PolicyEngine(arch, parallel, optim, loss_cfg, dist_ckpt_optim_format="fully_reshardable")
     data = make_sequences(seed=5)

@@ -17,7 +17,7 @@ def _engine_and_data():
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
     from megatron_dppo.megatron.parallel import ParallelConfig
 
-    loss_cfg = LossConfig()
+    loss_cfg = LossConfig(kl_coef=0.0).resolved()
     engine = PolicyEngine(tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-2), loss_cfg)
     data = make_sequences(num_prompts=3, group=4, seed=3)
     return engine, loss_cfg, data
@@ -89,7 +89,7 @@ def dp_audit_worker(distributed_optimizer: bool):
     from megatron_dppo.train.audit import pruning_audit, step_gradient
 
     initialize_parallel(ParallelConfig(), SEED, tiny_arch(num_layers=2))
-    loss_cfg = LossConfig()
+    loss_cfg = LossConfig(kl_coef=0.0).resolved()
     engine = PolicyEngine(tiny_arch(num_layers=2), ParallelConfig(),
                           OptimConfig(lr=1e-2, distributed_optimizer=distributed_optimizer), loss_cfg)
     data = make_sequences(num_prompts=3, group=4, seed=3)

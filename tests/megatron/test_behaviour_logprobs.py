@@ -79,7 +79,7 @@ def divergence(sampling: dict, stale: bool) -> dict:
     overrides = [f"rollout.{k}={v}" for k, v in {**sampling, "temperature": T, "max_new_tokens": 6}.items()]
     cfg = load_config(None, overrides + ["train.seed=3"], validate=False)
     with single_process_world(arch=arch):
-        loss_cfg = LossConfig(rollout_correction="tis", rollout_correction_cap=1e6, temperature=T)
+        loss_cfg = LossConfig(kl_coef=0.0, rollout_correction="tis", rollout_correction_cap=1e6).resolved(temperature=T)
         engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=0.0), loss_cfg)
         load_hf_weights(engine.modules, arch, proximal.state_dict())
         rollout_engine = HFRolloutEngine(behaviour, eos_token_ids=[EOS])

@@ -26,7 +26,8 @@ def _small_engine(**optim):
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(F.SEED)
-    return PolicyEngine(F.tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-3, **optim), LossConfig())
+    return PolicyEngine(F.tiny_arch(num_layers=2), ParallelConfig(), OptimConfig(lr=1e-3, **optim),
+                        LossConfig(kl_coef=0.0).resolved())
 
 
 def test_resume_is_bit_exact(world, tmp_path):
@@ -137,7 +138,7 @@ def test_load_refuses_a_different_architecture(world, tmp_path):
     from megatron_dppo.megatron.parallel import ParallelConfig
 
     save_checkpoint(_small_engine(), tmp_path)
-    other = PolicyEngine(F.tiny_arch(num_layers=4), ParallelConfig(), OptimConfig(), LossConfig())
+    other = PolicyEngine(F.tiny_arch(num_layers=4), ParallelConfig(), OptimConfig(), LossConfig(kl_coef=0.0).resolved())
     with pytest.raises(ValueError, match="num_layers"):
         load_checkpoint(other, tmp_path)
 

@@ -93,7 +93,7 @@ def resume_worker(src_root: str, ckpt_root: str, cp: int, resume: bool):
 
     arch, parallel = F.tiny_arch(), ParallelConfig(cp=cp)
     initialize_parallel(parallel, F.SEED, arch)
-    loss_cfg = LossConfig(kl_coef=0.05, kl_estimator="k3", aggregation="seq_mean_token_mean")
+    loss_cfg = LossConfig(kl_coef=0.05, kl_estimator="k3", aggregation="seq_mean_token_mean").resolved()
     engine = PolicyEngine(arch, parallel, OptimConfig(lr=1e-3, weight_decay=0.01), loss_cfg)
     data = F.make_sequences()
     batches = F.rank_micro_batches(data, loss_cfg, parallel_state.get_data_parallel_rank(),

@@ -196,7 +196,7 @@ def test_train_state_offload_round_trip_is_bit_exact(world, family):
 
     arch = ModelArch.from_hf_config({**TINY_CONFIGS, **TINY_MOE_CONFIGS}[family])
     seed_everything(5)
-    engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-3), LossConfig(kl_coef=0.0),
+    engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-3), LossConfig(kl_coef=0.0).resolved(),
                           dtype=torch.float32, reference=False)
     batches = packed_batches()
     engine.train_step(batches, 7.0)  # Adam state exists now
@@ -217,7 +217,7 @@ def test_train_state_offload_round_trip_is_bit_exact(world, family):
         assert torch.equal(a, b)
     # and training goes on exactly as without the round trip
     seed_everything(5)
-    twin = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-3), LossConfig(kl_coef=0.0),
+    twin = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-3), LossConfig(kl_coef=0.0).resolved(),
                         dtype=torch.float32, reference=False)
     twin.train_step(batches, 7.0)
     m1, m2 = engine.train_step(batches, 7.0), twin.train_step(batches, 7.0)

@@ -178,7 +178,7 @@ def _engine(arch, lora=None, kl=0.05, **optim):
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
 
     seed_everything(F.SEED)
-    loss = LossConfig(kl_coef=kl, kl_estimator="k3")
+    loss = LossConfig(kl_coef=kl, kl_estimator="k3").resolved()
     engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(**{"lr": 1e-2, **optim}), loss, lora=lora)
     load_hf_weights(engine.model_chunks, arch, base_tensors(arch))
     if lora is not None:
@@ -316,7 +316,7 @@ def lora_layout_worker(tp: int = 1, pp: int = 1, sp: bool = False, distributed_o
     arch = F.tiny_arch("qwen2", num_layers=2)  # q/k/v biases, tied embeddings (PP: the last stage's copy)
     parallel = ParallelConfig(tp=tp, pp=pp, sp=sp, cp=cp)
     initialize_parallel(parallel, F.SEED, arch)
-    loss = LossConfig(kl_coef=0.05, kl_estimator="k3")
+    loss = LossConfig(kl_coef=0.05, kl_estimator="k3").resolved()
     # adam_eps well above the gradients' rounding noise: a first Adam step moves an entry by ~lr * g / |g|, which
     # would turn the float noise of a near-zero gradient into an lr-sized difference between layouts
     optim = OptimConfig(lr=1e-2, adam_eps=1e-3, distributed_optimizer=distributed_optimizer)

@@ -86,7 +86,7 @@ def test_observation_tokens_get_exactly_zero_gradient(world):
     from megatron_dppo.megatron.logprobs import forward_thd, vocab_parallel_logprobs
 
     cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3",
-                     aggregation="seq_mean_token_mean", rollout_correction="tis", rollout_correction_cap=1.5)
+                     aggregation="seq_mean_token_mean", rollout_correction="tis", rollout_correction_cap=1.5).resolved()
     engine, batches, masks, metrics, grads = _step(cfg)
     assert metrics["tokens"] == sum(sum(m) for m in masks) < sum(len(m) for m in masks)
 

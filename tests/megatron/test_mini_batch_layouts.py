@@ -80,8 +80,8 @@ def mini_batch_worker(ckpt_root: str, tp: int = 1, sp: bool = False, save: bool 
     arch = F.tiny_arch()
     parallel = ParallelConfig(tp=tp, sp=sp)
     initialize_parallel(parallel, F.SEED, arch)
-    loss_cfg = LossConfig("ppo_clip", 0.2, 0.28, kl_coef=0.05, kl_estimator="k3", aggregation="seq_mean_token_mean",
-                          clip_ratio_c=3.0)
+    loss_cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3",
+                          aggregation="seq_mean_token_mean", clip_ratio_c=3.0).resolved()
     engine = PolicyEngine(arch, parallel, OptimConfig(lr=1e-2, grad_clip=1.0), loss_cfg)
     if save:
         save_checkpoint(engine, ckpt_root)

@@ -60,7 +60,7 @@ def _loss_cfg():
     from megatron_dppo.algo.losses import LossConfig
 
     return LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3",
-                      aggregation="seq_mean_token_mean")
+                      aggregation="seq_mean_token_mean").resolved()
 
 
 def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, tp: int = 1, pp: int = 1,
@@ -278,7 +278,7 @@ def moe_resume_worker(root: str, ep: int = 2, distributed_optimizer: bool = Fals
     arch = moe_arch("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[])
     parallel = ParallelConfig(ep=ep)
     initialize_parallel(parallel, F.SEED, arch)
-    loss_cfg = LossConfig(kl_coef=0.05, kl_estimator="k3")
+    loss_cfg = LossConfig(kl_coef=0.05, kl_estimator="k3").resolved()
     optim = OptimConfig(lr=3e-3, warmup_steps=2, scheduler="cosine", weight_decay=0.1,
                         distributed_optimizer=distributed_optimizer)
 
@@ -385,7 +385,8 @@ def _aux_engine(coeff: float | None):
     arch = moe_arch()
     initialize_parallel(ParallelConfig(), F.SEED, arch)
     extra = {} if coeff is None else {"moe_aux_loss_coeff": coeff}
-    return PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=0.0, grad_clip=0.0), LossConfig(), **extra)
+    return PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=0.0, grad_clip=0.0), LossConfig(kl_coef=0.0).resolved(),
+                        **extra)
 
 
 def test_load_balancing_loss_is_the_token_weighted_switch_loss(world):
@@ -465,7 +466,7 @@ def distributed_optimizer_ep_change_worker(root: str):
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     arch = moe_arch("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[])
-    loss_cfg = LossConfig()
+    loss_cfg = LossConfig(kl_coef=0.0).resolved()
     optim = OptimConfig(lr=3e-3, weight_decay=0.1, distributed_optimizer=True)
     runs = {}
     for ep in (2, 1):

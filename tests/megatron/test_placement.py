@@ -84,8 +84,8 @@ def test_engine_policy_and_reference_pass_the_audit(world):
     from megatron_dppo.megatron.parallel import seed_everything
 
     seed_everything(3)
-    engine = PolicyEngine(_arch("qwen3_moe"), _parallel(), OptimConfig(lr=1e-3), LossConfig(kl_coef=0.1),
-                          dtype=torch.float32)
+    engine = PolicyEngine(_arch("qwen3_moe"), _parallel(), OptimConfig(lr=1e-3),
+                          LossConfig(kl_coef=0.1, kl_estimator="k1").resolved(), dtype=torch.float32)
     assert engine.reference_chunks is not None
     assert engine.placement_audit() == []
     stray = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))

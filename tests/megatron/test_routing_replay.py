@@ -37,7 +37,8 @@ def _engine(replay: bool, family: str = "qwen3_moe", parallel=None, lr: float = 
 
     seed_everything(SEED)
     return PolicyEngine(_arch(family, **(hf_changes or {})), parallel or ParallelConfig(),
-                        OptimConfig(lr=lr, grad_clip=0.0), loss or LossConfig(), moe_routing_replay=replay, lora=lora)
+                        OptimConfig(lr=lr, grad_clip=0.0), loss or LossConfig(kl_coef=0.0).resolved(),
+                        moe_routing_replay=replay, lora=lora)
 
 
 def _batches(pad_multiple: int = 1, groups=((9, 5, 12), (7, 3, 8, 6)), seed: int = 0):
@@ -170,7 +171,7 @@ def test_replay_with_lora_adapters_on_attention(world):
     lora = LoraConfig(rank=4, target_modules=("qkv", "proj"))
     on, off = replay_case(True, lora=lora), replay_case(False, lora=lora)
     assert on["choices"] > 0 and on["missed"] == 0 and off["missed"] > 0 and on["flip_rate"] > 0
-    kl = LossConfig(kl_coef=0.1)
+    kl = LossConfig(kl_coef=0.1, kl_estimator="k1").resolved()
     engine, base = _engine(True, lora=lora, loss=kl), _engine(False, loss=kl)
     _scramble_adapters(engine)
     batches = _batches()
@@ -231,9 +232,11 @@ def test_replay_needs_recorded_routes_and_refuses_recompute(world):
         engine.train_step(_batches(), denominator=1.0)
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     with pytest.raises(ValueError, match="activation recompute"):
-        PolicyEngine(_arch(), ParallelConfig(), OptimConfig(), LossConfig(), moe_routing_replay=True, **recompute)
+        PolicyEngine(_arch(), ParallelConfig(), OptimConfig(), LossConfig(kl_coef=0.0).resolved(),
+                     moe_routing_replay=True, **recompute)
     # without replay the same recompute is fine: the routers are left alone (no flip metric)
-    assert PolicyEngine(_arch(), ParallelConfig(), OptimConfig(), LossConfig(), **recompute).routing is None
+    no_kl = LossConfig(kl_coef=0.0).resolved()
+    assert PolicyEngine(_arch(), ParallelConfig(), OptimConfig(), no_kl, **recompute).routing is None
 
 
 def test_replay_makes_the_old_logprob_pass_run():

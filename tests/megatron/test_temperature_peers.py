@@ -268,11 +268,11 @@ def test_engine_old_and_reference_passes_are_tempered(problem):
     logits / T (float64 reference from the HF model), not the temperature-1 ones."""
     from megatron_dppo.algo.losses import LossConfig
 
-    _, _, own_old, own_ref = ours(problem, LossConfig(kl_coef=KL_COEF, temperature=T))
+    _, _, own_old, own_ref = ours(problem, LossConfig(kl_coef=KL_COEF, temperature=T, kl_estimator="k1").resolved())
     for i, n in enumerate(LENGTHS):
         torch.testing.assert_close(own_old[i].double(), problem.tempered[i, :n], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(own_ref[i].double(), problem.tempered[i, :n], atol=2e-5, rtol=1e-5)
-    _, _, untempered, _ = ours(problem, LossConfig(kl_coef=KL_COEF, temperature=1.0))
+    _, _, untempered, _ = ours(problem, LossConfig(kl_coef=KL_COEF, temperature=1.0, kl_estimator="k1").resolved())
     assert max(float((u.double() - problem.tempered[i, :len(u)]).abs().max()) for i, u in enumerate(untempered)) > 0.1
 
 
@@ -281,7 +281,7 @@ def test_loss_and_gradient_equal_trl_grpo_trainer_at_temperature(problem):
 
     trl_loss, trl_grad = trl_step(problem)
     cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=KL_COEF, kl_estimator="k3",
-                     aggregation="seq_mean_token_mean", kl_bias_correction=True, temperature=T)
+                     aggregation="seq_mean_token_mean", kl_bias_correction=True, temperature=T).resolved()
     loss, grad, _, _ = ours(problem, cfg)
     assert loss == pytest.approx(trl_loss, rel=1e-5, abs=2e-6)  # fp32 terms of size ~1, summed
     _assert_same_gradient(grad, trl_grad)
@@ -294,7 +294,7 @@ def test_loss_and_gradient_equal_verl_ppo_loss_at_temperature(problem):
 
     verl_loss, verl_grad = verl_step(problem)
     cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=KL_COEF, kl_estimator="k3",
-                     aggregation="token_mean", clip_ratio_c=3.0, kl_clamp=10.0, temperature=T)
+                     aggregation="token_mean", clip_ratio_c=3.0, kl_clamp=10.0, temperature=T).resolved()
     loss, grad, _, _ = ours(problem, cfg)
     assert loss == pytest.approx(verl_loss, rel=1e-5, abs=2e-6)  # fp32 terms of size ~1, summed
     _assert_same_gradient(grad, verl_grad)

@@ -60,7 +60,7 @@ def _padded(data, batches, values_per_batch, fill=0.0):
 CASES = {
     "grpo_kl": dict(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3",
                     aggregation="seq_mean_token_mean"),
-    "dapo_token_mean": dict(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, aggregation="token_mean"),
+    "dapo_token_mean": dict(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.0, aggregation="token_mean"),
     "gspo": dict(policy_loss="gspo", eps_low=0.05, eps_high=0.05, kl_coef=0.02, kl_estimator="k1",
                  aggregation="seq_mean_token_mean"),
     "dr_grpo": dict(policy_loss="ppo_clip", kl_coef=0.1, kl_estimator="k2", aggregation="seq_mean_token_sum_norm"),
@@ -73,7 +73,7 @@ def test_pruned_weighted_step_loss_equals_reference_objective(world, case):
     the engine's loss equals -reference_objective on the padded [B, G, L] tensors (pruned rows weight 0)."""
     from megatron_dppo.algo.losses import LossConfig, loss_denominator, reference_objective
 
-    cfg = LossConfig(**CASES[case])
+    cfg = LossConfig(**CASES[case]).resolved()
     engine = _engine(cfg, lr=1e-3)
     data = F.make_sequences(num_prompts=3, group=4, seed=1)
     assert 0 < int(data["keep"].sum()) < data["keep"].numel()  # some completions pruned
@@ -106,7 +106,7 @@ def test_gradient_is_sum_of_numerators_over_D_for_any_micro_batching(world):
     from megatron_dppo.algo.losses import LossConfig, loss_numerator
     from megatron_dppo.megatron.logprobs import forward_thd, vocab_parallel_logprobs
 
-    cfg = LossConfig(**CASES["grpo_kl"])
+    cfg = LossConfig(**CASES["grpo_kl"]).resolved()
     data = F.make_sequences(num_prompts=2, group=4, seed=2)
     D = float(data["B"] * data["G"])
     grads = {}
@@ -139,7 +139,7 @@ def test_gradient_is_sum_of_numerators_over_D_for_any_micro_batching(world):
 def test_denominator_scales_the_gradient_and_must_be_positive(world):
     from megatron_dppo.algo.losses import LossConfig
 
-    cfg = LossConfig()
+    cfg = LossConfig(kl_coef=0.0).resolved()
     data = F.make_sequences(num_prompts=2, group=2, seed=3)
     norms = []
     for D in (4.0, 8.0):
@@ -156,7 +156,7 @@ def test_denominator_scales_the_gradient_and_must_be_positive(world):
 def test_kl_without_reference_logprobs_is_an_error(world):
     from megatron_dppo.algo.losses import LossConfig
 
-    engine = _engine(LossConfig(kl_coef=0.1), lr=1e-3)
+    engine = _engine(LossConfig(kl_coef=0.1, kl_estimator="k1").resolved(), lr=1e-3)
     data = F.make_sequences(num_prompts=1, group=2, seed=4)
     batches = F.rank_micro_batches(data, engine.loss_cfg, 0, 1, 1)
     with pytest.raises(ValueError, match="ref_logprobs"):
@@ -165,7 +165,7 @@ def test_kl_without_reference_logprobs_is_an_error(world):
     assert all(b.ref_logprobs is not None and b.old_logprobs is not None for b in batches)
     assert engine.train_step(batches, 2.0)["update_ok"] == 1.0
     with pytest.raises(ValueError, match="reference"):
-        _engine(LossConfig(), lr=1e-3).compute_logprobs(batches, "reference")
+        _engine(LossConfig(kl_coef=0.0).resolved(), lr=1e-3).compute_logprobs(batches, "reference")
 
 
 @pytest.mark.parametrize("policy_loss", ["ppo_clip", "gspo"])
@@ -176,7 +176,7 @@ def test_skipping_the_old_logprob_pass_gives_the_identical_update(world, policy_
     weights, loss, gradient norm and ratio, exactly (torch.equal, no tolerance)."""
     from megatron_dppo.algo.losses import LossConfig
 
-    cfg = LossConfig(policy_loss=policy_loss, eps_low=0.2, eps_high=0.28)
+    cfg = LossConfig(kl_coef=0.0, policy_loss=policy_loss, eps_low=0.2, eps_high=0.28).resolved()
     data = F.make_sequences(num_prompts=3, group=4, seed=11)
     results = []
     for recompute in (True, False):
@@ -229,7 +229,7 @@ def test_logits_at_loss_positions_only_give_the_same_update(world, policy_loss, 
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron import logprobs
 
-    cfg = LossConfig(policy_loss=policy_loss, eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3")
+    cfg = LossConfig(policy_loss=policy_loss, eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3").resolved()
     data = F.make_sequences(num_prompts=3, group=4, seed=5)
     batches, old_full, m_full, g_full, p_full, lp_full = _step_with_logits_at(False, cfg, data)
     _, old_part, m_part, g_part, p_part, lp_part = _step_with_logits_at(True, cfg, data)
@@ -275,7 +275,7 @@ def test_old_logprobs_needed_only_when_the_ratio_can_differ_from_one():
 def test_schedule_is_applied_to_the_optimizer(world):
     from megatron_dppo.algo.losses import LossConfig
 
-    engine = _engine(LossConfig(), lr=1e-3, warmup_steps=4, weight_decay=0.1)
+    engine = _engine(LossConfig(kl_coef=0.0).resolved(), lr=1e-3, warmup_steps=4, weight_decay=0.1)
     data = F.make_sequences(num_prompts=1, group=2, seed=6)
     batches = F.rank_micro_batches(data, engine.loss_cfg, 0, 1, 1)
     for step in range(2):

@@ -134,7 +134,8 @@ def make_episodes(seed: int = 0) -> dict:
 
 def config(aggregation: str, policy_loss: str = "ppo_clip") -> LossConfig:
     eps = (0.2, 0.28) if policy_loss == "ppo_clip" else (0.05, 0.05)
-    return LossConfig(policy_loss, eps[0], eps[1], kl_coef=0.1, kl_estimator="k3", aggregation=aggregation)
+    return LossConfig(policy_loss=policy_loss, eps_low=eps[0], eps_high=eps[1], kl_coef=0.1, kl_estimator="k3",
+                      aggregation=aggregation).resolved()
 
 
 def unit_values(p: dict, cfg: LossConfig, den: float) -> torch.Tensor:

@@ -52,8 +52,9 @@ def _tokens(seed, t=200):
 @pytest.mark.parametrize("c_clip", [None, 3.0])
 def test_equals_areal_written_out(correction, mode, c_clip):
     logp, prox, behav, adv, mask = _tokens(1)
-    cfg = LossConfig("ppo_clip", eps_low=0.2, eps_high=0.28, aggregation="token_mean", clip_ratio_c=c_clip,
-                     rollout_correction=correction, rollout_correction_cap=2.0, rollout_correction_cap_low=0.5)
+    cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.0, aggregation="token_mean",
+                     clip_ratio_c=c_clip, rollout_correction=correction, rollout_correction_cap=2.0,
+                     rollout_correction_cap_low=0.5).resolved()
     leaf = logp.clone().requires_grad_()
     s, metrics = decoupled_objective(leaf, prox, behav, adv, mask.to(DT), torch.arange(len(logp)), cfg)
     ours = -s.sum() / mask.sum()
@@ -72,8 +73,8 @@ def test_equals_areal_written_out(correction, mode, c_clip):
 def test_staleness_zero_is_the_uncorrected_objective_bit_for_bit():
     logp, prox, _, adv, mask = _tokens(2)
     for correction in ("none", "tis", "mis"):
-        cfg = LossConfig("ppo_clip", aggregation="token_mean", kl_coef=0.1, kl_estimator="k3",
-                         rollout_correction=correction)
+        cfg = LossConfig(policy_loss="ppo_clip", aggregation="token_mean", kl_coef=0.1, kl_estimator="k3",
+                         rollout_correction=correction).resolved()
         ref = logp - 0.1
         s, m = decoupled_objective(logp, prox, prox, adv, mask.to(DT), None, cfg, ref_logp=ref)
         plain, _ = per_token_objective(logp, prox, adv, mask.to(DT), None, cfg, ref_logp=ref)
@@ -84,7 +85,7 @@ def test_staleness_zero_is_the_uncorrected_objective_bit_for_bit():
 def test_behavior_correction_is_zero_off_the_mask_and_carries_no_gradient():
     _, prox, behav, _, mask = _tokens(3)
     prox = prox.clone().requires_grad_()
-    w, _ = behavior_correction(prox, behav, mask.to(DT), LossConfig(rollout_correction="tis"))
+    w, _ = behavior_correction(prox, behav, mask.to(DT), LossConfig(rollout_correction="tis").resolved())
     assert not w.requires_grad
     assert bool((w[~mask] == 0).all()) and bool((w[mask] > 0).all())
 
@@ -122,7 +123,8 @@ def _gradient_samples(cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_corrected_gradient_is_unbiased_for_the_proximal_policy():
     u = torch.exp(torch.log_softmax(_policies()[0], 0) - torch.log_softmax(_policies()[1], 0))
-    cfg = LossConfig("ppo_clip", rollout_correction="tis", rollout_correction_cap=float(u.max()) + 1.0)
+    cfg = LossConfig(policy_loss="ppo_clip", kl_coef=0.0, rollout_correction="tis",
+                     rollout_correction_cap=float(u.max()) + 1.0).resolved()
     samples, target = _gradient_samples(cfg)
     z = TP.mc_z(samples, target)
     assert z.max() < TP.Z_OK, z
@@ -130,7 +132,8 @@ def test_corrected_gradient_is_unbiased_for_the_proximal_policy():
 
 @pytest.mark.parametrize("correction, cap", [("none", 2.0), ("tis", 1.05)])
 def test_naive_and_tightly_truncated_gradients_are_biased(correction, cap):
-    cfg = LossConfig("ppo_clip", rollout_correction=correction, rollout_correction_cap=cap)
+    cfg = LossConfig(policy_loss="ppo_clip", kl_coef=0.0, rollout_correction=correction,
+                     rollout_correction_cap=cap).resolved()
     samples, target = _gradient_samples(cfg)
     z = TP.mc_z(samples, target)
     assert z.max() > TP.Z_BIASED, z
@@ -139,7 +142,10 @@ def test_naive_and_tightly_truncated_gradients_are_biased(correction, cap):
 def test_truncation_bounds_the_variance():
     """What truncation buys: the per-sample gradient's second moment shrinks with the cap (the price is the bias
     measured above)."""
-    loose = _gradient_samples(LossConfig(rollout_correction="tis", rollout_correction_cap=1e6))[0]
-    tight = _gradient_samples(LossConfig(rollout_correction="tis", rollout_correction_cap=1.5))[0]
+    def tis(cap):
+        return LossConfig(kl_coef=0.0, rollout_correction="tis", rollout_correction_cap=cap).resolved()
+
+    loose = _gradient_samples(tis(1e6))[0]
+    tight = _gradient_samples(tis(1.5))[0]
     assert float((tight ** 2).sum(1).mean()) < float((loose ** 2).sum(1).mean())
     assert math.isfinite(float((loose ** 2).sum(1).mean()))

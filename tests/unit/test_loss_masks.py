@@ -82,7 +82,8 @@ def make_episodes(seed: int = 0) -> dict:
 
 def config(policy_loss: str, aggregation: str, **extra) -> LossConfig:
     eps = (0.2, 0.28) if policy_loss == "ppo_clip" else (0.05, 0.05)
-    return LossConfig(policy_loss, eps[0], eps[1], kl_coef=0.1, kl_estimator="k3", aggregation=aggregation, **extra)
+    return LossConfig(policy_loss=policy_loss, eps_low=eps[0], eps_high=eps[1], kl_coef=0.1, kl_estimator="k3",
+                      aggregation=aggregation, **extra).resolved()
 
 
 def packed_loss(p: dict, cfg: LossConfig, den: float, lengths: torch.Tensor, use_masks: bool = True,

@@ -19,7 +19,6 @@ from megatron_dppo.algo.losses import (
     loss_denominator,
     loss_numerator,
     reference_objective,
-    resolve_loss_preset,
     rollout_correction_weights,
     sequence_token_weights,
 )
@@ -122,8 +121,9 @@ def test_gspo_stop_gradient_equals_verl_gradient_with_icepop(agg, verl_mode):
     masked = real & (weights == 0)
     assert 0 < int(masked.sum()) < int(real.sum())  # IcePop zeroes some tokens, not all
     theirs, g_theirs = value_and_grad(lambda leaf: verl_gspo_loss(p, leaf, verl_mode, 0.2, 0.2, weights), p)
-    cfg = LossConfig("gspo", 0.2, 0.2, aggregation=agg, rollout_correction="mis", rollout_correction_cap=hi,
-                     rollout_correction_cap_low=lo, gspo_gradient="stop_gradient")
+    cfg = LossConfig(policy_loss="gspo", eps_low=0.2, eps_high=0.2, kl_coef=0.0, aggregation=agg,
+                     rollout_correction="mis", rollout_correction_cap=hi, rollout_correction_cap_low=lo,
+                     gspo_gradient="stop_gradient").resolved()
     mine, g_mine = value_and_grad(lambda leaf: ours(p, leaf, cfg), p)
     assert torch.allclose(mine, theirs, rtol=1e-12, atol=1e-15)
     assert torch.allclose(g_mine, g_theirs, rtol=1e-10, atol=1e-15)
@@ -142,7 +142,8 @@ def test_gspo_forms_agree_without_a_rollout_factor():
     for agg, verl_mode in (("token_mean", "token-mean"), ("seq_mean_token_mean", "seq-mean-token-mean")):
         theirs, g_theirs = value_and_grad(lambda leaf: verl_gspo_loss(p, leaf, verl_mode, 0.1, 0.1), p)
         for form in ("autograd", "stop_gradient"):
-            cfg = LossConfig("gspo", 0.1, 0.1, aggregation=agg, gspo_gradient=form)
+            cfg = LossConfig(policy_loss="gspo", eps_low=0.1, eps_high=0.1, kl_coef=0.0, aggregation=agg,
+                             gspo_gradient=form).resolved()
             mine, g_mine = value_and_grad(lambda leaf: ours(p, leaf, cfg), p)
             assert torch.allclose(mine, theirs, rtol=1e-12, atol=1e-15)
             assert torch.allclose(g_mine, g_theirs, rtol=1e-10, atol=1e-15)
@@ -154,9 +155,9 @@ def test_verl_grpo_preset_with_gspo_is_verls_gspo():
     shift = torch.tensor([1.5, 0.0, 1.4, 0.0, 0.0, 1.6, 0.0, 0.0], dtype=DT)
     p = problem(seed=6, shift=shift)
     p["adv"] = torch.tensor([-1.0, 0.5, -0.7, 1.2, -0.3, -1.1, 0.8, 0.2], dtype=DT)
-    cfg, estimator = resolve_loss_preset("verl_grpo", policy_loss="gspo", rollout_correction="mis",
-                                         rollout_correction_cap=2.0, rollout_correction_cap_low=0.5)
-    assert (cfg.clip_ratio_c, cfg.gspo_gradient, estimator) == (None, "stop_gradient", "grpo")
+    cfg = LossConfig(preset="verl_grpo", policy_loss="gspo", rollout_correction="mis", rollout_correction_cap=2.0,
+                     rollout_correction_cap_low=0.5).resolved()
+    assert (cfg.clip_ratio_c, cfg.gspo_gradient, cfg.advantage_estimator) == (None, "stop_gradient", "grpo")
     weights = verl_icepop_weights(p, 0.5, 2.0)
     theirs, g_theirs = value_and_grad(lambda leaf: verl_gspo_loss(p, leaf, "token-mean", 0.2, 0.2, weights,
                                                                    kl_coef=0.001), p)
@@ -167,8 +168,8 @@ def test_verl_grpo_preset_with_gspo_is_verls_gspo():
     dual = LossConfig(**{**cfg.__dict__, "clip_ratio_c": 3.0})
     assert not torch.allclose(ours(p, p["logp"], dual), theirs, rtol=1e-6)
     # an explicit loss.clip_ratio_c still wins over the preset's rule; ppo_clip keeps verl's dual clip
-    assert resolve_loss_preset("verl_grpo", policy_loss="gspo", clip_ratio_c=3.0)[0].clip_ratio_c == 3.0
-    assert resolve_loss_preset("verl_grpo")[0].clip_ratio_c == 3.0
+    assert LossConfig(preset="verl_grpo", policy_loss="gspo", clip_ratio_c=3.0).resolved().clip_ratio_c == 3.0
+    assert LossConfig(preset="verl_grpo").resolved().clip_ratio_c == 3.0
 
 
 def real_verl():
@@ -194,7 +195,7 @@ def test_verl_grpo_gspo_caps_the_log_ratio_as_verls_real_function():
     seq_log_ratio = ((p["logp"] - p["old"]) * p["mask"]).sum(-1) / p["mask"].sum(-1)
     binds = (seq_log_ratio > 10) & (p["adv"] < 0)
     assert binds.tolist() == [True, False, True, False, False, False, False, False]
-    cfg, _ = resolve_loss_preset("verl_grpo", policy_loss="gspo")
+    cfg = LossConfig(preset="verl_grpo", policy_loss="gspo").resolved()
     assert cfg.gspo_log_ratio_cap == 10.0
 
     def policy_loss(leaf):
@@ -262,7 +263,8 @@ TRL_KL_CASES = [("dapo", "token_mean", "token", "ppo_clip"), ("grpo", "seq_mean_
 def test_kl_bias_correction_equals_trl(loss_type, agg, level, policy):
     p = problem(seed=7, spread=0.25)
     eps = 0.2
-    cfg = LossConfig(policy, eps, eps, 0.04, "k3", agg, kl_bias_correction=True)
+    cfg = LossConfig(policy_loss=policy, eps_low=eps, eps_high=eps, kl_coef=0.04, kl_estimator="k3", aggregation=agg,
+                     kl_bias_correction=True).resolved()
     theirs, g_theirs = value_and_grad(lambda leaf: trl_loss(p, leaf, loss_type, 0.04, level), p)
     mine, g_mine = value_and_grad(lambda leaf: ours(p, leaf, cfg), p)
     assert torch.allclose(mine, theirs, rtol=1e-12, atol=1e-15)
@@ -281,11 +283,11 @@ def test_trl_grpo_preset_with_kl_is_trls_default_loss():
     use_bias_correction_kl True) with beta 0.04, including its GSPO form (importance_sampling_level sequence) under
     vLLM token_mask IS correction: the autograd gspo_gradient."""
     p = problem(seed=8, spread=0.25)
-    cfg, _ = resolve_loss_preset("trl_grpo", kl_coef=0.04)
+    cfg = LossConfig(preset="trl_grpo", kl_coef=0.04).resolved()
     assert cfg.kl_bias_correction and cfg.aggregation == "token_mean"
     assert torch.allclose(ours(p, p["logp"], cfg), trl_loss(p, p["logp"], "dapo", 0.04), rtol=1e-12, atol=1e-15)
-    gspo, _ = resolve_loss_preset("trl_grpo", kl_coef=0.04, policy_loss="gspo", rollout_correction="mis",
-                                  rollout_correction_cap=1.4, rollout_correction_cap_low=0.7)
+    gspo = LossConfig(preset="trl_grpo", kl_coef=0.04, policy_loss="gspo", rollout_correction="mis",
+                      rollout_correction_cap=1.4, rollout_correction_cap_low=0.7).resolved()
     assert gspo.gspo_gradient == "autograd"
     theirs, g_theirs = value_and_grad(lambda leaf: trl_loss(p, leaf, "dapo", 0.04, "sequence", True, "token_mask",
                                                             (0.7, 1.4)), p)
@@ -301,9 +303,10 @@ def test_trl_grpo_preset_with_kl_is_trls_default_loss():
                                                 ("gspo", "stop_gradient", True), ("gspo", "autograd", True)])
 def test_reference_objective_knows_the_new_options(policy, form, bias):
     p = problem(seed=9)
-    cfg = LossConfig(policy, 0.2, 0.2, 0.05, "k3", "seq_mean_token_mean", clip_ratio_c=3.0,
-                     rollout_correction="mis", rollout_correction_cap=1.4, rollout_correction_cap_low=0.7,
-                     gspo_gradient=form, kl_bias_correction=bias)
+    cfg = LossConfig(policy_loss=policy, eps_low=0.2, eps_high=0.2, kl_coef=0.05, kl_estimator="k3",
+                     aggregation="seq_mean_token_mean", clip_ratio_c=3.0, rollout_correction="mis",
+                     rollout_correction_cap=1.4, rollout_correction_cap_low=0.7, gspo_gradient=form,
+                     kl_bias_correction=bias).resolved()
     u, _ = rollout_correction_weights(p["old"], p["rollout"], p["mask"], cfg)
     n = p["mask"].shape[0]
 
@@ -319,10 +322,10 @@ def test_reference_objective_knows_the_new_options(policy, form, bias):
 
 
 def test_presets_carry_the_peer_forms():
-    assert LOSS_PRESETS["trl_grpo"][0].kl_bias_correction is True
-    assert LOSS_PRESETS["verl_grpo"][0].gspo_gradient == "stop_gradient"
+    assert LOSS_PRESETS["trl_grpo"].kl_bias_correction is True
+    assert LOSS_PRESETS["verl_grpo"].gspo_gradient == "stop_gradient"
     for name in ("grpo", "dapo", "gspo", "dr_grpo"):
-        cfg = LOSS_PRESETS[name][0]
+        cfg = LOSS_PRESETS[name]
         assert (cfg.gspo_gradient, cfg.kl_bias_correction, cfg.gspo_log_ratio_cap) == ("autograd", False, None)
 
 
@@ -339,9 +342,10 @@ def test_config_options_reach_the_loss():
     uncapped, _ = build_loss(load_config(None, ["loss.preset=verl_grpo", "loss.gspo_log_ratio_cap=20"],
                                          validate=False))
     assert uncapped.gspo_log_ratio_cap == 20.0
-    with pytest.raises(ValueError, match="loss.gspo_log_ratio_cap=-1.0 is invalid: expected null or > 0"):
+    with pytest.raises(ValueError,
+                       match=r"loss.gspo_log_ratio_cap=-1.0 is invalid: expected preset, null \(off\) or > 0"):
         load_config(None, ["loss.gspo_log_ratio_cap=-1"], validate=False).loss.validate()
     with pytest.raises(ValueError, match="loss.gspo_gradient='sg' is invalid"):
         load_config(None, ["loss.gspo_gradient=sg"], validate=False)
     with pytest.raises(ValueError, match="unknown loss preset 'verl'; valid: grpo, dapo"):
-        resolve_loss_preset("verl")
+        LossConfig(preset="verl").resolved()

@@ -93,7 +93,7 @@ def flat_loss(batch, cfg, logp_leaf, layout="padded"):
 
 
 ALL_CONFIGS = [
-    LossConfig(policy_loss=pl, eps_low=0.2, eps_high=0.28, kl_coef=0.1, kl_estimator=kl, aggregation=agg)
+    LossConfig(policy_loss=pl, eps_low=0.2, eps_high=0.28, kl_coef=0.1, kl_estimator=kl, aggregation=agg).resolved()
     for pl, agg, kl in itertools.product(("ppo_clip", "gspo"), AGGREGATIONS, ("k1", "k2", "k3"))
 ]
 
@@ -103,7 +103,8 @@ ALL_CONFIGS = [
 def test_flat_loss_equals_reference_objective(cfg, layout):
     batch = make_batch(spread=0.3 if cfg.policy_loss == "ppo_clip" else 1.0)
     if cfg.policy_loss == "gspo":
-        cfg = LossConfig("gspo", 0.05, 0.05, cfg.kl_coef, cfg.kl_estimator, cfg.aggregation)
+        cfg = LossConfig(policy_loss="gspo", eps_low=0.05, eps_high=0.05, kl_coef=cfg.kl_coef,
+                         kl_estimator=cfg.kl_estimator, aggregation=cfg.aggregation).resolved()
     leaf_a = batch["logp"].clone().requires_grad_()
     leaf_b = batch["logp"].clone().requires_grad_()
     loss, metrics = flat_loss(batch, cfg, leaf_a, layout)
@@ -122,7 +123,7 @@ def test_flat_loss_equals_reference_objective(cfg, layout):
 
 def test_padding_garbage_never_leaks():
     batch = make_batch()
-    cfg = LossConfig("ppo_clip", kl_coef=0.1, kl_estimator="k3", aggregation="token_mean")
+    cfg = LossConfig(policy_loss="ppo_clip", kl_coef=0.1, kl_estimator="k3", aggregation="token_mean").resolved()
     dirty = {k: v.clone() for k, v in batch.items()}
     pad = batch["mask"] == 0
     for key in ("logp", "old", "ref"):
@@ -144,14 +145,14 @@ def test_ppo_clip_hand_values_and_clip_higher():
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=DT)
     mask = torch.ones(4, dtype=DT)
     seq = torch.arange(4)
-    sym = LossConfig("ppo_clip", 0.2, 0.2)
+    sym = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.2, kl_coef=0.0).resolved()
     s, m = per_token_objective(logp, old, adv, mask, seq, sym)
     # min(rho A, clip(rho) A): [1.2 (clipped high), -0.8 (clipped low), -1.25, 0.7]
     assert torch.allclose(s, torch.tensor([1.2, -0.8, -1.25, 0.7], dtype=DT))
     assert (m["clip_high_tokens"], m["clip_low_tokens"], m["clipped_tokens"]) == (1, 1, 2)
     (grad,) = torch.autograd.grad(s.sum(), logp)
     assert torch.allclose(grad, torch.tensor([0.0, 0.0, -1.25, 0.7], dtype=DT))  # no gradient through the clip
-    high = LossConfig("ppo_clip", 0.2, 0.28)
+    high = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.0).resolved()
     s_high, m_high = per_token_objective(logp, old, adv, mask, seq, high)
     assert torch.allclose(s_high[0], torch.tensor(1.25, dtype=DT))
     assert m_high["clip_high_tokens"] == 0
@@ -159,7 +160,8 @@ def test_ppo_clip_hand_values_and_clip_higher():
 
 def test_gspo_is_one_term_per_sequence_with_exact_gradient():
     batch = make_batch(spread=0.15, seed=3)
-    cfg = LossConfig("gspo", 0.05, 0.05, aggregation="seq_mean_token_mean")
+    cfg = LossConfig(policy_loss="gspo", eps_low=0.05, eps_high=0.05, kl_coef=0.0,
+                     aggregation="seq_mean_token_mean").resolved()
     b, g, max_len = batch["logp"].shape
     leaf = batch["logp"].clone().requires_grad_()
     loss, _ = flat_loss(batch, cfg, leaf)
@@ -184,7 +186,7 @@ def test_gspo_is_one_term_per_sequence_with_exact_gradient():
 
 def test_gspo_needs_seq_index_on_completion_tokens():
     t = torch.zeros(4, dtype=DT)
-    cfg = LossConfig("gspo")
+    cfg = LossConfig(policy_loss="gspo", kl_coef=0.0).resolved()
     with pytest.raises(ValueError, match="seq_index"):
         per_token_objective(t, t, t, torch.ones(4), None, cfg)
     with pytest.raises(ValueError, match="seq_index"):
@@ -212,13 +214,13 @@ def test_kl_estimators_exact_expectation_under_policy():
 def test_kl_needs_reference():
     t = torch.zeros(3, dtype=DT)
     with pytest.raises(ValueError, match="ref_logp"):
-        loss_numerator(t, t, t, t, torch.ones(3), torch.arange(3), LossConfig(kl_coef=0.1))
+        loss_numerator(t, t, t, t, torch.ones(3), torch.arange(3), LossConfig(kl_coef=0.1).resolved())
 
 
 def test_bf16_inputs_are_upcast():
     batch = make_batch()
     f = flat_padded(batch)
-    cfg = LossConfig()
+    cfg = LossConfig(kl_coef=0.0).resolved()
     tw = torch.ones_like(f["old"])
     num32, _ = loss_numerator(f["logp"].float(), f["old"].float(), f["adv"].float(), tw, f["mask"], f["seq_index"], cfg)
     num16, _ = loss_numerator(
@@ -294,19 +296,20 @@ def test_loss_denominator_errors(kwargs, match):
 )
 def test_loss_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LossConfig(**kwargs)
+        LossConfig(**kwargs).resolved()
 
 
 def test_presets():
     assert set(LOSS_PRESETS) == {"grpo", "dapo", "gspo", "dr_grpo", "verl_grpo", "trl_grpo"}
-    for name, (cfg, estimator) in LOSS_PRESETS.items():
-        assert isinstance(cfg, LossConfig) and estimator in ADVANTAGE_ESTIMATORS
-    assert LOSS_PRESETS["dapo"][0].eps_high > LOSS_PRESETS["dapo"][0].eps_low
-    assert LOSS_PRESETS["dapo"][0].aggregation == "token_mean"
-    assert LOSS_PRESETS["gspo"][0].policy_loss == "gspo"
-    assert LOSS_PRESETS["dr_grpo"] [1] == "dr_grpo"
-    assert LOSS_PRESETS["dr_grpo"][0].aggregation == "seq_mean_token_sum_norm"
-    verl, trl = LOSS_PRESETS["verl_grpo"][0], LOSS_PRESETS["trl_grpo"][0]
+    for name, cfg in LOSS_PRESETS.items():
+        assert isinstance(cfg, LossConfig) and cfg.preset == name and cfg.advantage_estimator in ADVANTAGE_ESTIMATORS
+        assert cfg.is_resolved and cfg.resolved() == cfg  # a preset is final: resolving it changes nothing
+    assert LOSS_PRESETS["dapo"].eps_high > LOSS_PRESETS["dapo"].eps_low
+    assert LOSS_PRESETS["dapo"].aggregation == "token_mean"
+    assert LOSS_PRESETS["gspo"].policy_loss == "gspo"
+    assert LOSS_PRESETS["dr_grpo"].advantage_estimator == "dr_grpo"
+    assert LOSS_PRESETS["dr_grpo"].aggregation == "seq_mean_token_sum_norm"
+    verl, trl = LOSS_PRESETS["verl_grpo"], LOSS_PRESETS["trl_grpo"]
     assert (verl.clip_ratio_c, verl.kl_clamp, verl.kl_coef, verl.aggregation) == (3.0, 10.0, 0.001, "token_mean")
     assert (trl.advantage_eps, trl.kl_coef, trl.aggregation) == (1e-4, 0.0, "token_mean")
 
@@ -317,7 +320,7 @@ def test_registry_new_policy_loss_is_one_function():
         return torch.exp(logp - old_logp) * advantages, {}
 
     try:
-        cfg = LossConfig(policy_loss="_test_vanilla_pg")
+        cfg = LossConfig(policy_loss="_test_vanilla_pg", kl_coef=0.0).resolved()
         logp = torch.tensor([0.0, math.log(2.0)], dtype=DT)
         s, _ = per_token_objective(logp, torch.zeros(2, dtype=DT), torch.tensor([1.0, 3.0], dtype=DT),
                                    torch.ones(2), torch.arange(2), cfg)
@@ -325,4 +328,22 @@ def test_registry_new_policy_loss_is_one_function():
     finally:
         POLICY_LOSSES.unregister("_test_vanilla_pg")
     with pytest.raises(ValueError, match="_test_vanilla_pg"):
-        LossConfig(policy_loss="_test_vanilla_pg")
+        LossConfig(policy_loss="_test_vanilla_pg").resolved()
+
+
+def test_one_loss_config_resolves_to_final_values():
+    """The run's loss section and the loss code's config are one class: as written a field may say "the preset's
+    value" (null, or "preset" where null means off); resolved() gives the same class with every field final, and
+    the loss refuses a config that is not."""
+    section = LossConfig(preset="verl_grpo", eps_high=0.3, kl_clamp=None)
+    assert not section.is_resolved and section.gspo_log_ratio_cap == "preset"
+    final = section.resolved(temperature=0.7)
+    assert type(final) is LossConfig and final.is_resolved
+    assert (final.eps_low, final.eps_high, final.kl_coef, final.aggregation) == (0.2, 0.3, 0.001, "token_mean")
+    assert (final.kl_clamp, final.gspo_log_ratio_cap, final.clip_ratio_c) == (None, 10.0, 3.0)  # null = off
+    assert (final.advantage_estimator, final.temperature) == ("grpo", 0.7)
+    assert final.resolved() == final  # final values stay (the temperature too)
+    assert LossConfig(preset="dr_grpo").resolved() == LOSS_PRESETS["dr_grpo"]
+    t = torch.zeros(2, dtype=DT)
+    with pytest.raises(ValueError, match=r"still say .*resolved\(temperature\)"):
+        per_token_objective(t, t, t, torch.ones(2), torch.arange(2), section)

@@ -153,8 +153,9 @@ def test_every_mini_batch_is_unbiased_under_dppo(mini_batches, policy_loss, aggr
     fixed beforehand from the seed, the ratio live (clipping acts), KL and rollout correction on."""
     p = make_problem()
     eps = (0.2, 0.28) if policy_loss == "ppo_clip" else (0.05, 0.05)
-    cfg = LossConfig(policy_loss, eps[0], eps[1], kl_coef=0.1, kl_estimator="k3", aggregation=aggregation,
-                     clip_ratio_c=dual_clip, rollout_correction=correction, rollout_correction_cap=1.5)
+    cfg = LossConfig(policy_loss=policy_loss, eps_low=eps[0], eps_high=eps[1], kl_coef=0.1, kl_estimator="k3",
+                     aggregation=aggregation, clip_ratio_c=dual_clip, rollout_correction=correction,
+                     rollout_correction_cap=1.5).resolved()
     pruner = DPPOPruner(r_q, 0.5, "bernoulli")
     prompts = pruner.select_prompts(p["history"].expand(DRAWS, B), make_generator(0, 0, "prompts"))
     completions = pruner.select_completions(p["adv"].expand(DRAWS, B, G), make_generator(0, 0, "completions"))
@@ -181,7 +182,8 @@ def test_every_mini_batch_is_unbiased_under_dppo(mini_batches, policy_loss, aggr
 def test_the_same_harness_detects_a_per_mini_batch_denominator_of_kept_units():
     """Dividing each mini-batch by its kept count (instead of the fixed D_m) is biased, and this test sees it."""
     p = make_problem()
-    cfg = LossConfig("ppo_clip", 0.2, 0.28, kl_coef=0.1, kl_estimator="k3", aggregation="seq_mean_token_mean")
+    cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.1, kl_estimator="k3",
+                     aggregation="seq_mean_token_mean").resolved()
     pruner = DPPOPruner(0.5, 0.5, "bernoulli")
     d = DRAWS
     prompts = pruner.select_prompts(p["history"].expand(d, B), make_generator(0, 0, "prompts"))
@@ -205,7 +207,7 @@ def test_rollout_correction_weights_tis_mis_and_metrics():
     u = torch.tensor([1.0, 5.0, 1.25, 0.5 / 0.9, 0.0], dtype=DT)
     tis, m = rollout_correction_weights(old, rollout, mask, LossConfig(rollout_correction="tis",
                                                                        rollout_correction_cap=2.0,
-                                                                       rollout_correction_cap_low=0.6))
+                                                                       rollout_correction_cap_low=0.6).resolved())
     assert torch.allclose(tis, torch.tensor([1.0, 2.0, 1.25, 0.6, 0.0], dtype=DT))
     assert float(m["corrected_tokens"]) == 2 and float(m["tokens"]) == 4
     assert math.isclose(float(m["ratio_sum"]), float(u[:4].sum()))
@@ -214,9 +216,9 @@ def test_rollout_correction_weights_tis_mis_and_metrics():
     assert math.isclose(float(m["k3_sum"]), float((u[:4] - log_u - 1).sum()))
     mis, m = rollout_correction_weights(old, rollout, mask, LossConfig(rollout_correction="mis",
                                                                        rollout_correction_cap=2.0,
-                                                                       rollout_correction_cap_low=0.6))
+                                                                       rollout_correction_cap_low=0.6).resolved())
     assert torch.allclose(mis, torch.tensor([1.0, 0.0, 1.25, 0.0, 0.0], dtype=DT))
-    none, _ = rollout_correction_weights(old, rollout, mask, LossConfig())
+    none, _ = rollout_correction_weights(old, rollout, mask, LossConfig(kl_coef=0.0).resolved())
     assert torch.equal(none, mask)
 
 
@@ -228,7 +230,8 @@ def test_defaults_leave_the_objective_bit_identical():
     adv = f(p["adv"][..., None].expand(B, G, L))
     seq = torch.arange(B * G).repeat_interleave(L)
     for pl in ("ppo_clip", "gspo"):
-        base = LossConfig(pl, 0.2, 0.28, 0.1, "k3", "seq_mean_token_mean")
+        base = LossConfig(policy_loss=pl, eps_low=0.2, eps_high=0.28, kl_coef=0.1, kl_estimator="k3",
+                          aggregation="seq_mean_token_mean").resolved()
         s0, _ = per_token_objective(f(p["logp"]), f(p["old"]), adv, f(p["mask"]), seq, base, f(p["ref"]))
         s1, _ = per_token_objective(f(p["logp"]), f(p["old"]), adv, f(p["mask"]), seq, base, f(p["ref"]), None)
         ones = torch.ones_like(s0)
@@ -237,14 +240,14 @@ def test_defaults_leave_the_objective_bit_identical():
 
 
 def test_dual_clip_bounds_negative_advantage_terms():
-    cfg = LossConfig("ppo_clip", 0.2, 0.2, clip_ratio_c=3.0)
+    cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.2, kl_coef=0.0, clip_ratio_c=3.0).resolved()
     logp = torch.log(torch.tensor([5.0, 5.0, 2.0, 0.5], dtype=DT))
     adv = torch.tensor([-1.0, 1.0, -1.0, -1.0], dtype=DT)
     s, _ = per_token_objective(logp, torch.zeros(4, dtype=DT), adv, torch.ones(4, dtype=DT), None, cfg)
     # A<0, rho=5: min(-5, -1.2) = -5, bounded at 3*A = -3; A>0 untouched (1.2); rho=2: -2 > -3 stays; rho=.5: -0.8
     assert torch.allclose(s, torch.tensor([-3.0, 1.2, -2.0, -0.8], dtype=DT))
     with pytest.raises(ValueError, match="clip_ratio_c must be None"):
-        LossConfig(clip_ratio_c=1.0)
+        LossConfig(clip_ratio_c=1.0).resolved()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -398,8 +401,9 @@ def test_mini_batch_losses_equal_verl(verl_mode, ours, rollout_is, correction):
     p = peer_problem()
     adv = verl_grpo_advantage(p["rewards"])
     assert torch.equal(adv, compute_advantages(p["rewards"], "grpo", 1e-6).reshape(-1))
-    cfg = LossConfig("ppo_clip", 0.2, 0.2, 0.001, "k3", ours, clip_ratio_c=3.0, kl_clamp=10.0,
-                     rollout_correction=correction, rollout_correction_cap=2.0)
+    cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.2, kl_coef=0.001, kl_estimator="k3",
+                     aggregation=ours, clip_ratio_c=3.0, kl_clamp=10.0, rollout_correction=correction,
+                     rollout_correction_cap=2.0).resolved()
     for group, mb in mini_batches_of(p, 2):
         adv_mb = torch.cat([adv[q * p["G"]:(q + 1) * p["G"]] for q in group])
         theirs_leaf = mb["logp"].clone().requires_grad_()
@@ -426,8 +430,9 @@ def test_mini_batch_losses_equal_trl(loss_type, ours, beta, is_mode, correction)
     p = peer_problem(seed=2)
     adv = trl_grpo_advantage(p["rewards"])
     assert torch.allclose(adv, compute_advantages(p["rewards"], "grpo", 1e-4).reshape(-1), rtol=1e-14, atol=1e-15)
-    cfg = LossConfig("ppo_clip", 0.2, 0.2, beta, "k3", ours, advantage_eps=1e-4, rollout_correction=correction,
-                     rollout_correction_cap=2.0)
+    cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.2, kl_coef=beta, kl_estimator="k3",
+                     aggregation=ours, advantage_eps=1e-4, rollout_correction=correction,
+                     rollout_correction_cap=2.0).resolved()
     for group, mb in mini_batches_of(p, 2):
         adv_mb = torch.cat([adv[q * p["G"]:(q + 1) * p["G"]] for q in group])
         theirs_leaf = mb["logp"].clone().requires_grad_()
@@ -450,7 +455,7 @@ def test_slime_tis_and_icepop_weights():
     slime_ice = torch.where((tis_ratio >= 0.1) & (tis_ratio <= 2.0), tis_ratio, torch.zeros_like(tis_ratio))
     ones = torch.ones_like(old)
     for mode, expected in (("tis", slime_tis), ("mis", slime_ice)):
-        cfg = LossConfig(rollout_correction=mode, rollout_correction_cap=2.0, rollout_correction_cap_low=0.1)
+        cfg = LossConfig(rollout_correction=mode, rollout_correction_cap=2.0, rollout_correction_cap_low=0.1).resolved()
         ours, _ = rollout_correction_weights(old, rollout, ones, cfg)
         assert torch.allclose(ours, expected, rtol=1e-14, atol=0)
     assert bool((tis_ratio > 2.0).any()) and bool((tis_ratio < 2.0).any())  # the caps act
@@ -554,7 +559,7 @@ def test_rollout_correction_stage_places_engine_logprobs_at_the_completion_token
         return micro_batches
 
     micro_batches = packed()
-    loss_cfg = LossConfig(rollout_correction="tis", rollout_correction_cap=2.0)
+    loss_cfg = LossConfig(rollout_correction="tis", rollout_correction_cap=2.0).resolved()
     metrics = correct_rollout_mismatch(loss_cfg, rollout, [batch], [micro_batches])
     (mb,) = micro_batches
     per_seq = dict(zip(mb.sample_ids.tolist(), mb.completion_values(mb.rollout_weight)))
@@ -592,7 +597,8 @@ def test_one_mini_batch_one_epoch_is_todays_step():
     )
 
     cfg = load_config(None, ["train.recompute_old_logprobs=false"], validate=False)
-    side = TrainSide(cfg=cfg, engine=None, loss_cfg=LossConfig(), estimator="grpo", pruner=None)
+    side = TrainSide(cfg=cfg, engine=None, loss_cfg=LossConfig(kl_coef=0.0).resolved(), estimator="grpo",
+                     pruner=None)
     batch = object()
     assert split_mini_batches(side, [], None, None, None, batch, step=0) == [batch]
     assert split_mini_batches(side, [], None, None, None, batch, step=0)[0] is batch
@@ -602,8 +608,9 @@ def test_one_mini_batch_one_epoch_is_todays_step():
         several = load_config(None, [f"{key}={value}"], validate=False)
         assert several_updates_per_rollout(several)
         with pytest.raises(AttributeError):  # several updates: the old-log-prob pass runs (here: no engine)
-            fill_old_and_reference_logprobs(TrainSide(cfg=several, engine=None, loss_cfg=LossConfig(),
-                                                      estimator="grpo", pruner=None), [[]])
+            no_kl = LossConfig(kl_coef=0.0).resolved()
+            fill_old_and_reference_logprobs(TrainSide(cfg=several, engine=None, loss_cfg=no_kl, estimator="grpo",
+                                                      pruner=None), [[]])
 
 
 def test_update_metrics_of_several_updates():

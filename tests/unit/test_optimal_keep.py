@@ -216,8 +216,8 @@ def weights_and_denominator(p, cfg, pruner, d=DRAWS, seed=0):
 
 def kl_config(policy_loss, aggregation, kl: bool) -> LossConfig:
     cfg = TP.config(policy_loss, aggregation)
-    return cfg if kl else LossConfig(cfg.policy_loss, cfg.eps_low, cfg.eps_high, kl_coef=0.0,
-                                     aggregation=aggregation)
+    return cfg if kl else LossConfig(policy_loss=cfg.policy_loss, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                     kl_coef=0.0, aggregation=aggregation).resolved()
 
 
 GRID = [(pl, agg, kl) for pl, agg in TP.LOSS_GRID if agg != "token_mean" for kl in (True, False)]
@@ -265,8 +265,9 @@ def test_every_mini_batch_is_unbiased_under_optimal(mini_batches, policy_loss, a
                                                     r_q):
     p = TM.make_problem()
     eps = (0.2, 0.28) if policy_loss == "ppo_clip" else (0.05, 0.05)
-    cfg = LossConfig(policy_loss, eps[0], eps[1], kl_coef=0.1, kl_estimator="k3", aggregation=aggregation,
-                     clip_ratio_c=dual_clip, rollout_correction=correction, rollout_correction_cap=1.5)
+    cfg = LossConfig(policy_loss=policy_loss, eps_low=eps[0], eps_high=eps[1], kl_coef=0.1, kl_estimator="k3",
+                     aggregation=aggregation, clip_ratio_c=dual_clip, rollout_correction=correction,
+                     rollout_correction_cap=1.5).resolved()
     prompts, completions = optimal_draws(p, optimal(r_q=r_q))
     weights = combine(prompts, completions).weight.to(DT)
     for group in split_prompts(B, mini_batches, make_generator(0, 0, "mini_batches")):

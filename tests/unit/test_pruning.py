@@ -86,7 +86,8 @@ def make_problem(seed: int = 0, dtype=DT) -> dict:
 
 def config(policy_loss: str, aggregation: str) -> LossConfig:
     eps = (0.2, 0.28) if policy_loss == "ppo_clip" else (0.05, 0.05)
-    return LossConfig(policy_loss, eps[0], eps[1], kl_coef=0.1, kl_estimator="k3", aggregation=aggregation)
+    return LossConfig(policy_loss=policy_loss, eps_low=eps[0], eps_high=eps[1], kl_coef=0.1, kl_estimator="k3",
+                      aggregation=aggregation).resolved()
 
 
 def full_denominator(p: dict, cfg: LossConfig) -> float:

@@ -53,9 +53,9 @@ def _single_thread():
 
 def problem(preset: str) -> tuple[dict, object]:
     p = TP.make_problem(seed=3)
-    cfg, estimator = LOSS_PRESETS[preset]
+    cfg = LOSS_PRESETS[preset]
     p["rewards"] = REWARDS
-    p["adv"] = compute_advantages(REWARDS, estimator)
+    p["adv"] = compute_advantages(REWARDS, cfg.advantage_estimator)
     return p, cfg
 
 
@@ -100,7 +100,7 @@ def draws(p: dict, cfg, estimator: str, rule: str = "exact", d: int = DRAWS, see
 
 def z_of(preset: str, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     p, cfg = problem(preset)
-    estimator = LOSS_PRESETS[preset][1]
+    estimator = cfg.advantage_estimator
     w = draws(p, cfg, estimator, rule)
     den = torch.full((w.shape[0],), screening_denominator(cfg.aggregation, B, G, L), dtype=DT)
     samples = TP.pruned_losses_and_grads(p, cfg, w, den)
