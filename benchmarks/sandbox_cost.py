@@ -11,7 +11,8 @@ sandbox").
    calculator (in-process, no sandbox), the python tool under bwrap, the python tool with isolation=none (both with
    ``print_last``, so a correct call is answered exactly as the calculator answers it). Per arm: held-out pass@1
    after RL (the test split), RL wall and CPU seconds (process + children, from wait4: the sandboxes' CPU
-   included), the generation phase's share of the step, tool calls and errors per episode.
+   included, except under bwrap: see ``rl_step_cpu_s``), the RL steps' CPU seconds with every sandboxed call
+   (``time/step_cpu``), the generation phase's share of the step, tool calls and errors per episode.
 
     .venv/bin/python benchmarks/sandbox_cost.py --calls 50 --steps 20 --out runs/sandbox_cost/results.json
 """
@@ -97,12 +98,16 @@ def training(args, work: Path) -> dict:
         gen_s = sum(r.get("time/generate", 0.0) for r in rl)
         out[arm] = {"pass@1_before": evals[0][key], "pass@1_after": evals[-1][key], "metric": key,
                     "process_wall_s": usage["wall_s"], "process_cpu_s": usage["cpu_s"], "steps": len(rl),
+                    # the steps' CPU with every child and sandboxed call (time/step_cpu; wait4 cannot see the calls
+                    # reaped inside bubblewrap's pid namespace, so process_cpu_s undercounts the bwrap arm)
+                    "rl_step_cpu_s": sum(r["time/step_cpu"] for r in rl),
                     "step_s_mean": step_s / len(rl), "generate_share": gen_s / step_s if step_s else 0.0,
                     "tool_calls_per_episode": statistics.fmean(r.get("env/tool_calls_mean", 0.0) for r in rl),
                     "tool_errors_per_step": statistics.fmean(r.get("env/tool_errors", 0.0) for r in rl),
                     "reward_mean": statistics.fmean(r["reward/mean"] for r in rl)}
         print(f"   {arm}: pass@1 {out[arm]['pass@1_before']:.3f} -> {out[arm]['pass@1_after']:.3f}, step "
-              f"{out[arm]['step_s_mean']:.2f} s (generation {100 * out[arm]['generate_share']:.0f}%), process CPU "
+              f"{out[arm]['step_s_mean']:.2f} s (generation {100 * out[arm]['generate_share']:.0f}%), RL steps' CPU "
+              f"{out[arm]['rl_step_cpu_s']:.0f} s, process CPU "
               f"{usage['cpu_s']:.0f} s", flush=True)
     return out
 
