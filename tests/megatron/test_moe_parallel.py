@@ -305,7 +305,8 @@ def moe_resume_worker(root: str, ep: int = 2, distributed_optimizer: bool = Fals
     if distributed_optimizer:
         initialize_parallel(ParallelConfig(ep=1), F.SEED, arch)
         try:
-            load_checkpoint(PolicyEngine(arch, ParallelConfig(ep=1), optim, loss_cfg), root, load_optimizer=True)
+            load_checkpoint(PolicyEngine(arch, ParallelConfig(ep=1), optim, loss_cfg, total_steps=8), root,
+                            load_optimizer=True)
         except ValueError as err:
             refusal = str(err)
     return {"refusal": refusal, "straight": straight, "resumed": resumed, "adam_tensors": len(adam_a),
