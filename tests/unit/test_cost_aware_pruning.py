@@ -30,14 +30,6 @@ DRAWS = 4000
 NAN = float("nan")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Water-filling with costs
 # ------------------------------------------------------------------------------------------------------------

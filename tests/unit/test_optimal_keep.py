@@ -22,14 +22,6 @@ B, G = TP.B, TP.G
 DRAWS = TP.DRAWS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def variance(pi: torch.Tensor, s: torch.Tensor) -> float:
     """sum (1 - pi)/pi s^2 over s > 0 (inf if such a unit has pi = 0)."""
     s2 = s.double() ** 2

@@ -41,14 +41,6 @@ CASES = [(name, ()) for name in PRUNERS.names()] + [(n, v) for n in PRUNERS.name
 CASE_IDS = ["-".join((name, *(o.split("=", 1)[1] for o in extra))) for name, extra in CASES]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_pruner(name: str, extra=()) -> Pruner:
     cfg = load_config("examples/quickstart.yaml", [f"algo.pruner={name}", f"train.group_size={G}",
                                                    f"train.prompts_per_step={B}", "loss.kl_coef=0.1", *extra])

@@ -43,14 +43,6 @@ REWARDS = torch.tensor([[1, 1, 0, 1],   # constant screen, mixed group: SPEED ne
                         [1, 1, 1, 1]], dtype=DT)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def problem(preset: str) -> tuple[dict, object]:
     p = TP.make_problem(seed=3)
     cfg = LOSS_PRESETS[preset]
