@@ -20,6 +20,7 @@ was killed mid-call.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -58,9 +59,11 @@ def _own_paths() -> dict[str, str]:
     return paths
 
 
+@functools.lru_cache(maxsize=1)
 def _parent_dirs() -> tuple[str, dict[str, str]] | str:
     """("v1" | "v2", {controller: the directory new groups are made in}) or the reason there is none. On v1 the
-    ``cpuacct`` hierarchy is used too where it is mounted (the call's CPU seconds; optional)."""
+    ``cpuacct`` hierarchy is used too where it is mounted (the call's CPU seconds; optional). Read once per process
+    (the mounts and the trainer's own group do not change under it), not once per call."""
     mounts, own = _mounts(), _own_paths()
     v1 = {}
     for controller in ("memory", "pids", "cpuacct"):

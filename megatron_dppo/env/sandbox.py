@@ -139,18 +139,23 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-@functools.lru_cache(maxsize=8)
 def limits_scope(isolation: str, python: str | None = None, site_packages: bool = True) -> str:
     """Check once, before the first call, that ``isolation`` works here, and say how the call's limits will hold:
     "cgroup" (memory and processes of the whole call), "rlimit" (per process; the process count still per call)
-    or "none" (``isolation: none``). Raises :class:`SandboxUnavailable` with the missing piece and the opt-out."""
+    or "none" (``isolation: none``). Raises :class:`SandboxUnavailable` with the missing piece and the opt-out.
+    ``python``: the sandbox's interpreter (None: this one); checked once per process and argument set."""
     if isolation not in ISOLATIONS:
         raise ValueError(f"python tool isolation must be one of {ISOLATIONS}, got {isolation!r}")
     if isolation == "none":
         return "none"
+    return _checked_scope(python or sys.executable, bool(site_packages))
+
+
+@functools.lru_cache(maxsize=8)
+def _checked_scope(python: str, site_packages: bool) -> str:
     optout = ("; to run model-written code WITHOUT isolation (it can then kill the trainer, delete checkpoints and "
               "read secrets) set env.kwargs.isolation=none explicitly")
-    reason = bubblewrap.probe(python or sys.executable, bool(site_packages))
+    reason = bubblewrap.probe(python, site_packages)
     if reason is not None:
         raise SandboxUnavailable(f"the python tool's sandbox cannot start: {reason}{optout}")
     why_not = cgroup.probe()
