@@ -98,6 +98,7 @@ def test_bf16_engine_trains_bf16_params_with_fp32_masters_and_state(world, distr
     for m in masters:
         assert {opt.state[m]["exp_avg"].dtype, opt.state[m]["exp_avg_sq"].dtype} == {torch.float32}
     assert any(bool((m != m.bfloat16().float()).any()) for m in masters)  # not bf16-representable: real masters
+    assert {p.dtype for c in engine.reference_chunks for p in c.parameters()} == {torch.bfloat16}  # the reference
     if not distributed_optimizer:  # every bf16 parameter is its master rounded to bf16
         for p in params:
             assert torch.equal(p, p.main_param.bfloat16())
@@ -217,3 +218,33 @@ def test_fp16_trains_with_megatrons_dynamic_loss_scaler(world):
     masters = [p for g in opt.param_groups for p in g["params"]]
     assert {m.dtype for m in masters} == {torch.float32}
     assert {opt.state[masters[0]]["exp_avg"].dtype} == {torch.float32}
+
+
+def test_bf16_lora_trains_bf16_adapters_with_fp32_masters_and_keeps_the_base(world):
+    """LoRA under bf16: the frozen base and the adapters are bf16; the optimizer holds fp32 masters of the adapters
+    only; two steps move every adapter tensor and no base weight; the reference (adapters off) gives fp32 log-probs."""
+    from megatron_dppo.algo.losses import LossConfig
+    from megatron_dppo.megatron import lora as L
+    from megatron_dppo.megatron.checkpoint import _inner_torch_optimizers
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything
+
+    seed_everything(F.SEED)
+    loss_cfg = LossConfig(kl_coef=0.05, kl_estimator="k3").resolved()
+    engine = PolicyEngine(F.tiny_arch("qwen2", num_layers=2), ParallelConfig(), OptimConfig(lr=1e-2), loss_cfg,
+                          lora=L.LoraConfig(rank=4, alpha=8.0), dtype=torch.bfloat16)
+    named = dict(engine.modules[0].named_parameters())
+    assert {p.dtype for p in named.values()} == {torch.bfloat16}
+    before = {n: p.detach().clone() for n, p in named.items()}
+    batches, D = _batches(engine)
+    engine.fill_logprobs(batches)
+    assert all(b.ref_logprobs.dtype == torch.float32 for b in batches)
+    for _ in range(2):  # (B starts at 0, so A moves from the second update on)
+        engine.fill_logprobs(batches)
+        assert engine.train_step(batches, D)["update_ok"] == 1.0
+    for n, p in named.items():
+        assert torch.equal(p, before[n]) != L.is_lora_param(n), n  # base unchanged, every adapter moved
+    (opt,) = _inner_torch_optimizers(engine)
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    assert {m.dtype for m in masters} == {torch.float32}
+    assert sum(m.numel() for m in masters) == sum(p.numel() for p in L.lora_parameters(engine.modules))
