@@ -1,0 +1,308 @@
+"""bf16 mixed precision in the training engine on CPU: parity with fp32, the train phase's CPU seconds, peak RSS.
+
+    .venv/bin/python -m benchmarks.bf16_parity --out docs/benchmarks/bf16_parity.json
+
+One thread (``--threads``). Measured in one process, one after the other (the RSS workers in their own):
+
+1. **Parity, tiny model** (the test suite's 2-layer Llama, 3 x 4 GRPO batch, PPO clip + k3 KL): an fp32 engine and a
+   bf16 engine holding the same weights (the fp32 ones rounded to bf16, fp32 masters from them); the log-probs at the
+   loss positions, then one step on the same old / reference log-probs: loss, grad norm and the relative L2 error of
+   the whole gradient (fp32 ``main_grad`` in both), each against the bound from bf16's rounding
+   (tests/megatron/test_bf16.py's docstring: K = 12 L + 3 roundings in series, u = 2^-8; worst case first order
+   |d log p| <= 2 K u Z with Z the largest |logit|, gradient and loss relative <= 2 K u; and the random-walk estimate
+   sqrt(K) u, rounding errors of independent signs).
+2. **Parity and the train phase on SmolLM2-135M-Instruct** (``examples/smollm2_list_max_cpu.yaml``: 8 prompts x 8
+   completions of <= 32 tokens, GRPO, the trainer's own step): one RL step of the fp32 run gives the step's packed
+   micro-batches; a bf16 engine gets the fp32 policy's weights; the same parity figures as (1); then the train phase
+   (``PolicyEngine.train_step``) and the old-log-prob pass (``fill_logprobs``) of both engines on those micro-batches,
+   interleaved fp32 / bf16, ``--reps`` times, in process CPU seconds; the train phase's FLOP (counted as
+   ``benchmarks/real_step_profile.py`` does) per CPU second against ``torch.mm`` 512 x 1536 x 1536 in fp32 and bf16
+   measured in this process.
+3. **Peak RSS of a training process** (the train side: the engine, its optimizer and two train steps on the same
+   micro-batches; no rollout engine), fp32 and bf16, each in a fresh process (``ru_maxrss``).
+
+The box is shared with other users: CPU seconds, not wall clock, are the figures that count.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if not __package__:  # `python benchmarks/bf16_parity.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import QUIET, REPO, machine, write_json
+
+U_BF16 = 2.0 ** -8
+
+
+def rounding_chain(num_layers: int) -> int:
+    return 12 * num_layers + 3
+
+
+# ----------------------------------------------------------------------------------------------------------
+# parity of two engines on the same micro-batches
+# ----------------------------------------------------------------------------------------------------------
+def copy_weights(dst, src) -> None:
+    import torch
+
+    with torch.no_grad():
+        for pd, ps in zip((p for m in dst.modules for p in m.parameters()),
+                          (p for m in src.modules for p in m.parameters())):
+            pd.copy_(ps)
+    dst.optimizer.reload_model_params()
+    if dst.reference_chunks is not None:
+        dst.sync_reference_from_policy()
+
+
+def max_abs_logit(engine, batches) -> float:
+    import torch
+
+    from megatron_dppo.megatron.logprobs import forward_thd
+
+    with torch.no_grad():
+        return max(float(forward_thd(engine.modules[0], b, loss_positions_only=True).float().abs().max())
+                   for b in batches)
+
+
+def parity(f32, b16, batches, denominator: float, num_layers: int, perturb: bool) -> dict:
+    """Log-probs, then one step on the same old (and reference) log-probs: bf16 against fp32."""
+    import torch
+
+    K = rounding_chain(num_layers)
+    Z = max_abs_logit(f32, batches)
+    lp32, lp16 = f32.compute_logprobs(batches), b16.compute_logprobs(batches)
+    diffs = torch.cat([(a - b)[m > 0] for a, b, m in zip(lp32, lp16, (bt.loss_mask for bt in batches))]).abs()
+    for i, (b, lp) in enumerate(zip(batches, lp32)):
+        shift = 0.3 * torch.sin(torch.arange(lp.numel(), dtype=torch.float32) + i) if perturb else 0.0
+        b.old_logprobs = lp + shift
+        b.ref_logprobs = lp.clone() if f32.loss_cfg.kl_coef > 0 else None
+    m32, m16 = f32.train_step(batches, denominator), b16.train_step(batches, denominator)
+    g32 = torch.cat([p.main_grad.flatten() for m in f32.modules for p in m.parameters()])
+    g16 = torch.cat([p.main_grad.flatten() for m in b16.modules for p in m.parameters()])
+    return {
+        "num_layers": num_layers, "K": K, "max_abs_logit_Z": Z, "loss_positions": int(diffs.numel()),
+        "logprob_abs_diff": {"max": float(diffs.max()), "mean": float(diffs.mean()),
+                             "p99": float(diffs.quantile(0.99)) if diffs.numel() else 0.0},
+        "logprob_bound_worst_case": 2 * K * U_BF16 * Z,
+        "logprob_estimate_random_walk": 2 * math.sqrt(K) * U_BF16 * Z,
+        "loss": {"fp32": m32["loss"], "bf16": m16["loss"],
+                 "rel_diff": abs(m16["loss"] - m32["loss"]) / max(abs(m32["loss"]), 1e-30)},
+        "grad_norm": {"fp32": m32["grad_norm"], "bf16": m16["grad_norm"],
+                      "rel_diff": abs(m16["grad_norm"] - m32["grad_norm"]) / m32["grad_norm"]},
+        "grad_rel_l2": float((g16 - g32).norm() / g32.norm()),
+        "grad_cosine": float(torch.nn.functional.cosine_similarity(g16, g32, dim=0)),
+        "relative_bound_worst_case": 2 * K * U_BF16,
+        "relative_estimate_random_walk": 2 * math.sqrt(K) * U_BF16,
+    }
+
+
+def tiny_parity() -> dict:
+    import torch
+
+    sys.path.insert(0, str(REPO / "tests" / "megatron"))
+    import _engine_fixtures as F
+
+    from megatron_dppo.algo.losses import LossConfig, loss_denominator
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything, single_process_world
+
+    with single_process_world(seed=F.SEED):
+        loss_cfg = LossConfig(policy_loss="ppo_clip", kl_coef=0.05, kl_estimator="k3").resolved()
+        engines = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            seed_everything(F.SEED)
+            engines[dtype] = PolicyEngine(F.tiny_arch("llama", num_layers=2, tie=False), ParallelConfig(),
+                                          OptimConfig(lr=1e-2), loss_cfg, dtype=dtype)
+        copy_weights(engines[torch.bfloat16], engines[torch.float32])
+        data = F.make_sequences()
+        batches = F.rank_micro_batches(data, loss_cfg, 0, 1, 1)
+        return parity(engines[torch.float32], engines[torch.bfloat16], batches,
+                      loss_denominator(loss_cfg.aggregation, data["B"], data["G"]), 2, perturb=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# matmul rate, train-phase timing
+# ----------------------------------------------------------------------------------------------------------
+def mm_rate(dtype, m: int = 512, k: int = 1536, n: int = 1536, reps: int = 5) -> float:
+    """Best GFLOP per CPU second of ``torch.mm`` [m, k] x [k, n] over ``reps`` repetitions of ~2 GFLOP."""
+    import torch
+
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    torch.mm(a, b)
+    flop = 2.0 * m * k * n
+    count = max(1, int(2e9 // flop))
+    best = 0.0
+    for _ in range(reps):
+        c0 = time.process_time()
+        for _ in range(count):
+            torch.mm(a, b)
+        best = max(best, flop * count / (time.process_time() - c0) / 1e9)
+    return best
+
+
+def timed_phases(engines: dict, batches, denominator: float, reps: int) -> dict:
+    """CPU seconds of the old-log-prob pass and of ``train_step``, interleaved over the engines."""
+    times = {name: {"logprob": [], "train": []} for name in engines}
+    for _ in range(reps):
+        for name, engine in engines.items():
+            for b in batches:
+                b.old_logprobs = b.ref_logprobs = None
+            c0 = time.process_time()
+            engine.fill_logprobs(batches)
+            c1 = time.process_time()
+            engine.train_step(batches, denominator)
+            c2 = time.process_time()
+            times[name]["logprob"].append(c1 - c0)
+            times[name]["train"].append(c2 - c1)
+    return times
+
+
+def smollm2(args) -> tuple[dict, Path]:
+    import torch
+
+    from benchmarks.real_step_profile import sequence_lengths, train_flop
+    from megatron_dppo.config import load_config
+    from megatron_dppo.megatron.engine import PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig
+    from megatron_dppo.run.setup import setup, teardown
+    from megatron_dppo.train.loop import rl_step
+
+    work = Path(tempfile.mkdtemp(prefix="bf16_parity-"))
+    cfg = load_config(args.config, [f"train.output_dir={work}", "eval.every=0", "checkpoint.every=0", *QUIET,
+                                    "logging.print_every=0", f"train.cpu_threads={args.threads}",
+                                    f"model.gguf_cache={args.gguf_cache}", "model.dtype=float32", *args.overrides])
+    run = setup(cfg, resume=False)
+    torch.set_num_threads(args.threads)
+    batches: list = []
+    engine = run.train_side.engine
+    original = engine.train_step
+
+    def recording(micro_batches, denominator):
+        batches.extend(micro_batches)
+        recording.denominator = denominator
+        return original(micro_batches, denominator)
+
+    engine.train_step = recording
+    try:
+        rl_step(run, 0)
+    finally:
+        engine.train_step = original
+    denominator = recording.denominator
+    b16 = PolicyEngine(run.arch, ParallelConfig(), engine.optim_cfg, engine.loss_cfg, dtype=torch.bfloat16)
+    copy_weights(b16, engine)
+    out = {"parity": parity(engine, b16, batches, denominator, run.arch.num_layers, perturb=False)}
+    print(f"SmolLM2 parity: {out['parity']}", flush=True)
+    copy_weights(b16, engine)  # (the parity step moved both; start the timing from the same weights)
+    lengths, loss_positions = sequence_lengths(batches)
+    flop = train_flop(run.arch, lengths, loss_positions if engine.logits_at_loss_positions else sum(lengths))
+    mm = {"fp32": mm_rate(torch.float32), "bf16": mm_rate(torch.bfloat16)}
+    times = timed_phases({"fp32": engine, "bf16": b16}, batches, denominator, args.reps)
+    mm_after = {"fp32": mm_rate(torch.float32), "bf16": mm_rate(torch.bfloat16)}
+    med = {name: {phase: statistics.median(v) for phase, v in t.items()} for name, t in times.items()}
+    out["train_phase"] = {
+        "micro_batches": len(batches), "sequences": len(lengths), "positions": sum(lengths),
+        "loss_positions": loss_positions, "train_flop": flop, "cpu_s": times, "cpu_s_median": med,
+        "bf16_over_fp32": {phase: med["bf16"][phase] / med["fp32"][phase] for phase in ("logprob", "train")},
+        "mm_512x1536x1536_gflop_per_cpu_s": {"before": mm, "after": mm_after},
+        "train_gflop_per_cpu_s": {name: flop / med[name]["train"] / 1e9 for name in med},
+    }
+    best_mm = {k: max(mm[k], mm_after[k]) for k in mm}
+    out["train_phase"]["fraction_of_mm_rate"] = {
+        name: out["train_phase"]["train_gflop_per_cpu_s"][name] / best_mm[name] for name in med}
+    out["train_phase"]["bf16_fraction_of_bf16_mm"] = out["train_phase"]["fraction_of_mm_rate"]["bf16"]
+    batch_file = work / "micro_batches.pt"
+    for b in batches:
+        b.old_logprobs = b.ref_logprobs = None
+    torch.save({"batches": batches, "denominator": denominator}, batch_file)
+    teardown(run)
+    return out, batch_file
+
+
+# ----------------------------------------------------------------------------------------------------------
+# peak RSS of the train side, one fresh process per dtype
+# ----------------------------------------------------------------------------------------------------------
+def rss_worker(args) -> None:
+    import torch
+
+    from megatron_dppo.algo.losses import LossConfig
+    from megatron_dppo.convert.checkpoint import load_hf_folder
+    from megatron_dppo.convert.gguf import smollm2_hf_dir
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.model import ModelArch
+    from megatron_dppo.megatron.parallel import ParallelConfig, single_process_world
+
+    torch.set_num_threads(args.threads)
+    hf_dir = smollm2_hf_dir(args.gguf_cache)
+    import json
+
+    arch = ModelArch.from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    saved = torch.load(args.batches, weights_only=False)
+    rss = {"start_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    with single_process_world():
+        engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-6), LossConfig(kl_coef=0.0).resolved(),
+                              dtype=getattr(torch, args.rss_worker))
+        load_hf_folder(engine.model_chunks, hf_dir, arch)
+        engine.optimizer.reload_model_params()
+        rss["engine_built_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        for _ in range(2):
+            engine.fill_logprobs(saved["batches"])
+            engine.train_step(saved["batches"], saved["denominator"])
+        rss["peak_after_2_steps_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RSS " + json.dumps(rss), flush=True)
+
+
+def peak_rss(args, batch_file: Path) -> dict:
+    import json
+
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        cmd = [sys.executable, "-m", "benchmarks.bf16_parity", "--rss-worker", dtype, "--batches", str(batch_file),
+               "--threads", str(args.threads), "--gguf-cache", args.gguf_cache]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RSS ")][-1]
+        out[dtype] = json.loads(line[4:])
+        print(f"peak RSS {dtype}: {out[dtype]}", flush=True)
+    out["bf16_over_fp32"] = out["bfloat16"]["peak_after_2_steps_mib"] / out["float32"]["peak_after_2_steps_mib"]
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(REPO / "examples" / "smollm2_list_max_cpu.yaml"))
+    ap.add_argument("--gguf-cache", default="/work/cache/smollm2",
+                    help="model.gguf_cache: where the converted SmolLM2 folder is (or is converted to)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--skip-smollm2", action="store_true", help="the tiny model's parity only")
+    ap.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--batches", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.rss_worker:
+        return rss_worker(args)
+    load_before = machine()["load_avg_1m"]
+    c0 = time.process_time()
+    report = {"machine": machine(), "load_avg_1m_before": load_before, "threads": args.threads,
+              "shared_machine": True, "tiny": tiny_parity()}
+    print(f"tiny parity: {report['tiny']}", flush=True)
+    if not args.skip_smollm2:
+        report["smollm2"], batch_file = smollm2(args)
+        print(f"train phase: {report['smollm2']['train_phase']['cpu_s_median']}", flush=True)
+        report["peak_rss"] = peak_rss(args, batch_file)
+    report["cpu_s_total"] = time.process_time() - c0
+    write_json(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
