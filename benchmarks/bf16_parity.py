@@ -4,7 +4,8 @@
 
 One thread (``--threads``). Measured in one process, one after the other (the RSS workers in their own):
 
-1. **Parity, tiny model** (the test suite's 2-layer Llama, 3 x 4 GRPO batch, PPO clip + k3 KL): an fp32 engine and a
+1. **Parity, tiny model** (a 2-layer Llama as in the tests, 12 random sequences in 3 packed micro-batches, PPO clip +
+   k3 KL): an fp32 engine and a
    bf16 engine holding the same weights (the fp32 ones rounded to bf16, fp32 masters from them); the log-probs at the
    loss positions, then one step on the same old / reference log-probs: loss, grad norm and the relative L2 error of
    the whole gradient (fp32 ``main_grad`` in both), each against the bound from bf16's rounding
@@ -103,28 +104,48 @@ def parity(f32, b16, batches, denominator: float, num_layers: int, perturb: bool
     }
 
 
-def tiny_parity() -> dict:
+def tiny_micro_batches(seed: int = 0, sequences: int = 12, per_batch: int = 4) -> list:
+    """Packed micro-batches of random sequences (prompt 2-5 tokens, completion 1-8) with advantages +-1 and
+    weights 1 / completion length (a seq-mean-token-mean GRPO batch)."""
     import torch
 
-    sys.path.insert(0, str(REPO / "tests" / "megatron"))
-    import _engine_fixtures as F
+    from megatron_dppo.packing import build_thd_batch
 
-    from megatron_dppo.algo.losses import LossConfig, loss_denominator
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for start in range(0, sequences, per_batch):
+        seqs, prompts, adv, weights = [], [], [], []
+        for _ in range(per_batch):
+            p, c = int(torch.randint(2, 6, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+            seqs.append(torch.randint(1, 256, (p + c,), generator=g).tolist())
+            prompts.append(p)
+            adv.append(float(torch.randint(0, 2, (1,), generator=g)) * 2 - 1)
+            weights.append(1.0 / c)
+        batches.append(build_thd_batch(seqs, prompts, list(range(start, start + per_batch)), adv, weights))
+    return batches
+
+
+def tiny_parity() -> dict:
+    """(1): a 2-layer Llama (hidden 64, 4 heads, vocab 256), PPO clip + k3 KL, in a world of one process."""
+    import torch
+
+    from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.model import ModelArch
     from megatron_dppo.megatron.parallel import ParallelConfig, seed_everything, single_process_world
 
-    with single_process_world(seed=F.SEED):
+    arch = ModelArch(family="llama", vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=2,
+                     num_attention_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, norm_eps=1e-6,
+                     tie_embeddings=False, qkv_bias=False, qk_norm=False, max_position_embeddings=256)
+    with single_process_world(seed=1234):
         loss_cfg = LossConfig(policy_loss="ppo_clip", kl_coef=0.05, kl_estimator="k3").resolved()
         engines = {}
         for dtype in (torch.float32, torch.bfloat16):
-            seed_everything(F.SEED)
-            engines[dtype] = PolicyEngine(F.tiny_arch("llama", num_layers=2, tie=False), ParallelConfig(),
-                                          OptimConfig(lr=1e-2), loss_cfg, dtype=dtype)
+            seed_everything(1234)
+            engines[dtype] = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-2), loss_cfg, dtype=dtype)
         copy_weights(engines[torch.bfloat16], engines[torch.float32])
-        data = F.make_sequences()
-        batches = F.rank_micro_batches(data, loss_cfg, 0, 1, 1)
-        return parity(engines[torch.float32], engines[torch.bfloat16], batches,
-                      loss_denominator(loss_cfg.aggregation, data["B"], data["G"]), 2, perturb=True)
+        batches = tiny_micro_batches()
+        return parity(engines[torch.float32], engines[torch.bfloat16], batches, 12.0, arch.num_layers, perturb=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
