@@ -5,13 +5,13 @@
 One thread (``--threads``). Measured in one process, one after the other (the RSS workers in their own):
 
 1. **Parity, tiny model** (a 2-layer Llama as in the tests, 12 random sequences in 3 packed micro-batches, PPO clip +
-   k3 KL): an fp32 engine and a
-   bf16 engine holding the same weights (the fp32 ones rounded to bf16, fp32 masters from them); the log-probs at the
-   loss positions, then one step on the same old / reference log-probs: loss, grad norm and the relative L2 error of
-   the whole gradient (fp32 ``main_grad`` in both), each against the bound from bf16's rounding
-   (tests/megatron/test_bf16.py's docstring: K = 12 L + 3 roundings in series, u = 2^-8; worst case first order
-   |d log p| <= 2 K u Z with Z the largest |logit|, gradient and loss relative <= 2 K u; and the random-walk estimate
-   sqrt(K) u, rounding errors of independent signs).
+   k3 KL): an fp32 engine and a bf16 engine holding the same weights (the fp32 ones rounded to bf16, fp32 masters
+   from them); the log-probs at the loss positions, then one step of each (``parity``: with each engine's own old
+   log-probs as in a run, and with the fp32 engine's perturbed ones for both): loss, clipped fraction, grad norm
+   and the relative L2 error and cosine of the whole gradient (fp32 ``main_grad`` in both), against the bound from
+   bf16's rounding (tests/megatron/test_bf16.py's docstring: K = 12 L + 3 roundings in series, u = 2^-8; worst
+   case first order |d log p| <= 2 K u Z with Z the largest |logit|, gradient and loss relative <= 2 K u; and the
+   random-walk estimate with sqrt(K) for K, rounding errors of independent signs).
 2. **Parity and the train phase on SmolLM2-135M-Instruct** (``examples/smollm2_list_max_cpu.yaml``: 8 prompts x 8
    completions of <= 32 tokens, GRPO, the trainer's own step): one RL step of the fp32 run gives the step's packed
    micro-batches; a bf16 engine gets the fp32 policy's weights; the same parity figures as (1); then the train phase
@@ -72,35 +72,60 @@ def max_abs_logit(engine, batches) -> float:
                    for b in batches)
 
 
-def parity(f32, b16, batches, denominator: float, num_layers: int, perturb: bool) -> dict:
-    """Log-probs, then one step on the same old (and reference) log-probs: bf16 against fp32."""
+def one_step(f32, b16, batches, denominator: float, old: dict) -> dict:
+    """One update of each engine from the same weights, each batch's old log-probs ``old[engine]`` (the reference
+    log-probs: the fp32 policy's); the fp32 gradient buffers (``main_grad``) compared before the optimizer moved
+    anything that matters here. The weights are put back afterwards (the masters reloaded from them)."""
+    import torch
+
+    saved = {e: [p.detach().clone() for m in e.modules for p in m.parameters()] for e in (f32, b16)}
+    metrics, grads = {}, {}
+    for name, engine in (("fp32", f32), ("bf16", b16)):
+        for b, lp, ref in zip(batches, old[name], old["ref"]):
+            b.old_logprobs = lp.clone()
+            b.ref_logprobs = ref.clone() if engine.loss_cfg.kl_coef > 0 else None
+        metrics[name] = engine.train_step(batches, denominator)
+        grads[name] = torch.cat([p.main_grad.flatten() for m in engine.modules for p in m.parameters()])
+    with torch.no_grad():
+        for engine, params in saved.items():
+            for p, v in zip((p for m in engine.modules for p in m.parameters()), params):
+                p.copy_(v)
+            engine.optimizer.reload_model_params()
+    g32, g16 = grads["fp32"], grads["bf16"]
+    loss32, loss16 = metrics["fp32"]["loss"], metrics["bf16"]["loss"]
+    return {
+        "loss": {"fp32": loss32, "bf16": loss16, "abs_diff": abs(loss16 - loss32)},
+        "clip_fraction": {"fp32": metrics["fp32"]["clip_fraction"], "bf16": metrics["bf16"]["clip_fraction"]},
+        "grad_norm": {"fp32": metrics["fp32"]["grad_norm"], "bf16": metrics["bf16"]["grad_norm"],
+                      "rel_diff": abs(metrics["bf16"]["grad_norm"] - metrics["fp32"]["grad_norm"])
+                      / metrics["fp32"]["grad_norm"]},
+        "grad_rel_l2": float((g16 - g32).norm() / g32.norm()),
+        "grad_cosine": float(torch.nn.functional.cosine_similarity(g16, g32, dim=0)),
+    }
+
+
+def parity(f32, b16, batches, denominator: float, num_layers: int) -> dict:
+    """Log-probs of both engines at the same weights, then one step of each two ways: ``own_old`` (each engine's
+    old log-probs are its own, as in a run: ratio 1, the gradient of the same objective computed in two precisions)
+    and ``fp32_old`` (both take the fp32 engine's log-probs, perturbed by 0.3 sin(position): the bf16 ratios then
+    carry the bf16 / fp32 log-prob difference, as a bf16 trainer's do against an fp32 rollout)."""
     import torch
 
     K = rounding_chain(num_layers)
     Z = max_abs_logit(f32, batches)
     lp32, lp16 = f32.compute_logprobs(batches), b16.compute_logprobs(batches)
-    diffs = torch.cat([(a - b)[m > 0] for a, b, m in zip(lp32, lp16, (bt.loss_mask for bt in batches))]).abs()
-    for i, (b, lp) in enumerate(zip(batches, lp32)):
-        shift = 0.3 * torch.sin(torch.arange(lp.numel(), dtype=torch.float32) + i) if perturb else 0.0
-        b.old_logprobs = lp + shift
-        b.ref_logprobs = lp.clone() if f32.loss_cfg.kl_coef > 0 else None
-    m32, m16 = f32.train_step(batches, denominator), b16.train_step(batches, denominator)
-    g32 = torch.cat([p.main_grad.flatten() for m in f32.modules for p in m.parameters()])
-    g16 = torch.cat([p.main_grad.flatten() for m in b16.modules for p in m.parameters()])
+    diffs = torch.cat([(a - b)[bt.loss_mask > 0] for a, b, bt in zip(lp32, lp16, batches)]).abs()
+    shifted = [lp + 0.3 * torch.sin(torch.arange(lp.numel(), dtype=torch.float32) + i) for i, lp in enumerate(lp32)]
     return {
         "num_layers": num_layers, "K": K, "max_abs_logit_Z": Z, "loss_positions": int(diffs.numel()),
         "logprob_abs_diff": {"max": float(diffs.max()), "mean": float(diffs.mean()),
                              "p99": float(diffs.quantile(0.99)) if diffs.numel() else 0.0},
         "logprob_bound_worst_case": 2 * K * U_BF16 * Z,
         "logprob_estimate_random_walk": 2 * math.sqrt(K) * U_BF16 * Z,
-        "loss": {"fp32": m32["loss"], "bf16": m16["loss"],
-                 "rel_diff": abs(m16["loss"] - m32["loss"]) / max(abs(m32["loss"]), 1e-30)},
-        "grad_norm": {"fp32": m32["grad_norm"], "bf16": m16["grad_norm"],
-                      "rel_diff": abs(m16["grad_norm"] - m32["grad_norm"]) / m32["grad_norm"]},
-        "grad_rel_l2": float((g16 - g32).norm() / g32.norm()),
-        "grad_cosine": float(torch.nn.functional.cosine_similarity(g16, g32, dim=0)),
         "relative_bound_worst_case": 2 * K * U_BF16,
         "relative_estimate_random_walk": 2 * math.sqrt(K) * U_BF16,
+        "own_old": one_step(f32, b16, batches, denominator, {"fp32": lp32, "bf16": lp16, "ref": lp32}),
+        "fp32_old": one_step(f32, b16, batches, denominator, {"fp32": shifted, "bf16": shifted, "ref": lp32}),
     }
 
 
@@ -145,7 +170,7 @@ def tiny_parity() -> dict:
             engines[dtype] = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-2), loss_cfg, dtype=dtype)
         copy_weights(engines[torch.bfloat16], engines[torch.float32])
         batches = tiny_micro_batches()
-        return parity(engines[torch.float32], engines[torch.bfloat16], batches, 12.0, arch.num_layers, perturb=True)
+        return parity(engines[torch.float32], engines[torch.bfloat16], batches, 12.0, arch.num_layers)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -218,9 +243,11 @@ def smollm2(args) -> tuple[dict, Path]:
     denominator = recording.denominator
     b16 = PolicyEngine(run.arch, ParallelConfig(), engine.optim_cfg, engine.loss_cfg, dtype=torch.bfloat16)
     copy_weights(b16, engine)
-    out = {"parity": parity(engine, b16, batches, denominator, run.arch.num_layers, perturb=False)}
+    out = {"parity": parity(engine, b16, batches, denominator, run.arch.num_layers)}
     print(f"SmolLM2 parity: {out['parity']}", flush=True)
-    copy_weights(b16, engine)  # (the parity step moved both; start the timing from the same weights)
+    if args.parity_only:
+        teardown(run)
+        return out, None
     lengths, loss_positions = sequence_lengths(batches)
     flop = train_flop(run.arch, lengths, loss_positions if engine.logits_at_loss_positions else sum(lengths))
     mm = {"fp32": mm_rate(torch.float32), "bf16": mm_rate(torch.bfloat16)}
@@ -302,6 +329,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-smollm2", action="store_true", help="the tiny model's parity only")
+    ap.add_argument("--parity-only", action="store_true", help="no timing, no peak RSS")
     ap.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--batches", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=None)
@@ -319,8 +347,9 @@ def main(argv=None):
     print(f"tiny parity: {report['tiny']}", flush=True)
     if not args.skip_smollm2:
         report["smollm2"], batch_file = smollm2(args)
-        print(f"train phase: {report['smollm2']['train_phase']['cpu_s_median']}", flush=True)
-        report["peak_rss"] = peak_rss(args, batch_file)
+        if not args.parity_only:
+            print(f"train phase: {report['smollm2']['train_phase']['cpu_s_median']}", flush=True)
+            report["peak_rss"] = peak_rss(args, batch_file)
     report["cpu_s_total"] = time.process_time() - c0
     write_json(args.out, report)
 
