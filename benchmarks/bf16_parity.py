@@ -20,7 +20,8 @@ One thread (``--threads``). Measured in one process, one after the other (the RS
    ``benchmarks/real_step_profile.py`` does) per CPU second against ``torch.mm`` 512 x 1536 x 1536 in fp32 and bf16
    measured in this process.
 3. **Peak RSS of a training process** (the train side: the engine, its optimizer and two train steps on the same
-   micro-batches; no rollout engine), fp32 and bf16, each in a fresh process (``ru_maxrss``).
+   micro-batches; no rollout engine), fp32 and bf16, each in a fresh process (``VmHWM``). ``--rss-only BATCHES``:
+   this part alone, on the micro-batches a full run saved.
 
 The box is shared with other users: CPU seconds, not wall clock, are the figures that count.
 """
@@ -276,6 +277,15 @@ def smollm2(args) -> tuple[dict, Path]:
 # ----------------------------------------------------------------------------------------------------------
 # peak RSS of the train side, one fresh process per dtype
 # ----------------------------------------------------------------------------------------------------------
+def peak_rss_mib() -> float:
+    """This process's peak resident set (``VmHWM``): unlike ``ru_maxrss``, which a process spawned by a big parent
+    inherits through fork and exec, it starts afresh with the new program."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def rss_worker(args) -> None:
     import torch
 
@@ -292,17 +302,17 @@ def rss_worker(args) -> None:
 
     arch = ModelArch.from_hf_config(json.loads((hf_dir / "config.json").read_text()))
     saved = torch.load(args.batches, weights_only=False)
-    rss = {"start_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    rss = {"start_mib": peak_rss_mib()}
     with single_process_world():
         engine = PolicyEngine(arch, ParallelConfig(), OptimConfig(lr=1e-6), LossConfig(kl_coef=0.0).resolved(),
                               dtype=getattr(torch, args.rss_worker))
         load_hf_folder(engine.model_chunks, hf_dir, arch)
         engine.optimizer.reload_model_params()
-        rss["engine_built_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rss["engine_built_mib"] = peak_rss_mib()
         for _ in range(2):
             engine.fill_logprobs(saved["batches"])
             engine.train_step(saved["batches"], saved["denominator"])
-        rss["peak_after_2_steps_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rss["peak_after_2_steps_mib"] = peak_rss_mib()
     print("RSS " + json.dumps(rss), flush=True)
 
 
@@ -330,6 +340,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-smollm2", action="store_true", help="the tiny model's parity only")
     ap.add_argument("--parity-only", action="store_true", help="no timing, no peak RSS")
+    ap.add_argument("--rss-only", default=None, help="the peak RSS part alone, on a full run's saved micro-batches")
     ap.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--batches", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=None)
@@ -340,6 +351,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     if args.rss_worker:
         return rss_worker(args)
+    if args.rss_only:
+        return write_json(args.out, {"machine": machine(), "peak_rss": peak_rss(args, Path(args.rss_only))})
     load_before = machine()["load_avg_1m"]
     c0 = time.process_time()
     report = {"machine": machine(), "load_avg_1m_before": load_before, "threads": args.threads,
