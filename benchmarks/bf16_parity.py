@@ -101,7 +101,7 @@ def one_step(f32, b16, batches, denominator: float, old: dict) -> dict:
                       "rel_diff": abs(metrics["bf16"]["grad_norm"] - metrics["fp32"]["grad_norm"])
                       / metrics["fp32"]["grad_norm"]},
         "grad_rel_l2": float((g16 - g32).norm() / g32.norm()),
-        "grad_cosine": float(torch.nn.functional.cosine_similarity(g16, g32, dim=0)),
+        "grad_cosine": float(torch.dot(g16.double(), g32.double()) / (g16.double().norm() * g32.double().norm())),
     }
 
 
