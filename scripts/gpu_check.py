@@ -37,7 +37,9 @@ Stages (pass/fail thresholds in each):
                  Last, so that a device run short of time loses only it (``--skip async`` leaves it out).
 
 ``--cpu-smoke`` runs the same stages small in fp32 on the CPU (CPU reference kernel for varlen), in under a
-minute: it is part of the default test suite so this script cannot rot. The device call (``run`` tool):
+minute: it is part of the default test suite so this script cannot rot. ``--cpu-smoke --dtype bfloat16 --only
+dist,train_step,checkpoint`` runs the device's bf16 training stages (Megatron's mixed-precision optimizers, fp32
+masters, the bit-exact checkpoint) on the CPU (tested too). The device call (``run`` tool):
 
     command:   bash scripts/gpu_check.sh
     carry:     [".whl"]            (scripts/device_wheels.sh fills it here; ~3 MB)
@@ -76,6 +78,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="report folder (default: $OUT, else gpu_check_out/)")
     parser.add_argument("--work", default=None, help="scratch folder for run folders and checkpoints (default: a "
                                                      "temporary folder, removed at the end)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="the models' and engines' dtype (default: bfloat16 on the device, float32 with "
+                             "--cpu-smoke; --cpu-smoke --dtype bfloat16 runs the GPU's mixed-precision training code "
+                             "on the CPU)")
     parser.add_argument("--only", default=None, help="comma-separated stage names (default: all)")
     parser.add_argument("--skip", default="", help="comma-separated stage names not to run")
     args = parser.parse_args(argv)
@@ -83,7 +89,7 @@ def main(argv=None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_check_work_"))
     signal.signal(signal.SIGTERM, _stop)  # the time limit (`timeout`): the running stage is recorded as crashed
     try:
-        return run_stages(Check(args.cpu_smoke, out, work), args)
+        return run_stages(Check(args.cpu_smoke, out, work, args.dtype), args)
     except Stop:
         return 128 + signal.SIGTERM
     finally:

@@ -78,8 +78,12 @@ class ModelConfig:
     tokenizer_vocab_size: int = opt(512, "Vocabulary size when model.tokenizer='train-sentencepiece'.")
     chat_template: Optional[str] = opt(None, "Jinja chat template overriding the tokenizer's own (data.template="
                                              "chat needs one: from the tokenizer or from here).")
-    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "Parameter/compute dtype of the policy "
-                                                                      "(CPU runs use float32).")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "float32", "Parameter/compute dtype of the policy and its reference model, on CPU and GPU. bfloat16/float16: "
+                   "Megatron's mixed precision (16-bit parameters and compute, fp32 gradient reduction, fp32 master "
+                   "weights and Adam state in the optimizer and checkpoints; log-probs and the loss in fp32 from the "
+                   "16-bit logits); float16 also scales the loss dynamically (its first ~15-20 updates overflow and "
+                   "are skipped). The rollout engine samples in it too.")
     init_seed: int = opt(1234, "Seed of the random initialization of a from-scratch model.")
     attention_backend: Literal["auto", "te", "varlen", "sdpa"] = opt(
         "auto", "Core attention of packed (THD) micro-batches: te (Transformer Engine fused attention, GPU), varlen "

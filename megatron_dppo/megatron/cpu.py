@@ -19,8 +19,10 @@ Every redirection is a small named function below, listed in ``_PATCHES`` in the
 ``_cpu_device_literals``        ``device="cuda"`` literals inside Megatron (causal mask, optimizer found-inf and
                                 scale buffers, grad clipping / norms, pipeline token counts, ...): the listed
                                 modules see a view of ``torch`` whose tensor factories map CUDA devices to CPU.
-``_accept_cpu_float_tensors``   ``param.type() == 'torch.cuda.FloatTensor'`` checks in the DistributedOptimizer
-                                and ``clip_grad_by_total_norm_fp32`` also accept ``torch.FloatTensor``.
+``_accept_cpu_float_tensors``   ``param.type()`` checks for ``'torch.cuda.FloatTensor'`` / ``HalfTensor`` /
+                                ``BFloat16Tensor`` in the mixed-precision optimizers
+                                (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``) and
+                                ``clip_grad_by_total_norm_fp32`` also accept the CPU spellings.
 ``_torch_norm_sequence_parallel`` ``WrappedTorchNorm`` (the local spec's RMSNorm/LayerNorm) accepts sequence
                                 parallel and marks its weights ``sequence_parallel`` so their gradients are
                                 all-reduced over the TP group, as Transformer Engine's norms do.
@@ -28,10 +30,12 @@ Every redirection is a small named function below, listed in ``_PATCHES`` in the
 
 Model flags that must be off on CPU are set by ``model.build_transformer_config``:
 ``gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-masked_softmax_fusion=False, bias_activation_fusion=False, use_cpu_initialization=True``; parameters are fp32.
+masked_softmax_fusion=False, bias_activation_fusion=False, use_cpu_initialization=True``. Parameters are in the
+engine's dtype: fp32, or bf16 / fp16 with Megatron's mixed-precision optimizers (fp32 main params and Adam state;
+fp16 with its dynamic loss scaler, whose found-inf buffer the device literals put on the CPU; without Apex or
+Transformer Engine Megatron copies and scales with its own ``local_multi_tensor_*`` loops, which run on CPU).
 
-Limits on CPU: no bf16/fp16 mixed-precision optimizer (``Float16OptimizerWithFloat16Params``), no context
-parallelism (needs Transformer Engine), no CUDA graphs, no Megatron FSDP.
+Limits on CPU: no CUDA graphs, no Megatron FSDP, no fused kernels (Transformer Engine, Apex).
 
 Bump ``CPU_BACKEND_VERSION`` whenever the set or meaning of the redirections changes.
 
@@ -53,7 +57,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-CPU_BACKEND_VERSION = 1
+CPU_BACKEND_VERSION = 2
 
 _APPLIED = False
 _PATCHES: list[Callable[[], None]] = []
@@ -124,7 +128,8 @@ def rewrite_source(owner, name: str, replacements: list[tuple[str, str]]) -> boo
     textual ``replacements`` applied, in its own module's globals. Returns False (and logs a warning, leaving
     the original in place) when a replacement's text is not found, e.g. in another Megatron-Core release.
 
-    Not for methods that use zero-argument ``super()`` (the recompiled function has no ``__class__`` cell).
+    A method of a class (``owner`` a class) is recompiled inside a class body of the same name, so that a
+    zero-argument ``super()`` and name mangling work; its ``__class__`` cell is then pointed at ``owner``.
     """
     raw = inspect.getattr_static(owner, name)
     func = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
@@ -138,10 +143,18 @@ def rewrite_source(owner, name: str, replacements: list[tuple[str, str]]) -> boo
     module = sys.modules[func.__module__]
     # Keep the original file name and line numbers so that tracebacks point at the real source.
     _, start = inspect.getsourcelines(func)
-    code = compile("\n" * (start - 1) + source, inspect.getsourcefile(func) or "<rewritten>", "exec")
+    in_class = isinstance(owner, type)
+    if in_class:
+        source = f"class {owner.__name__}:\n" + textwrap.indent(source, "    ")
+        start -= 1
+    code = compile("\n" * max(start - 1, 0) + source, inspect.getsourcefile(func) or "<rewritten>", "exec")
     namespace: dict = {}
     exec(code, module.__dict__, namespace)  # noqa: S102 - our own transformation of installed source
-    new = namespace[name]
+    new = vars(namespace[owner.__name__])[name] if in_class else namespace[name]
+    new_func = new.__func__ if isinstance(new, (classmethod, staticmethod)) else new
+    if "__class__" in new_func.__code__.co_freevars:  # zero-argument super(): the real class, not the shell
+        new_func.__closure__[new_func.__code__.co_freevars.index("__class__")].cell_contents = owner
+    new_func.__qualname__ = func.__qualname__
     _ORIGINALS[f"{func.__module__}.{func.__qualname__}"] = raw
     setattr(owner, name, new)
     if isinstance(owner, types.ModuleType):
@@ -344,19 +357,24 @@ _PATCHES.append(_cpu_device_literals)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 4. torch.cuda.FloatTensor type checks
+# 4. torch.cuda.{Float,Half,BFloat16}Tensor type checks
 # ----------------------------------------------------------------------------------------------------------
-_CUDA_FLOAT_CHECKS = [
-    ("== 'torch.cuda.FloatTensor'", "in ('torch.cuda.FloatTensor', 'torch.FloatTensor')"),
-]
+_CUDA_FLOAT_CHECK = ("== 'torch.cuda.FloatTensor'", "in ('torch.cuda.FloatTensor', 'torch.FloatTensor')")
+_CUDA_HALF_CHECK = ("in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
+                    "in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor', 'torch.HalfTensor', "
+                    "'torch.BFloat16Tensor']")
 
 
 def _accept_cpu_float_tensors() -> None:
-    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    """The mixed-precision optimizers sort parameters by ``param.type()`` strings: fp16/bf16 ones get an fp32
+    main copy, fp32 ones are stepped as they are, anything else is refused. The CPU spellings join each list."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
+    rewrite_source(optimizer.Float16OptimizerWithFloat16Params, "__init__", [_CUDA_HALF_CHECK, _CUDA_FLOAT_CHECK])
+    rewrite_source(distrib_optimizer.DistributedOptimizer, "__init__", [_CUDA_HALF_CHECK])
     rewrite_source(distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups",
-                   _CUDA_FLOAT_CHECKS)
-    rewrite_source(clip_grads, "clip_grad_by_total_norm_fp32", _CUDA_FLOAT_CHECKS)
+                   [_CUDA_HALF_CHECK, _CUDA_FLOAT_CHECK])
+    rewrite_source(clip_grads, "clip_grad_by_total_norm_fp32", [_CUDA_FLOAT_CHECK])
 
 
 _PATCHES.append(_accept_cpu_float_tensors)

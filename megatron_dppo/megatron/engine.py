@@ -77,8 +77,16 @@ own frozen base with the trained adapters off (no second copy of the model is bu
 adapters where ``lora.keep_as_reference`` recorded them (a run started from a PEFT adapter);
 ``compute_logprobs(model="reference")`` runs the policy chunks inside ``lora.reference_adapters``.
 
-Precision: bf16 parameters with fp32 main params, fp32 gradient reduction and fp32 Adam state on GPU; fp32
-everywhere on CPU (``model.default_dtype``).
+Precision (``dtype``, the run's ``model.dtype``), the same code on CPU and GPU: with bfloat16 (or float16) the
+chunks hold bf16 parameters and compute in bf16; DDP accumulates and reduces the gradients in fp32 buffers
+(``grad_reduce_in_fp32``: ``param.main_grad`` is fp32); Megatron's mixed-precision optimizer
+(``Float16OptimizerWithFloat16Params``, or the ``DistributedOptimizer`` with its fp32 shards) steps fp32 main params
+with fp32 Adam state and copies them back into the bf16 parameters; checkpoints hold the fp32 main params. The
+output layer's logits are bf16; every log-prob, entropy, ratio, KL and loss term is computed from them upcast to
+fp32 (``logprobs.vocab_parallel_logprobs``). float16 adds Megatron's ``DynamicGradScaler`` (initial scale 2^32,
+halved after each overflow past the hysteresis of 2): the first ~15-20 updates of a run overflow and are skipped
+(``update_ok`` 0), as on GPU. On CPU the CPU backend (``cpu.py``) only widens the optimizers' tensor-type checks;
+the default dtype is fp32 on CPU, bf16 on GPU (``model.default_dtype``).
 """
 from __future__ import annotations
 
@@ -228,7 +236,7 @@ class PolicyEngine:
         if arch.num_labels is not None:
             raise ValueError(f"the policy must be a causal LM; this config describes a sequence classifier with "
                              f"{arch.num_labels} label(s) (a reward model? use it as reward.model.path)")
-        device_type = ensure_device_backend()
+        ensure_device_backend()
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("model-parallel state is not initialized; call parallel.initialize_parallel first")
         self.arch = arch
@@ -250,8 +258,6 @@ class PolicyEngine:
         self.step = 0
         self.last_logprobs: list[Tensor] | None = None  # set by train_step (see there)
         self.logits_at_loss_positions = True  # see the class docstring
-        if device_type == "cpu" and self.dtype != torch.float32:
-            raise ValueError(f"dtype={self.dtype} on CPU: the CPU backend trains in torch.float32 only")
 
         # 1. model chunks (one per virtual stage); per-token loss mode (see module docstring)
         overrides = dict(config_overrides)

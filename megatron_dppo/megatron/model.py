@@ -26,10 +26,10 @@ unknown ``rope_scaling`` type), ``build_transformer_config`` makes the Megatron 
   head dim FlashAttention takes, else sdpa. The built backend is ``model.attention_backend``.
 * Fusion flags (RoPE, bias-activation, masked softmax) follow the spec actually built: on for the TE spec only.
 
-Precision and placement: bf16 parameters on GPU, fp32 on CPU (``default_dtype``). Every built chunk has each
-parameter and buffer on the engine's device in the params dtype (``place_model``; ``device_dtype_audit`` lists what
-is not), whatever the spec. On a CUDA-less machine the CPU backend (``megatron_dppo.megatron.cpu``) is applied
-automatically.
+Precision and placement: ``dtype`` (default ``default_dtype``: bf16 on GPU, fp32 on CPU; bf16 and fp16 run on CPU
+too). Every built chunk has each parameter and buffer on the engine's device in the params dtype (``place_model``;
+``device_dtype_audit`` lists what is not), whatever the spec. On a CUDA-less machine the CPU backend
+(``megatron_dppo.megatron.cpu``) is applied automatically.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from .parallel import ParallelConfig, validate_parallel
 
 # ----------------------------------------------------------------------------------------------------------
 def default_dtype() -> torch.dtype:
-    """bf16 on GPU, fp32 on CPU."""
+    """The dtype when none is given: bf16 on GPU, fp32 on CPU (where bf16 is a choice: ``model.dtype``)."""
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 

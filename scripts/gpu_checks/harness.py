@@ -33,11 +33,12 @@ class Check:
     """The state the stages share: ``out`` holds only the report and short logs (what comes back from a device
     run); ``work`` is the scratch folder for run folders and checkpoints (removed by ``gpu_check.main``)."""
 
-    def __init__(self, cpu_smoke: bool, out: Path, work: Path):
+    def __init__(self, cpu_smoke: bool, out: Path, work: Path, dtype: str | None = None):
         self.cpu_smoke = cpu_smoke
         self.out = out
         self.work = work
-        self.report: dict = {"stages": {}, "cpu_smoke": cpu_smoke}
+        self.dtype_name = dtype or ("float32" if cpu_smoke else "bfloat16")
+        self.report: dict = {"stages": {}, "cpu_smoke": cpu_smoke, "dtype": self.dtype_name}
         self.peak_flops = None
         self.parallel_ready = False
         self.compute_mode = None  # the GPU's (environment stage; None on the CPU or when unknown)
@@ -93,7 +94,7 @@ class Check:
     def dtype(self):
         import torch
 
-        return torch.float32 if self.cpu_smoke else torch.bfloat16
+        return getattr(torch, self.dtype_name)
 
     def need_parallel(self) -> None:
         if not self.parallel_ready:

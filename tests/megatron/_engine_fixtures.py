@@ -91,13 +91,14 @@ def per_sample_completion_logp(batches, logps) -> dict[int, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------------
 def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vpp=None,
                   distributed_optimizer: bool = False, save: bool = False, steps: int = 1,
-                  uneven: bool = False, arch_changes: dict | None = None, cp: int = 1, temperature: float = 1.0):
+                  uneven: bool = False, arch_changes: dict | None = None, cp: int = 1, temperature: float = 1.0,
+                  dtype: str = "float32"):
     """Load (or, with ``save``, create) the TP1 reference weights, fill old/ref log-probs (perturbed so ratios
     clip and the KL is non-zero), run ``steps`` train steps, then recompute log-probs. Returns per-sample
     completion log-probs before/after (at the loss's ``temperature``) and the step metrics (rank 0's view; all ranks
     agree); with tp = pp = 1 (and
     no distributed optimizer) also the updated weights and the last step's gradient (``params``, ``grads``: name ->
-    tensor)."""
+    tensor). ``dtype``: the engine's parameter dtype (a torch dtype name; the checkpoint's weights are cast to it)."""
     from megatron.core import parallel_state
 
     from megatron_dppo.algo.losses import LossConfig, loss_denominator
@@ -112,7 +113,7 @@ def layout_worker(ckpt_root: str, tp: int = 1, pp: int = 1, sp: bool = False, vp
     loss_cfg = LossConfig(policy_loss="ppo_clip", eps_low=0.2, eps_high=0.28, kl_coef=0.05, kl_estimator="k3",
                           aggregation="seq_mean_token_mean", temperature=temperature).resolved()
     optim = OptimConfig(lr=1e-2, grad_clip=1.0, weight_decay=0.01, distributed_optimizer=distributed_optimizer)
-    engine = PolicyEngine(arch, parallel, optim, loss_cfg)
+    engine = PolicyEngine(arch, parallel, optim, loss_cfg, dtype=getattr(torch, dtype))
     if save:
         save_checkpoint(engine, ckpt_root)
     else:
@@ -175,7 +176,8 @@ def noisy_step(engine, step: int, loss_cfg, data_seed: int = 10):
     return metrics["loss"], metrics["grad_norm"]
 
 
-def resume_engine(parallel, distributed_optimizer: bool, kl: bool = True, optim_format: str = "dp_reshardable"):
+def resume_engine(parallel, distributed_optimizer: bool, kl: bool = True, optim_format: str = "dp_reshardable",
+                  dtype: str = "float32"):
     from megatron_dppo.algo.losses import LossConfig
     from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
 
@@ -183,33 +185,55 @@ def resume_engine(parallel, distributed_optimizer: bool, kl: bool = True, optim_
     optim = OptimConfig(lr=3e-3, warmup_steps=2, scheduler="cosine", weight_decay=0.1,
                         distributed_optimizer=distributed_optimizer)
     return PolicyEngine(tiny_arch(num_layers=2), parallel, optim, loss_cfg, total_steps=8,
-                        dist_ckpt_optim_format=optim_format), loss_cfg
+                        dist_ckpt_optim_format=optim_format, dtype=getattr(torch, dtype)), loss_cfg
+
+
+def optimizer_tensors(engine) -> list[torch.Tensor]:
+    """Copies of what the inner torch optimizers step (the fp32 main params under bf16/fp16; this rank's shards
+    with the DistributedOptimizer) followed by their Adam moments."""
+    from megatron_dppo.megatron.checkpoint import _inner_torch_optimizers
+
+    out = []
+    for opt in _inner_torch_optimizers(engine):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        out += [p.detach().clone() for p in params]
+        out += [opt.state[p][k].detach().clone() for p in params for k in ("exp_avg", "exp_avg_sq")
+                if p in opt.state]
+    return out
 
 
 def resume_worker(root: str, tp: int = 1, pp: int = 1, distributed_optimizer: bool = False, n_before: int = 2,
-                  n_after: int = 2, optim_format: str = "dp_reshardable"):
+                  n_after: int = 2, optim_format: str = "dp_reshardable", dtype: str = "float32"):
     """Uninterrupted run of n_before + n_after steps (checkpoint after n_before) vs a fresh engine resumed from
-    that checkpoint: returns both loss/grad-norm traces and whether final parameters and Adam states are equal."""
+    that checkpoint: returns both loss/grad-norm traces, whether final parameters are equal and whether the
+    optimizer's main params and Adam moments right after loading equal those saved (``optimizer_restored``;
+    ``saved_optimizer``: those tensors at the save)."""
     from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron_dppo.megatron.parallel import ParallelConfig, initialize_parallel
 
     parallel = ParallelConfig(tp=tp, pp=pp)
     initialize_parallel(parallel, SEED, tiny_arch(num_layers=2))
-    engine, loss_cfg = resume_engine(parallel, distributed_optimizer, optim_format=optim_format)
+    engine, loss_cfg = resume_engine(parallel, distributed_optimizer, optim_format=optim_format, dtype=dtype)
     for s in range(n_before):
         noisy_step(engine, s, loss_cfg)
     save_checkpoint(engine, root, extra={"cursor": n_before, "history": {"q1": 0.5}})
+    saved_optimizer = optimizer_tensors(engine)
     straight = [noisy_step(engine, s, loss_cfg) for s in range(n_before, n_before + n_after)]
     params_a = [p.detach().clone() for m in engine.modules for p in m.parameters()]
 
-    resumed_engine, _ = resume_engine(parallel, distributed_optimizer, optim_format=optim_format)
+    resumed_engine, _ = resume_engine(parallel, distributed_optimizer, optim_format=optim_format, dtype=dtype)
     noisy_step(resumed_engine, 99, loss_cfg)  # move weights, optimizer and RNG away first
     extra = load_checkpoint(resumed_engine, root)
     assert resumed_engine.step == n_before, resumed_engine.step
+    loaded_optimizer = optimizer_tensors(resumed_engine)
     resumed = [noisy_step(resumed_engine, s, loss_cfg) for s in range(n_before, n_before + n_after)]
     params_b = [p.detach().clone() for m in resumed_engine.modules for p in m.parameters()]
     return {"straight": straight, "resumed": resumed, "extra": extra,
-            "params_equal": all(torch.equal(a, b) for a, b in zip(params_a, params_b))}
+            "params_equal": all(torch.equal(a, b) for a, b in zip(params_a, params_b)),
+            "param_dtypes": sorted({str(p.dtype) for p in params_b}),
+            "saved_optimizer": saved_optimizer,
+            "optimizer_restored": len(saved_optimizer) == len(loaded_optimizer) and all(
+                torch.equal(a, b) for a, b in zip(saved_optimizer, loaded_optimizer))}
 
 
 def reshard_worker(root: str, tp: int = 1, pp: int = 1, save: bool = False, distributed_optimizer: bool = False):

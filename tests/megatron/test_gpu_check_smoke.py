@@ -47,6 +47,22 @@ def test_gpu_check_cpu_smoke_every_stage_passes(tmp_path):
     _only_report_and_logs(tmp_path)
 
 
+def test_gpu_check_cpu_smoke_runs_the_bf16_training_stages(tmp_path):
+    """--dtype bfloat16: the device's bf16 training stages on the CPU: bf16 parameters placed, fp32 master weights
+    that change, the checkpoint reloads every training-state tensor bit-exact and the next step is exact."""
+    proc, report = _run(tmp_path, "--only", "dist,train_step,checkpoint", "--dtype", "bfloat16")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    stages = report["stages"]
+    assert report["dtype"] == "bfloat16"
+    assert {k: stages[k]["status"] for k in ("dist", "train_step", "checkpoint")} == dict.fromkeys(
+        ("dist", "train_step", "checkpoint"), "pass")
+    step = stages["train_step"]
+    assert step["dtype"] == "torch.bfloat16" and step["device_dtype_audit"] == []
+    assert step["master_weights"] == "torch.float32" and step["master_weights_changed"]
+    assert stages["checkpoint"]["bit_exact"] and stages["checkpoint"]["next_step_grad_norm_exact"]
+    _only_report_and_logs(tmp_path)
+
+
 @pytest.mark.slow
 def test_gpu_check_cpu_smoke_quickstart_resumes(tmp_path):
     proc, report = _run(tmp_path, "--only", "quickstart")

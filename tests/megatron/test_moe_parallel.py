@@ -3,8 +3,9 @@ single-process checkpoint, resharded by dist_checkpointing) give the same log-pr
 weights at DP2xEP2, TP2+SP, TP2xEP2 (+SP) as in one process; packed THD micro-batches score like one sequence at a
 time; checkpoints move between EP sizes bit for bit; an EP2 run resumed from a checkpoint equals the straight run.
 
-Slow (``-m slow``): the expert-tensor-parallel layout, pipeline layouts (PP2, PP2 x VPP2, PP2 x DP2 x EP2),
-Mixtral and the unnormalized Qwen3-MoE router, a plain-Adam EP2 resume, a DistributedOptimizer moving EP2 -> EP1.
+Slow (``-m slow``): DP2 x EP2 in bf16 (within bf16's rounding of one bf16 process), the expert-tensor-parallel
+layout, pipeline layouts (PP2, PP2 x VPP2, PP2 x DP2 x EP2), Mixtral and the unnormalized Qwen3-MoE router, a
+plain-Adam EP2 resume, a DistributedOptimizer moving EP2 -> EP1.
 
 Tolerances are the dense layout tests' (test_train_step.py): log-probs before the step atol 2e-6, loss and grad
 norm rel 1e-5, log-probs after one Adam step atol 1e-4 (Adam divides by sqrt(v): tiny gradient differences of the
@@ -66,11 +67,13 @@ def _loss_cfg():
 def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, tp: int = 1, pp: int = 1,
                       vpp: int | None = None, ep: int = 1, etp: int = 1, sp: bool = False,
                       distributed_optimizer: bool = False, save_after: str | None = None, aux_coeff: float = 0.0,
-                      pad_multiple: int | None = None, hf_changes: dict | None = None, cp: int = 1):
+                      pad_multiple: int | None = None, hf_changes: dict | None = None, cp: int = 1,
+                      dtype: str = "float32"):
     """Load (``save``: create and write) the single-process weights from ``root``, fill perturbed old/ref
     log-probs, one train step, log-probs again. ``save_after``: then checkpoint there (weights + Adam state) and
     take a second step on the same micro-batches. ``aux_coeff``: the load-balancing loss on; ``pad_multiple``: of
-    the packed micro-batches (default: what the layout needs); ``hf_changes``: to the tiny HF config. Returns
+    the packed micro-batches (default: what the layout needs); ``hf_changes``: to the tiny HF config; ``dtype``: the
+    engine's (the checkpoint's weights are cast to it). Returns
     per-sample completion log-probs, metrics, and (tp = etp = 1) the parameters under global names right after
     loading and after each step."""
     from megatron.core import parallel_state
@@ -86,7 +89,8 @@ def moe_layout_worker(root: str, family: str = "qwen3_moe", save: bool = False, 
     initialize_parallel(parallel, F.SEED, arch)
     loss_cfg = _loss_cfg()
     optim = OptimConfig(lr=1e-2, grad_clip=1.0, weight_decay=0.01, distributed_optimizer=distributed_optimizer)
-    engine = PolicyEngine(arch, parallel, optim, loss_cfg, **({"moe_aux_loss_coeff": aux_coeff} if aux_coeff else {}))
+    engine = PolicyEngine(arch, parallel, optim, loss_cfg, dtype=getattr(torch, dtype),
+                          **({"moe_aux_loss_coeff": aux_coeff} if aux_coeff else {}))
     if save:
         save_checkpoint(engine, root)
     else:
@@ -152,6 +156,36 @@ LAYOUTS = {
     "tp2_sp_ep2": dict(tp=2, ep=2, sp=True),
     "tp2_sp_etp2": dict(tp=2, etp=2, sp=True),
 }
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_dp2_ep2_equals_single_process_in_bf16(ep1_reference):
+    """bf16 DP2 x EP2 (experts split 2 + 2, bf16 tokens through the all-to-all) against bf16 in one process, both from
+    the single-process fp32 checkpoint: log-probs, loss and grad norm within the bf16 rounding bound of
+    test_bf16.py (K = 12 L + 3 roundings in series, u = 2^-8; log-probs 2 K u Z, loss and grad norm relative
+    2 K u)."""
+    from test_bf16 import U_BF16, _max_abs_logit, rounding_chain
+
+    from megatron_dppo.megatron.checkpoint import load_checkpoint
+    from megatron_dppo.megatron.engine import OptimConfig, PolicyEngine
+    from megatron_dppo.megatron.parallel import ParallelConfig
+
+    root, ref32 = ep1_reference
+    ref = moe_layout_worker(str(root / "weights"), dtype="bfloat16")
+    f32 = PolicyEngine(moe_arch(), ParallelConfig(), OptimConfig(), _loss_cfg())
+    load_checkpoint(f32, str(root / "weights"), load_optimizer=False, load_rng=False)
+    Z = _max_abs_logit(f32, F.rank_micro_batches(F.make_sequences(), f32.loss_cfg, 0, 1, 1))
+    relative = 2 * rounding_chain(moe_arch().num_layers) * U_BF16
+    assert max(float((ref["before"][s] - ref32["before"][s]).abs().max()) for s in ref32["before"]) > 1e-4
+    for res in run_distributed(moe_layout_worker, 2, args=(str(root / "weights"),),
+                               kwargs=dict(ep=2, dtype="bfloat16"), timeout=300):
+        assert sorted(res["before"]) == sorted(ref["before"])
+        dlogp = max(float((res["before"][s] - ref["before"][s]).abs().max()) for s in ref["before"])
+        assert dlogp <= relative * Z, (dlogp, relative * Z)
+        r, g = ref["metrics"][0], res["metrics"][0]
+        assert abs(g["loss"] - r["loss"]) <= relative * abs(r["loss"])
+        assert abs(g["grad_norm"] - r["grad_norm"]) <= relative * r["grad_norm"]
 
 
 PIPELINE_LAYOUTS = {"pp2": (2, dict(pp=2)), "pp2_vpp2": (2, dict(pp=2, vpp=2)), "pp2_dp2_ep2": (4, dict(pp=2, ep=2))}

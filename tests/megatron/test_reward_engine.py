@@ -39,7 +39,7 @@ def inputs(n: int = 11, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
-def _worker(folder: str, tp: int, pp: int, sp: bool, batch_tokens: int):
+def _worker(folder: str, tp: int, pp: int, sp: bool, batch_tokens: int, dtype: str = "float32"):
     from megatron.core import parallel_state as ps
 
     from megatron_dppo.convert.hf_io import HFCheckpoint
@@ -59,13 +59,15 @@ def _worker(folder: str, tp: int, pp: int, sp: bool, batch_tokens: int):
     from megatron_dppo.megatron.model import build_model_chunks
 
     before = (torch.get_rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states())
-    engine = MegatronRewardEngine(arch, parallel, dtype=torch.float32, batch_tokens=batch_tokens)
+    engine = MegatronRewardEngine(arch, parallel, dtype=getattr(torch, dtype), batch_tokens=batch_tokens)
+    dtypes = sorted({str(p.dtype) for c in engine.model_chunks for p in c.parameters()})
     rng_kept = torch.equal(before[0], torch.get_rng_state())
     build_model_chunks(arch, parallel, torch.float32)  # (what the engine builds, without the guard)
     rng_moved = not torch.equal(before[0], torch.get_rng_state())
     load_hf_weights(engine.model_chunks, arch, checkpoint.get)
     return {"scores": engine.classify(inputs()), "shard": engine.shard(),
-            "pp_rank": ps.get_pipeline_model_parallel_rank(), "rng_kept": rng_kept, "rng_moved": rng_moved}
+            "pp_rank": ps.get_pipeline_model_parallel_rank(), "rng_kept": rng_kept, "rng_moved": rng_moved,
+            "dtypes": dtypes}
 
 
 @pytest.mark.parametrize("tp, pp, sp", [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)])
@@ -84,6 +86,23 @@ def test_megatron_reward_model_equals_transformers(tmp_path, tp, pp, sp):
         # building it leaves the run's random state as it was (a bare build would move it: the policy built after
         # it would be initialized differently, found by tests/e2e/test_reward_model_run.py)
         assert r["rng_kept"] and r["rng_moved"]
+
+
+def test_bf16_reward_model_under_tp2_scores_within_bf16_rounding_of_transformers(tmp_path):
+    """reward.model.dtype=bfloat16 on CPU (TP2, gloo all-reducing bf16 partial sums): bf16 weights, fp32 scores
+    within bf16's rounding of the fp32 transformers scores. Bound (tests/megatron/test_bf16.py's derivation):
+    K = 12 L + 2 roundings in series (no output layer over a vocabulary: the score head is one), u = 2^-8, first
+    order worst case |d score| <= K u S, S = the largest |score|; and not equal to fp32 (bf16 really ran)."""
+    from megatron_dppo.rewards.hf_model import HFRewardEngine
+
+    folder = save_classifier(tmp_path / "rm")
+    expected = HFRewardEngine(folder).classify(inputs())
+    bound = (12 * 4 + 2) * 2.0 ** -8 * float(expected.abs().max())
+    for r in run_distributed(_worker, world_size=2, args=(str(folder), 2, 1, False, 64, "bfloat16"), timeout=300):
+        assert r["dtypes"] == ["torch.bfloat16"] and r["scores"].dtype == torch.float32
+        diff = (r["scores"] - expected).abs().max().item()
+        print(f"bf16 TP2: max |score diff| = {diff:.2e} (bound {bound:.2e})")
+        assert 1e-4 < diff <= bound
 
 
 def test_the_policy_engine_refuses_a_classifier_and_a_classifier_has_no_lm_head():
