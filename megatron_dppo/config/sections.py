@@ -305,13 +305,23 @@ class RolloutConfig:
                             "correction and rollout/* metrics then include the truncation gap -log Z_K.")
     top_k: int = opt(-1, "Top-k sampling; -1 = off (truncation: as rollout.top_p).")
     batch_size: int = opt(64, "HF engine: sequences generated per forward batch.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "auto", "Parameter/compute dtype of the rollout engine's model (HF engine and vLLM); auto = model.dtype. "
+                "A rollout in a narrower dtype than the trainer (e.g. bfloat16 from a float32 trainer, as GPU runs "
+                "do) samples from slightly different numerics: every weight push casts the trainer's weights to "
+                "it, and the rollout/trainer mismatch shows in rollout/kl_k1 and is corrected by "
+                "loss.rollout_correction (docs/algorithms.md, \"Rollout correction\"; docs/benchmarks.md, bf16 "
+                "rollouts). On CPU bfloat16 samples faster where the CPU has AVX512-BF16 / AMX.")
     gpu_memory_utilization: float = opt(0.5, "vLLM: the most of the GPU's memory (a fraction of its total) vLLM "
                                              "may take for weights + KV cache. When less is free where its engine "
                                              "is built (colocated: after the trainer), vLLM gets the free memory "
                                              "less 1 GiB (logged); start-up is refused, naming this option, when "
                                              "that cannot hold its weights and one full-length sequence.")
     enforce_eager: bool = opt(False, "vLLM: disable CUDA graphs.")
-    sleep_between_steps: bool = opt(True, "vLLM on GPU: release rollout memory while training (sleep/wake).")
+    sleep_between_steps: bool = opt(True, "Release rollout memory while training (sleep/wake): vLLM on GPU sleeps "
+                                          "at rollout.sleep_level; the HF engine on GPU moves to host memory; the "
+                                          "colocated HF engine on CPU frees its weights (a LoRA run's: kept), which "
+                                          "the next push allocates and fills again (the samples are the same).")
     weight_bucket_mb: int = opt(256, "Weight push: bucket size (MiB) of the streaming Megatron->HF export.")
     offload_train_state: bool = opt(False, "vLLM on GPU: move the Megatron parameters, gradients, fp32 master "
                                            "weights and Adam state to CPU while vLLM generates (after the weight "

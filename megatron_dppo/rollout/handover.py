@@ -23,9 +23,11 @@ it (``rollout.sleep_between_steps``), bring the training state back. The policy'
 
 GPU memory (allocated / reserved by PyTorch, free at the driver) is recorded after each phase as
 ``memory/<phase>_{allocated,reserved,free}_gib`` (``metrics``). Without CUDA the cache and memory calls do
-nothing and the engines' sleep/wake are no-ops, so the order is the same everywhere. Every push also counts what
-it moved: ``weight_sync/bytes`` and ``weight_sync/tensors`` of the last push (``metered``; a LoRA run's pushes carry
-the adapters only, after the first of the process: ``rollout/lora.py``).
+nothing, so the order is the same everywhere; vLLM's sleep/wake are no-ops on CPU, and the colocated HF engine on
+CPU frees its weights while asleep (``rollout/hf_memory.py``: the rollout copy is absent while the trainer holds its
+activations, gradients and Adam state), which makes it ``needs_weights`` like vLLM after a level-2 sleep.
+Every push also counts what it moved: ``weight_sync/bytes`` and ``weight_sync/tensors`` of the last push
+(``metered``; a LoRA run's pushes carry the adapters only, after the first of the process: ``rollout/lora.py``).
 """
 from __future__ import annotations
 

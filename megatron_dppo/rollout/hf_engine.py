@@ -1,4 +1,4 @@
-"""The CPU rollout engine: a transformers causal LM (fp32) sampled with ``generate``.
+"""The CPU rollout engine: a transformers causal LM (float32 or bfloat16) sampled with ``generate``.
 
 Sampling. Each prompt is repeated n times (its samples are consecutive), rows are left-padded into batches of at
 most ``max_batch_size`` and sampled with HF ``generate``: ancestral sampling from softmax(warp(logits)), where
@@ -23,8 +23,16 @@ from the different batch shapes). ``share_prompt_prefill=False`` turns it off.
 Reproducibility: with ``SamplingParams.seed`` set, a generate() call draws from a private RNG stream seeded with
 it (the global torch RNG is saved and restored), so the same call on the same engine state gives the same samples.
 
-Weights: ``load_weights`` copies HF-named tensors into the model (cast to its dtype), strictly: an unknown name or
-a wrong shape raises ValueError, and by default every parameter must be covered by the stream.
+Weights: ``load_weights`` copies HF-named tensors into the model (cast to its dtype: a float32 trainer's weights
+pushed into a bfloat16 engine are rounded to nearest, ``Tensor.to``), strictly: an unknown name or a wrong shape
+raises ValueError, and by default every parameter must be covered by the stream.
+
+Dtype: the model computes in its parameters' dtype (``from_pretrained(dtype=...)``, ``rollout.dtype``); the
+behaviour log-probs are always a float32 log_softmax of the (warped) logits, whatever dtype the logits come in.
+
+Memory (``release_weights_on_sleep``, a colocated CPU engine): ``sleep`` frees the weights and ``needs_weights``
+is True until a complete push fills them again (``rollout/hf_memory.py``); generation after the push is the same
+as with weights kept.
 
 LoRA (``lora=adapter_config``, ``rollout/lora.py``): the model computes ``W x + scaling * B (A x)`` on its adapted
 projections. A push then carries the base once (the first) and afterwards only the adapter tensors (PEFT names),
@@ -39,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_dppo.rollout import hf_memory
 from megatron_dppo.rollout.base import (
     Completion,
     CompletionGroup,
@@ -102,10 +111,13 @@ class HFRolloutEngine:
             adapters (``rollout.lora.HFAdapters``), filled by the adapter tensors of ``load_weights``.
         share_prompt_prefill: run each distinct prompt of a batch through the model once for all its samples
             (module docstring).
+        release_weights_on_sleep: on the CPU, ``sleep`` frees the model's weights (module docstring, "Memory");
+            the next ``wake_up(["weights"])`` allocates them and a complete ``load_weights`` fills them.
     """
 
     def __init__(self, model, *, eos_token_ids: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-                 max_batch_size: int = 64, lora: dict | None = None, share_prompt_prefill: bool = True):
+                 max_batch_size: int = 64, lora: dict | None = None, share_prompt_prefill: bool = True,
+                 release_weights_on_sleep: bool = False):
         from transformers import GenerationConfig
 
         self.model = model.eval()
@@ -131,9 +143,14 @@ class HFRolloutEngine:
                                                         pad_token_id=self.pad_token_id)
         self._device = next(model.parameters()).device
         self._asleep = False
+        self._released = False  # the weights were freed by sleep() and not filled by a complete push since
         self.adapters = HFAdapters(self.model, lora) if lora is not None else None
         # False: the model holds the weights to serve; from_pretrained(load_weights=False): True until a complete push
         self.needs_base = False
+        if release_weights_on_sleep and lora is not None:
+            raise ValueError("release_weights_on_sleep with LoRA: a LoRA run's pushes carry the adapters only, the "
+                             "base must stay; build the engine with release_weights_on_sleep=False")
+        self.release_weights_on_sleep = bool(release_weights_on_sleep)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, load_weights: bool = False, dtype: torch.dtype = torch.float32,
@@ -163,6 +180,9 @@ class HFRolloutEngine:
         validate_prompts(prompt_token_ids, n)
         if self._asleep:
             raise RuntimeError("HFRolloutEngine.generate() called while asleep; call wake_up() first")
+        if self._released:
+            raise RuntimeError("HFRolloutEngine.generate(): the weights were freed by sleep(); push them first "
+                               "(load_weights)")
         rows = [(p, list(ids)) for p, ids in enumerate(prompt_token_ids) for _ in range(n)]
         groups = [CompletionGroup(list(ids)) for ids in prompt_token_ids]
         rng_guard = (torch.random.fork_rng(devices=[self._device] if self._device.type == "cuda" else [])
@@ -296,18 +316,32 @@ class HFRolloutEngine:
             if missing:
                 raise ValueError(f"the weight stream did not cover {len(missing)} parameters, e.g. {missing[:3]}")
             self.needs_base = False
+            self._released = False
         return count
 
+    @property
+    def needs_weights(self) -> bool:
+        """True while the weights were freed by ``sleep`` (``release_weights_on_sleep``) and no complete push has
+        filled them since: ``MemoryHandover.before_generation`` then pushes."""
+        return self._released
+
     def sleep(self) -> None:
-        """On CUDA: move the model to CPU and free the cache. On CPU: nothing to free (the state is still tracked
-        so that misuse, e.g. generating while asleep, fails the same way on both devices)."""
+        """On CUDA: move the model to CPU and free the cache. On CPU: free the weights with
+        ``release_weights_on_sleep``, else nothing (the state is still tracked so that misuse, e.g. generating
+        while asleep, fails the same way on both devices)."""
         if self._device.type == "cuda" and not self._asleep:
             self.model.to("cpu")
             torch.cuda.empty_cache()
+        elif self._device.type == "cpu" and self.release_weights_on_sleep and not self._released:
+            hf_memory.release(self.model)
+            self._released = True
         self._asleep = True
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Undo sleep(); ``tags`` exists for protocol parity with vLLM (weights and KV cache wake together here)."""
+        """Undo sleep(); ``tags`` exists for protocol parity with vLLM (weights and KV cache wake together here).
+        Freed weights come back allocated but empty: ``needs_weights`` stays True until a complete push."""
         if self._device.type == "cuda" and self._asleep:
             self.model.to(self._device)
+        if hf_memory.is_released(self.model):
+            hf_memory.allocate(self.model)
         self._asleep = False

@@ -218,20 +218,27 @@ def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenize
             (directory / "config.json").write_text(json.dumps(full_hf_config(hf_config), indent=1))
         D.barrier()
     if cfg.rollout.engine == "hf":
-        return create_engine("hf", directory, load_weights=False, dtype=torch_dtype(cfg.model.dtype),
+        release = cfg.rollout.sleep_between_steps and cfg.rollout.placement == "colocated" and lora is None
+        return create_engine("hf", directory, load_weights=False, dtype=torch_dtype(rollout_dtype(cfg)),
                              eos_token_ids=eos_ids(tokenizer, hf_config), pad_token_id=tokenizer.pad_token_id,
-                             max_batch_size=cfg.rollout.batch_size, lora=rollout_adapter_config(lora))
+                             max_batch_size=cfg.rollout.batch_size, lora=rollout_adapter_config(lora),
+                             release_weights_on_sleep=release)
     tp, separate = rollout_tensor_parallel(cfg), cfg.rollout.placement == "separate"
     heads = int(hf_config.get("num_attention_heads", tp))
     if separate and heads % tp:
         raise ValueError(f"rollout.tp={tp} with rollout.engine=vllm: each vLLM engine of the rollout workers splits "
                          f"the {heads} attention heads among its {tp} ranks; use a rollout.tp that divides {heads} "
                          f"and rollout.workers={cfg.rollout.workers}")
-    return create_engine("vllm", directory, tensor_parallel_size=tp, dtype=cfg.model.dtype,
+    return create_engine("vllm", directory, tensor_parallel_size=tp, dtype=rollout_dtype(cfg),
                          load_format="dummy", gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                          seed=cfg.train.seed, enforce_eager=cfg.rollout.enforce_eager,
                          sleep_level=cfg.rollout.sleep_level, weight_sync=separate, lora=rollout_adapter_config(lora),
                          enable_sleep_mode=None if not separate else False)  # (a worker shares its GPU with nothing)
+
+
+def rollout_dtype(cfg: Config) -> str:
+    """The rollout engine's dtype name: ``rollout.dtype``, ``auto`` = ``model.dtype``."""
+    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
 
 
 def rollout_tensor_parallel(cfg: Config) -> int:
