@@ -65,7 +65,7 @@ from megatron_dppo.megatron.moe import MOE_FAMILIES
 
 LOCAL_SPEC = "local"
 TE_SPEC = "te"
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "ministral")
 EXPERT_WILDCARD = "#"  # the expert index in a name pattern ("*" is the layer index)
 ALL_LAYERS, DENSE_LAYERS, SPARSE_LAYERS = "all", "dense", "sparse"  # where a layer rule exists
 
@@ -389,6 +389,12 @@ FAMILY_TABLES: dict[str, Callable[[Any, str], list[ParamMapping]]] = {
 # (qkv_bias, qk_norm) of each family
 _FAMILY_SWITCHES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True),
                     "qwen3_moe": (False, True), "mixtral": (False, False)}
+
+# --- dense families with a sliding window (megatron/dense_families.py): Mistral / Ministral checkpoints have
+# Llama's tensor names and layout; the window is attention behaviour, not a weight ---
+FAMILY_TABLES.update(mistral=llama_table, ministral=llama_table)
+_FAMILY_SWITCHES.update(mistral=(False, False), ministral=(False, False))
+# ---
 
 
 def mapping_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:

@@ -41,6 +41,7 @@ import torch
 from . import compat
 from .arch import FAMILIES, QK_NORM_FAMILIES, SUPPORTED_ROPE_TYPES, ModelArch  # noqa: F401 - re-exported
 from .cpu import allow_sequence_parallel_torch_norm, ensure_device_backend
+from .dense_families import window_config_kwargs
 from .moe import MOE_ARCH_CONFIG_FIELDS, moe_block_spec, moe_config_kwargs, reduce_expert_grads_over_expert_grid
 from .parallel import ParallelConfig, validate_parallel
 
@@ -198,6 +199,14 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
         # per-routed-token scale (moe.aux_loss_per_routed_token) are not built for that
         raise ValueError(f"moe_routing_replay={moe_routing_replay} / moe_aux_loss_coeff={moe_aux_loss_coeff} with "
                          f"cp={parallel.cp}: context parallelism takes neither (use cp=1, or turn both off)")
+    # --- sliding-window attention (mistral / ministral; dense_families.py) ---
+    window = window_config_kwargs(arch.sliding_window, arch.window_layers)
+    if window and parallel.cp > 1:
+        raise ValueError(f"sliding_window={arch.sliding_window} ({arch.family}) with cp={parallel.cp}: the "
+                         "context-parallel attention has no sliding window; use cp=1")
+    kwargs.update(window)
+    required += tuple(window)
+    # ---
     kwargs.update(overrides)
     return TransformerConfig(**compat.supported_kwargs(TransformerConfig, kwargs, required=required))
 
