@@ -23,6 +23,11 @@ sequence and the GLOBAL offsets; ``SDPACoreAttention`` runs ``cp_attention.conte
 K/V over the CP group, reduce-scatter of dK/dV, bottom-right-causal segments on ``cp_kernel``: the SDPA reference,
 or torch's varlen kernel with query and key offsets of their own); the TE spec uses Transformer Engine's own CP.
 
+Sliding window (Mistral / Ministral; ``config.window_size = (left, 0)`` on the layers ``window_attn_skip_freq``
+selects, ``layer_window``): query ``i`` of a sequence sees its keys ``i - left .. i`` only. The thd path applies it per
+packed sequence (each bucket row is one left-aligned sequence, so one ``[L, L]`` mask, ``window_mask``, serves the
+bucket); the varlen kernel gets ``window_size=(left, 0)``; context parallelism with a window is refused by name.
+
 Grouped-query attention: each of the ``ng`` key/value heads serves ``np/ng`` consecutive query heads.
 ``torch.nn.attention.flex_attention`` is not used: it has no CPU backward.
 

@@ -1,5 +1,6 @@
-"""Megatron-Core ``GPTModel`` from a Hugging Face config: Llama (incl. SmolLM2), Qwen2, Qwen3, and the
-Mixture-of-Experts families Qwen3-MoE and Mixtral (their sparse blocks: ``moe``).
+"""Megatron-Core ``GPTModel`` from a Hugging Face config: Llama (incl. SmolLM2), Qwen2, Qwen3, Mistral and
+Ministral (a sliding window, ``dense_families``), and the Mixture-of-Experts families Qwen3-MoE and Mixtral (their
+sparse blocks: ``moe``). docs/models.md lists what is tested per family and what is refused.
 
 All three families are the same decoder: pre-norm RMSNorm, rotary position embedding (theta from the config),
 grouped-query attention, SwiGLU MLP ``W2 (silu(W_gate x) * W_up x)``, final RMSNorm, tied or untied output
@@ -13,6 +14,8 @@ qwen2      True                  False
 qwen3      False                 True (and an explicit ``head_dim``)
 qwen3_moe  False                 True; MoE blocks (``ModelArch.moe``)
 mixtral    False                 False; MoE blocks in every layer
+mistral    False                 False; sliding-window attention (``dense_families.py``)
+ministral  False                 False; sliding and full layers mixed
 =========  ====================  =============================================
 
 ``ModelArch.from_hf_config`` (``arch.py``) reads those numbers (rejecting what the model cannot represent, e.g. an
