@@ -329,7 +329,7 @@ def _not_lora(path: Path) -> Path:
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                    "mistral": "MistralForCausalLM", "ministral": "MinistralForCausalLM"}
+                    "mistral": "MistralForCausalLM", "ministral": "MinistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def arch_to_hf_config(arch: Any) -> dict:
@@ -353,10 +353,13 @@ def arch_to_hf_config(arch: Any) -> dict:
 
 
 def _window_hf_fields(arch: Any) -> dict:
-    """The config.json fields of a sliding window (Mistral / Ministral; megatron/dense_families.py)."""
-    if arch.family not in ("mistral", "ministral"):
+    """The config.json fields of a sliding window (Mistral / Ministral / Phi-3) and Phi-3's partial rotary
+    (megatron/dense_families.py)."""
+    if arch.family not in ("mistral", "ministral", "phi3"):
         return {}
     fields: dict = {"sliding_window": arch.sliding_window}  # (None written out: Mistral's default is 4096)
+    if arch.family == "phi3":
+        fields["partial_rotary_factor"] = arch.rotary_percent
     if arch.family == "ministral":
         windowed = arch.window_layers or (True,) * arch.num_layers
         fields["layer_types"] = ["sliding_attention" if w and arch.sliding_window else "full_attention"

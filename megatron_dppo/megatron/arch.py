@@ -10,7 +10,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .dense_families import WINDOW_FAMILIES, refuse_family, sliding_window_from_hf_config
+from .dense_families import (
+    WINDOW_FAMILIES,
+    partial_rotary_from_hf_config,
+    refuse_family,
+    sliding_window_from_hf_config,
+)
 from .moe import MOE_FAMILIES, MoEArch, moe_from_hf_config
 
 # HF model_type -> family
@@ -26,7 +31,7 @@ _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origi
 class ModelArch:
     """The numbers that define a Llama/Qwen2/Qwen3 (dense) or Qwen3-MoE/Mixtral decoder (HF names in brackets)."""
 
-    family: str  # llama | qwen2 | qwen3 | qwen3_moe | mixtral | mistral | ministral
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | mixtral | mistral | ministral | phi3
     vocab_size: int  # [vocab_size] rows of the embedding (already padded by the model authors)
     hidden_size: int  # [hidden_size]
     ffn_hidden_size: int  # [intermediate_size] (the dense MLP; MoE experts: moe.expert_ffn_hidden_size)
@@ -51,6 +56,8 @@ class ModelArch:
     sliding_window: int | None = None
     # [layer_types] when only some layers use the window: one bool per layer (True = sliding); None = every layer
     window_layers: tuple[bool, ...] | None = None
+    # [partial_rotary_factor] (phi3): fraction of each head's channels RoPE rotates (Megatron's rotary_percent)
+    rotary_percent: float = 1.0
 
     def __post_init__(self):
         if self.window_layers is not None:  # (a list after a JSON round trip)
@@ -78,6 +85,9 @@ class ModelArch:
         if self.sliding_window is not None and (self.family not in WINDOW_FAMILIES or self.sliding_window < 1):
             raise ValueError(f"sliding_window={self.sliding_window}: a positive window, and only for the families "
                              f"{sorted(WINDOW_FAMILIES)} (family={self.family!r})")
+        if not 0.0 < self.rotary_percent <= 1.0 or (self.rotary_percent * self.head_dim) % 2:
+            raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1] and rotate an even number of "
+                             f"channels of head_dim={self.head_dim}")
         if self.window_layers is not None and (self.sliding_window is None
                                                or len(self.window_layers) != self.num_layers):
             raise ValueError(f"window_layers has {len(self.window_layers)} entries for num_layers={self.num_layers} "
@@ -156,6 +166,7 @@ class ModelArch:
             num_labels=num_labels,
             sliding_window=window,
             window_layers=window_layers,
+            rotary_percent=partial_rotary_from_hf_config(hf, family),
         )
 
     @property

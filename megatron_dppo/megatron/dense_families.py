@@ -9,6 +9,12 @@ convention), so the model is built with ``window_size = (W - 1, 0)``. Ministral'
 full layers; Megatron-Core takes the per-layer choice as ``window_attn_skip_freq = [1 if windowed else 0, ...]``
 (``megatron.core.transformer.utils.is_layer_window_attention``, 1-based global layer numbers).
 
+Phi-3 / Phi-4-mini (``phi3``): the Llama decoder with q, k, v fused in one ``qkv_proj`` (rows ``[q; k; v]``) and
+gate / up in one ``gate_up_proj`` (rows ``[gate; up]``, Megatron's own ``linear_fc1`` layout), an optional window on
+every layer (``sliding_window``), and partial rotary (``partial_rotary_factor``: RoPE on the first
+``factor * head_dim`` channels of each head, the rest passed through; Megatron-Core's ``rotary_percent``, the same
+split and frequencies). LongRoPE (``rope_scaling`` type ``longrope``, the 128k models) is refused.
+
 Mistral models without a window (``sliding_window: null``, Mistral-7B-v0.2 and later, Mistral-Nemo with an explicit
 ``head_dim``) are the Llama decoder under another name.
 """
@@ -17,7 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 # HF model_type -> family (the Llama decoder, plus a sliding window)
-WINDOW_FAMILIES = {"mistral": "mistral", "ministral": "ministral"}
+WINDOW_FAMILIES = {"mistral": "mistral", "ministral": "ministral", "phi3": "phi3"}
+FUSED_PROJECTION_FAMILIES = ("phi3",)  # qkv_proj and gate_up_proj fused in the checkpoint
+PARTIAL_ROTARY_FAMILIES = ("phi3",)  # partial_rotary_factor read (any other family: refused when != 1)
 
 # Families people train that this release refuses, and why (named at `convert` and at `train`, never a silent wrong
 # model). See docs/models.md.
@@ -33,8 +41,6 @@ REFUSED_FAMILIES = {
                    "embedding per model), plus extra pre/post norms and (1 + w) RMSNorm weights",
     "gemma2": "Gemma 2 needs logit soft-capping in attention and on the output, extra pre/post norms and "
               "(1 + w) RMSNorm weights; not implemented",
-    "phi3": "Phi-3/Phi-4 (fused qkv_proj and gate_up_proj, LongRoPE scaling, partial rotary) are not implemented "
-            "in this release",
 }
 
 SLIDING_LAYER, FULL_LAYER = "sliding_attention", "full_attention"
@@ -51,7 +57,7 @@ def sliding_window_from_hf_config(hf: Any, family: str, num_layers: int) -> tupl
     everywhere) and, when only some layers use it, one bool per layer (None: every layer)."""
     window = getattr(hf, "sliding_window", None)
     layer_types = getattr(hf, "layer_types", None)
-    if family == "mistral":  # transformers' Mistral applies the window to every layer (layer_types are ignored)
+    if family in ("mistral", "phi3"):  # transformers applies their window to every layer (no layer_types)
         layer_types = None
     if window is None:
         if layer_types and any(t != FULL_LAYER for t in layer_types):
@@ -83,3 +89,16 @@ def window_config_kwargs(sliding_window: int | None, window_layers: tuple[bool, 
     if window_layers is not None:
         kwargs["window_attn_skip_freq"] = [1 if w else 0 for w in window_layers]
     return kwargs
+
+
+def partial_rotary_from_hf_config(hf: Any, family: str) -> float:
+    """The fraction of each head's channels that RoPE rotates (``partial_rotary_factor``; 1.0 = all)."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    factor = float(factor if factor is not None else getattr(hf, "partial_rotary_factor", 1.0) or 1.0)
+    if factor != 1.0 and family not in PARTIAL_ROTARY_FAMILIES:
+        raise ValueError(f"partial_rotary_factor={factor} is not supported for {family!r} (only "
+                         f"{list(PARTIAL_ROTARY_FAMILIES)})")
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor={factor} must be in (0, 1]")
+    return factor

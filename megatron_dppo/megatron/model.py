@@ -16,6 +16,7 @@ qwen3_moe  False                 True; MoE blocks (``ModelArch.moe``)
 mixtral    False                 False; MoE blocks in every layer
 mistral    False                 False; sliding-window attention (``dense_families.py``)
 ministral  False                 False; sliding and full layers mixed
+phi3       False                 False; fused qkv / gate_up in the checkpoint, partial rotary, a window
 =========  ====================  =============================================
 
 ``ModelArch.from_hf_config`` (``arch.py``) reads those numbers (rejecting what the model cannot represent, e.g. an
@@ -309,7 +310,7 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=arch.rotary_percent,
         rotary_base=arch.rope_theta,
         rope_scaling=arch.rope_scaling_type == "llama3",
         rope_scaling_factor=arch.rope_scaling_factor if arch.rope_scaling_type == "llama3" else 8.0,
@@ -318,6 +319,8 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
     )
     required = ("vocab_size", "share_embeddings_and_output_weights", "position_embedding_type", "rotary_base",
                 "pre_process", "post_process", "parallel_output")
+    if arch.rotary_percent != 1.0:
+        required += ("rotary_percent",)
     if arch.rope_scaling_type != "default":
         required += ("rope_scaling", "rope_scaling_factor", "seq_len_interpolation_factor")
     if vp_stage is not None:

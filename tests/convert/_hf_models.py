@@ -29,6 +29,12 @@ TINY = {
                              head_dim=24, rope_theta=100_000.0,
                              layer_types=["sliding_attention", "full_attention", "sliding_attention",
                                           "full_attention"]),
+    # Phi-3: fused qkv_proj / gate_up_proj; tied with a window of 4 and partial rotary 0.75 (Phi-4-mini's), untied
+    # with neither
+    "phi3_tied": dict(_COMMON, model_type="phi3", tie_word_embeddings=True, sliding_window=4,
+                      partial_rotary_factor=0.75, rope_theta=10_000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "phi3_untied": dict(_COMMON, model_type="phi3", tie_word_embeddings=False, sliding_window=None,
+                        rope_theta=10_000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 # Shapes Megatron supports that need care at TP2: one KV head (fewer than the TP ranks: Megatron-Core all-gathers

@@ -1,7 +1,8 @@
-"""Mistral / Ministral (sliding-window attention) against transformers: packed (THD) logits and log-probs of
-sequences longer than the window equal transformers' per-sequence ones; turning the window off (or putting it on
-the full layers) in the Megatron config fails the same check (negative controls); the window families reshard at
-TP2 / PP2 bit-exactly; refused families are refused by name."""
+"""Mistral / Ministral / Phi-3 (sliding-window attention; Phi-3's fused projections and partial rotary) against
+transformers: packed (THD) logits and log-probs of sequences longer than the window equal transformers'
+per-sequence ones; turning a feature off in the Megatron config (the window, Ministral's per-layer choice, Phi-3's
+partial rotary) fails the same check (negative controls); these families reshard at TP2 / PP2 bit-exactly; refused
+families are refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ from megatron_dppo.convert import load_hf_weights
 from megatron_dppo.megatron.model import ModelArch, build_model_chunks
 from megatron_dppo.megatron.parallel import ParallelConfig
 
-WINDOW_MODELS = ("mistral_tied", "ministral_untied")
+WINDOW_MODELS = ("mistral_tied", "ministral_untied", "phi3_tied")
 ATOL = 2e-5  # fp32
 # packed sequences of different lengths, most longer than the windows (4 and 5), one shorter
 LENGTHS = (11, 3, 13, 7)
@@ -28,13 +29,17 @@ def _packed(pad_multiple: int):
     return seqs, build_thd_batch(seqs, [2] * n, list(range(n)), [0.0] * n, [1.0] * n, pad_multiple=pad_multiple)
 
 
-def _thd_vs_transformers(name: str, pad_multiple: int = 1, **config_overrides) -> tuple[float, float]:
+def _thd_vs_transformers(name: str, pad_multiple: int = 1, arch_changes=None,
+                         **config_overrides) -> tuple[float, float]:
     """(max |logit diff|, max |log-prob diff|) of the Megatron model's packed forward vs transformers run on each
-    sequence alone, with ``config_overrides`` applied to the Megatron TransformerConfig."""
+    sequence alone, with ``config_overrides`` applied to the Megatron TransformerConfig (``arch_changes`` to the
+    ModelArch the model is built from)."""
+    import dataclasses
+
     from megatron_dppo.megatron.logprobs import forward_thd, vocab_parallel_logprobs
 
     hf = build_hf_model(name)
-    arch = ModelArch.from_hf_config(TINY[name])
+    arch = dataclasses.replace(ModelArch.from_hf_config(TINY[name]), **(arch_changes or {}))
     seqs, batch = _packed(pad_multiple)
     with torch.no_grad():
         expected = [hf(torch.tensor([s])).logits[0] for s in seqs]
@@ -82,6 +87,23 @@ def test_negative_control_window_off_by_one_fails():
     assert logit_diff > 1e-3, logit_diff
 
 
+def test_negative_control_full_rotary_fails():
+    """Phi-3 with partial_rotary_factor 0.75: rotating every channel instead differs."""
+    assert ModelArch.from_hf_config(TINY["phi3_tied"]).rotary_percent == 0.75
+    logit_diff, _ = _thd_vs_transformers("phi3_tied", arch_changes={"rotary_percent": 1.0})
+    assert logit_diff > 1e-3, logit_diff
+
+
+def test_phi3_without_a_window_matches_and_lora_is_refused():
+    from megatron_dppo.megatron.lora import LoraConfig, check_lora_supported
+
+    logit_diff, logp_diff = _thd_vs_transformers("phi3_untied")
+    assert logit_diff < ATOL and logp_diff < ATOL
+    arch = ModelArch.from_hf_config(TINY["phi3_untied"])
+    with pytest.raises(ValueError, match="family 'phi3' stores q/k/v and gate/up fused"):
+        check_lora_supported(arch, ParallelConfig(), LoraConfig(target_modules=("qkv",)))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the architecture read from the config, and what is refused
 # ------------------------------------------------------------------------------------------------------------
@@ -100,7 +122,7 @@ def test_arch_reads_the_window_and_the_layer_types():
 
 
 @pytest.mark.parametrize("model_type, words", [("gpt_oss", "attention sinks"), ("gemma3_text", "RoPE base"),
-                                                ("gemma3", "RoPE base"), ("phi3", "qkv_proj")])
+                                                ("gemma3", "RoPE base"), ("gemma2", "soft-capping")])
 def test_refused_families_are_named(model_type, words):
     with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported: .*{words}"):
         ModelArch.from_hf_config({"model_type": model_type})
@@ -140,9 +162,10 @@ def test_varlen_kernel_gets_the_window():
 # ------------------------------------------------------------------------------------------------------------
 # TP2 / PP2: logits, the gathered export, and the checkpoint resharded back to HF, bit-exact
 # ------------------------------------------------------------------------------------------------------------
-@pytest.mark.slow  # ~150 s on the shared 2-core box
+@pytest.mark.slow  # ~75 s each on the shared 2-core box
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name, tp, pp", [("mistral_tied", 2, 1), ("ministral_untied", 1, 2)])
+@pytest.mark.parametrize("name, tp, pp", [("mistral_tied", 2, 1), ("ministral_untied", 1, 2), ("phi3_tied", 2, 1),
+                                          ("phi3_untied", 1, 2)])
 def test_window_families_tp2_pp2_round_trip(name, tp, pp, tmp_path):
     from test_convert_dist import _check
 
