@@ -1,7 +1,8 @@
-"""A short DPPO run on a tiny Mistral policy whose sliding window (3 keys) is shorter than every prompt plus
-completion: the `train` command builds it (the window on the Megatron side, MistralForCausalLM on the HF rollout
-side, weights pushed every step), it really trains, and a resume from a checkpoint gives the straight run's metrics
-and final checkpoint bit for bit. A refused family stops `train` with its name and reason."""
+"""A short DPPO run on a tiny Mistral and a tiny Phi-3 policy whose sliding window (3 keys) is shorter than every
+prompt plus completion: the `train` command builds it (the window on the Megatron side, MistralForCausalLM /
+Phi3ForCausalLM on the HF rollout side, weights pushed every step), it really trains, and a resume from a
+checkpoint gives the straight run's metrics and final checkpoint bit for bit. A refused family stops `train` (and
+`convert`) with its name and reason."""
 from __future__ import annotations
 
 import shutil
@@ -25,15 +26,21 @@ TINY_MISTRAL = {
 }
 
 
+# Phi-3: fused projections, partial rotary (half of each head's channels), the window on every layer
+TINY_PHI3 = {**TINY_MISTRAL, "model_type": "phi3", "partial_rotary_factor": 0.5, "tie_word_embeddings": False}
+MODELS = {"mistral": TINY_MISTRAL, "phi3": TINY_PHI3}
+
+
 def _config(out, model=TINY_MISTRAL, **extra):
     return tiny_config(out, model={"hf_config": dict(model), "tokenizer": "train-sentencepiece"},
                        train={"steps": 2, "sft_steps": 1}, checkpoint={"every": 1}, eval={"every": 0}, **extra)
 
 
-def test_mistral_sliding_window_rl_step_and_resume(tmp_path):
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_sliding_window_rl_step_and_resume(tmp_path, family):
     straight = tmp_path / "straight"
-    proc = run_cli(write_config(tmp_path / "run.yaml", _config(straight)))
-    assert "mistral" in proc.stdout
+    proc = run_cli(write_config(tmp_path / "run.yaml", _config(straight, MODELS[family])))
+    assert family in proc.stdout
     records = read_metrics(straight)
     rl = [r for r in records if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [0, 1]
@@ -45,7 +52,7 @@ def test_mistral_sliding_window_rl_step_and_resume(tmp_path):
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / steps[-1])
     (resumed / "checkpoints" / "latest").write_text(steps[-2] + "\n")
-    proc = run_cli(write_config(tmp_path / "resumed.yaml", _config(resumed)))
+    proc = run_cli(write_config(tmp_path / "resumed.yaml", _config(resumed, MODELS[family])))
     assert "resumed from" in proc.stdout
     assert stable_metrics(read_metrics(resumed)) == stable_metrics(records)
     a, b = checkpoint_tensors(latest_checkpoint(straight)), checkpoint_tensors(latest_checkpoint(resumed))

@@ -1,7 +1,8 @@
-"""vLLM (CPU) serves a sliding-window Mistral and takes the weights the trainer pushes: its sampling log-probs match
-transformers' teacher-forced ones with the window, and not without it (prompt + completion longer than the window);
-the push is the Megatron export stream (``convert.export_hf_weights``) of another model, whose names vLLM's Mistral
-loader takes. Same optional job and markers as test_vllm_cpu.py."""
+"""vLLM (CPU) serves a sliding-window Mistral and Phi-3 (fused projections, partial rotary) and takes the weights
+the trainer pushes: its sampling log-probs match transformers' teacher-forced ones with the window, and not without
+it (prompt + completion longer than the window); the push is the Megatron export stream
+(``convert.export_hf_weights``) of another model, whose names vLLM's loaders take. Same optional job and markers as
+test_vllm_cpu.py."""
 import importlib.util
 import os
 import subprocess
@@ -19,7 +20,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 vllm = pytest.importorskip("vllm", reason="vllm is not importable")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, MistralConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, MistralConfig, Phi3Config  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [12, 13, 14, 15, 16, 17]]
 ENGINE_KWARGS = dict(dtype="float32", load_format="auto", enforce_eager=True, max_model_len=64, max_num_seqs=16)
@@ -27,8 +28,10 @@ WINDOW = 4
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _mistral(seed, window=WINDOW):
-    config = MistralConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+def _tiny_model(seed, window=WINDOW, family="mistral"):
+    config_class = MistralConfig if family == "mistral" else Phi3Config  # Phi-3: fused qkv / gate_up, partial rotary
+    extra = {} if family == "mistral" else {"partial_rotary_factor": 0.5}
+    config = config_class(**extra, vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, eos_token_id=3,
                            pad_token_id=0, bos_token_id=2, tie_word_embeddings=False, sliding_window=window)
     torch.manual_seed(seed)
@@ -50,21 +53,22 @@ def _max_logprob_error(model, groups):
     return worst
 
 
-def test_mistral_window_served_and_megatron_push_accepted(tmp_path):
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_window_family_served_and_megatron_push_accepted(tmp_path, family):
     from megatron_dppo.rollout import SamplingParams
     from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
 
-    first = _mistral(0)
+    first = _tiny_model(0, family=family)
     first.save_pretrained(tmp_path / "first")
     engine = VLLMRolloutEngine(tmp_path / "first", **ENGINE_KWARGS)
     sampling = SamplingParams(max_new_tokens=8, seed=0)
     groups = engine.generate(PROMPTS, 2, sampling)
     assert _max_logprob_error(first, groups) < 1e-4
-    no_window = _mistral(0, window=None)
+    no_window = _tiny_model(0, window=None, family=family)
     no_window.load_state_dict(first.state_dict())
     assert _max_logprob_error(no_window, groups) > 1e-3  # control: the window matters on these lengths
 
-    second = _mistral(1)
+    second = _tiny_model(1, family=family)
     second.save_pretrained(tmp_path / "second")
     stream = _megatron_export_stream(tmp_path / "second", tmp_path / "stream.safetensors")
     assert engine.load_weights(stream) == len(stream)
