@@ -1,5 +1,6 @@
-"""The dense families beyond Llama/Qwen: Mistral and Ministral (sliding-window attention), and the families that
-are refused by name, each with the reason (``REFUSED_FAMILIES``).
+"""The dense families beyond Llama/Qwen: Mistral and Ministral (sliding-window attention), Phi-3 (fused
+projections, partial rotary, a window), and the families that are refused by name, each with the reason
+(``REFUSED_FAMILIES``). docs/models.md has the table of what is tested.
 
 Sliding window (HF ``sliding_window = W``): query ``i`` attends to the keys ``j`` with ``i - W < j <= i`` of its
 own sequence, i.e. ``W`` keys itself included (transformers 5, ``masking_utils.sliding_window_overlay``:
