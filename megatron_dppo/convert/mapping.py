@@ -25,6 +25,8 @@ Rules
 ``GatedMLPMapping``        ``linear_fc1 = [gate; up]`` (SwiGLU: ``silu(gate x) * up x``). Megatron chunks the *local*
                            output in two, so TP rank ``t`` holds ``[gate_t; up_t]``; the full tensor is ``[gate; up]``
                            (the same global layout Megatron's dist-checkpoint swiglu factory stores).
+``FusedQKVMapping``        Phi-3's ``qkv_proj`` (rows ``[q; k; v]``) <-> ``linear_qkv`` (through ``QKVMapping``).
+``FusedGatedMLPMapping``   Phi-3's ``gate_up_proj`` (rows ``[gate; up]``): Megatron's full ``linear_fc1`` as it is.
 ``TiedOutputMapping``      tied embeddings under PP > 1: the last stage holds its own copy of the word embeddings
                            as ``output_layer.weight``; it is filled from ``embed_tokens`` on import and skipped on
                            export (the first stage's embedding is the one written out).
