@@ -109,8 +109,9 @@ class ModelConfig:
             _check(bool(self.hf_config), "model.hf_config", self.hf_config,
                    "a non-empty dict of HF config fields when model.path is null")
             mt = self.hf_config.get("model_type")
-            _check(mt in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"), "model.hf_config.model_type", mt,
-                   "llama, qwen2, qwen3, qwen3_moe or mixtral")
+            _check(mt in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "ministral", "phi3"),
+                   "model.hf_config.model_type", mt,
+                   "llama, qwen2, qwen3, qwen3_moe, mixtral, mistral, ministral or phi3 (docs/models.md)")
         _check(self.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, ">= 0")
         _check(self.tokenizer_vocab_size >= 64, "model.tokenizer_vocab_size", self.tokenizer_vocab_size, ">= 64")
         if self.lora is not None:

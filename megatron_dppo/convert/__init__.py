@@ -1,5 +1,5 @@
-"""Checkpoint conversion Hugging Face <-> Megatron-Core (Llama incl. SmolLM2, Qwen2, Qwen3; Mixture-of-Experts:
-Qwen3-MoE, Mixtral).
+"""Checkpoint conversion Hugging Face <-> Megatron-Core (Llama incl. SmolLM2, Qwen2, Qwen3, Mistral, Ministral,
+Phi-3; Mixture-of-Experts: Qwen3-MoE, Mixtral; docs/models.md).
 
 mapping.py     typed mapping rules (replicated, column/row parallel, vocab, QKV interleave, gated MLP, tied output,
                per-expert gated MLP / down projection) and one table per family; expected HF tensor names/shapes

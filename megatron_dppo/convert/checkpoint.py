@@ -328,7 +328,8 @@ def _not_lora(path: Path) -> Path:
 
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                    "mistral": "MistralForCausalLM", "ministral": "MinistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def arch_to_hf_config(arch: Any) -> dict:
@@ -347,8 +348,23 @@ def arch_to_hf_config(arch: Any) -> dict:
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_kv_heads,
         head_dim=arch.head_dim, rope_theta=arch.rope_theta, rms_norm_eps=arch.norm_eps,
         tie_word_embeddings=arch.tie_embeddings, max_position_embeddings=arch.max_position_embeddings,
-        initializer_range=arch.init_std, hidden_act="silu", **_moe_hf_fields(arch))
+        initializer_range=arch.init_std, hidden_act="silu", **_moe_hf_fields(arch), **_window_hf_fields(arch))
     return cfg.to_dict()
+
+
+def _window_hf_fields(arch: Any) -> dict:
+    """The config.json fields of a sliding window (Mistral / Ministral / Phi-3) and Phi-3's partial rotary
+    (megatron/dense_families.py)."""
+    if arch.family not in ("mistral", "ministral", "phi3"):
+        return {}
+    fields: dict = {"sliding_window": arch.sliding_window}  # (None written out: Mistral's default is 4096)
+    if arch.family == "phi3":
+        fields["partial_rotary_factor"] = arch.rotary_percent
+    if arch.family == "ministral":
+        windowed = arch.window_layers or (True,) * arch.num_layers
+        fields["layer_types"] = ["sliding_attention" if w and arch.sliding_window else "full_attention"
+                                 for w in windowed]
+    return fields
 
 
 def _moe_hf_fields(arch: Any) -> dict:

@@ -25,6 +25,8 @@ Rules
 ``GatedMLPMapping``        ``linear_fc1 = [gate; up]`` (SwiGLU: ``silu(gate x) * up x``). Megatron chunks the *local*
                            output in two, so TP rank ``t`` holds ``[gate_t; up_t]``; the full tensor is ``[gate; up]``
                            (the same global layout Megatron's dist-checkpoint swiglu factory stores).
+``FusedQKVMapping``        Phi-3's ``qkv_proj`` (rows ``[q; k; v]``) <-> ``linear_qkv`` (through ``QKVMapping``).
+``FusedGatedMLPMapping``   Phi-3's ``gate_up_proj`` (rows ``[gate; up]``): Megatron's full ``linear_fc1`` as it is.
 ``TiedOutputMapping``      tied embeddings under PP > 1: the last stage holds its own copy of the word embeddings
                            as ``output_layer.weight``; it is filled from ``embed_tokens`` on import and skipped on
                            export (the first stage's embedding is the one written out).
@@ -65,7 +67,7 @@ from megatron_dppo.megatron.moe import MOE_FAMILIES
 
 LOCAL_SPEC = "local"
 TE_SPEC = "te"
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "ministral", "phi3")
 EXPERT_WILDCARD = "#"  # the expert index in a name pattern ("*" is the layer index)
 ALL_LAYERS, DENSE_LAYERS, SPARSE_LAYERS = "all", "dense", "sparse"  # where a layer rule exists
 
@@ -86,6 +88,9 @@ def resolve_dims(dims: Dims, arch: Any) -> tuple[int, ...]:
         "KV": arch.num_kv_heads * arch.head_dim,
         "D": arch.head_dim,
         "L": getattr(arch, "num_labels", None) or 1,
+        # fused checkpoint tensors (phi3): qkv_proj rows [q; k; v], gate_up_proj rows [gate; up]
+        "QKV": (arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim,
+        "F2": 2 * arch.ffn_hidden_size,
     }
     moe = getattr(arch, "moe", None)
     if moe is not None:
@@ -389,6 +394,52 @@ FAMILY_TABLES: dict[str, Callable[[Any, str], list[ParamMapping]]] = {
 # (qkv_bias, qk_norm) of each family
 _FAMILY_SWITCHES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True),
                     "qwen3_moe": (False, True), "mixtral": (False, False)}
+
+# --- dense families beyond Llama/Qwen (megatron/dense_families.py) ---------------------------------------------
+# Mistral / Ministral checkpoints have Llama's tensor names and layout: the window is attention behaviour.
+# Phi-3 stores q, k, v fused as ``qkv_proj`` (rows [q; k; v]) and gate / up as ``gate_up_proj`` (rows [gate; up]).
+
+@dataclass(frozen=True)
+class FusedQKVMapping(QKVMapping):
+    """HF ``qkv_proj`` = ``[q; k; v]`` (all query heads, then all key heads, then all value heads) <-> Megatron's
+    per-group interleaved ``linear_qkv`` (``QKVMapping``)."""
+
+    def hf_to_megatron(self, hf, arch, full_shape):
+        q_rows, kv_rows = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        q, k, v = torch.split(hf["weight"], [q_rows, kv_rows, kv_rows], dim=0)
+        return super().hf_to_megatron({"q": q, "k": k, "v": v}, arch, full_shape)
+
+    def megatron_to_hf(self, full, arch):
+        parts = super().megatron_to_hf(full, arch)
+        return {"weight": torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)}
+
+
+@dataclass(frozen=True)
+class FusedGatedMLPMapping(GatedMLPMapping):
+    """HF ``gate_up_proj`` = ``[gate; up]``: already Megatron's full ``linear_fc1``; TP shards as GatedMLPMapping."""
+
+    def hf_to_megatron(self, hf, arch, full_shape):
+        return hf["weight"]
+
+    def megatron_to_hf(self, full, arch):
+        return {"weight": full}
+
+
+def phi3_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
+    """Phi-3 / Phi-4-mini: the Llama decoder with fused ``self_attn.qkv_proj`` and ``mlp.gate_up_proj``."""
+    table = []
+    for m in llama_table(arch, spec):
+        if m.megatron.endswith("self_attention.linear_qkv.weight"):
+            m = FusedQKVMapping(m.megatron, _w("model.layers.*.self_attn.qkv_proj.weight"), _dims("QKV", "H"))
+        elif m.megatron.endswith("mlp.linear_fc1.weight"):
+            m = FusedGatedMLPMapping(m.megatron, _w("model.layers.*.mlp.gate_up_proj.weight"), _dims("F2", "H"))
+        table.append(m)
+    return table
+
+
+FAMILY_TABLES.update(mistral=llama_table, ministral=llama_table, phi3=phi3_table)
+_FAMILY_SWITCHES.update(mistral=(False, False), ministral=(False, False), phi3=(False, False))
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def mapping_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:

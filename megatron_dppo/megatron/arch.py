@@ -10,10 +10,17 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .dense_families import (
+    WINDOW_FAMILIES,
+    partial_rotary_from_hf_config,
+    refuse_family,
+    sliding_window_from_hf_config,
+)
 from .moe import MOE_FAMILIES, MoEArch, moe_from_hf_config
 
 # HF model_type -> family
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+FAMILIES.update(WINDOW_FAMILIES)  # mistral, ministral (dense_families.py)
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 # RoPE variants Megatron's RotaryEmbedding can represent; llama3 with Megatron's fixed constants only.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -24,7 +31,7 @@ _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origi
 class ModelArch:
     """The numbers that define a Llama/Qwen2/Qwen3 (dense) or Qwen3-MoE/Mixtral decoder (HF names in brackets)."""
 
-    family: str  # llama | qwen2 | qwen3
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | mixtral | mistral | ministral | phi3
     vocab_size: int  # [vocab_size] rows of the embedding (already padded by the model authors)
     hidden_size: int  # [hidden_size]
     ffn_hidden_size: int  # [intermediate_size] (the dense MLP; MoE experts: moe.expert_ffn_hidden_size)
@@ -45,8 +52,16 @@ class ModelArch:
     # [num_labels] of a *ForSequenceClassification (a reward model): its output layer is the score head [labels, H]
     # at every position (``score_head.ScoreHead``) instead of the vocabulary; None for a causal LM
     num_labels: int | None = None
+    # [sliding_window] (mistral / ministral): keys each query attends to, itself included; None = full attention
+    sliding_window: int | None = None
+    # [layer_types] when only some layers use the window: one bool per layer (True = sliding); None = every layer
+    window_layers: tuple[bool, ...] | None = None
+    # [partial_rotary_factor] (phi3): fraction of each head's channels RoPE rotates (Megatron's rotary_percent)
+    rotary_percent: float = 1.0
 
     def __post_init__(self):
+        if self.window_layers is not None:  # (a list after a JSON round trip)
+            object.__setattr__(self, "window_layers", tuple(bool(w) for w in self.window_layers))
         if self.family not in FAMILIES.values():
             raise ValueError(f"family={self.family!r}; supported: {sorted(set(FAMILIES.values()))}")
         if (self.moe is not None) != self.is_moe_family:
@@ -67,6 +82,16 @@ class ModelArch:
                              "untied embeddings (its score head is not the embedding matrix)")
         if self.rope_scaling_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling_type={self.rope_scaling_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        if self.sliding_window is not None and (self.family not in WINDOW_FAMILIES or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window}: a positive window, and only for the families "
+                             f"{sorted(WINDOW_FAMILIES)} (family={self.family!r})")
+        if not 0.0 < self.rotary_percent <= 1.0 or (self.rotary_percent * self.head_dim) % 2:
+            raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1] and rotate an even number of "
+                             f"channels of head_dim={self.head_dim}")
+        if self.window_layers is not None and (self.sliding_window is None
+                                               or len(self.window_layers) != self.num_layers):
+            raise ValueError(f"window_layers has {len(self.window_layers)} entries for num_layers={self.num_layers} "
+                             f"(and needs a sliding_window, got {self.sliding_window})")
 
     @property
     def is_moe_family(self) -> bool:
@@ -82,6 +107,7 @@ class ModelArch:
         """
         hf = _as_transformers_config(cfg)
         model_type = getattr(hf, "model_type", None)
+        refuse_family(model_type)
         if model_type not in FAMILIES:
             raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
         family = FAMILIES[model_type]
@@ -99,7 +125,9 @@ class ModelArch:
             raise ValueError(f"use_sliding_window=True (sliding_window={getattr(hf, 'sliding_window', None)}) "
                              "is not supported")
         layer_types = getattr(hf, "layer_types", None)
-        if layer_types and any(t != "full_attention" for t in layer_types):
+        window, window_layers = (sliding_window_from_hf_config(hf, family, int(hf.num_hidden_layers))
+                                 if family in WINDOW_FAMILIES else (None, None))
+        if family not in WINDOW_FAMILIES and layer_types and any(t != "full_attention" for t in layer_types):
             raise ValueError(f"layer_types={sorted(set(layer_types))}: only full_attention layers are supported")
 
         heads = int(hf.num_attention_heads)
@@ -136,6 +164,9 @@ class ModelArch:
             init_std=float(getattr(hf, "initializer_range", 0.02) or 0.02),
             moe=moe,
             num_labels=num_labels,
+            sliding_window=window,
+            window_layers=window_layers,
+            rotary_percent=partial_rotary_from_hf_config(hf, family),
         )
 
     @property
@@ -168,6 +199,7 @@ def _as_transformers_config(cfg):
     if isinstance(cfg, Mapping):
         cfg = dict(cfg)
         model_type = cfg.get("model_type")
+        refuse_family(model_type)
         if model_type not in FAMILIES:
             raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
         from transformers import AutoConfig

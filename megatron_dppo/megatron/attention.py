@@ -23,6 +23,11 @@ sequence and the GLOBAL offsets; ``SDPACoreAttention`` runs ``cp_attention.conte
 K/V over the CP group, reduce-scatter of dK/dV, bottom-right-causal segments on ``cp_kernel``: the SDPA reference,
 or torch's varlen kernel with query and key offsets of their own); the TE spec uses Transformer Engine's own CP.
 
+Sliding window (Mistral / Ministral; ``config.window_size = (left, 0)`` on the layers ``window_attn_skip_freq``
+selects, ``layer_window``): query ``i`` of a sequence sees its keys ``i - left .. i`` only. The thd path applies it per
+packed sequence (each bucket row is one left-aligned sequence, so one ``[L, L]`` mask, ``window_mask``, serves the
+bucket); the varlen kernel gets ``window_size=(left, 0)``; context parallelism with a window is refused by name.
+
 Grouped-query attention: each of the ``ng`` key/value heads serves ``np/ng`` consecutive query heads.
 ``torch.nn.attention.flex_attention`` is not used: it has no CPU backward.
 
@@ -71,9 +76,6 @@ class SDPACoreAttention(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
-        if config.window_size is not None:
-            raise ValueError(f"window_size={config.window_size}: sliding-window attention is not supported by "
-                             "SDPACoreAttention")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r}: SDPACoreAttention supports 'vanilla' only")
         cp = config.context_parallel_size
@@ -92,6 +94,10 @@ class SDPACoreAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.window_left = layer_window(config, layer_number)
+        if self.window_left is not None and self.cp_group is not None:
+            raise ValueError(f"window_size={config.window_size} (sliding-window attention) with "
+                             f"context_parallel_size={cp}: the context-parallel attention has no sliding window")
         if self.cp_group is not None and self.dropout_p:
             raise ValueError(f"attention_dropout={self.dropout_p} with context_parallel_size={cp}: the "
                              "context-parallel attention has no dropout (RL fine-tuning runs with 0)")
@@ -145,7 +151,13 @@ class SDPACoreAttention(MegatronModule):
             valid = offsets < lengths  # [n, L_max]
             index = torch.where(valid, starts + offsets, torch.zeros_like(offsets))
             gather = lambda x: x[index].permute(0, 2, 1, 3)  # noqa: E731 - [t, h, hn] -> [n, h, L_max, hn]
-            seg_out = self._sdpa(gather(query), gather(key), gather(value), None, is_causal=self._causal())
+            length = offsets.size(1)
+            if self.window_left is not None and length > self.window_left + 1 and self._causal():
+                # the window per sequence: each row is one left-aligned sequence, so one [L_max, L_max] mask
+                seg_out = self._sdpa(gather(query), gather(key), gather(value),
+                                     window_mask(length, length, self.window_left, query.device), is_causal=False)
+            else:
+                seg_out = self._sdpa(gather(query), gather(key), gather(value), None, is_causal=self._causal())
             out = out.index_put((index[valid],), seg_out.permute(0, 2, 1, 3)[valid])
         return out.reshape(total, self.num_heads * self.head_dim)
 
@@ -198,8 +210,14 @@ class SDPACoreAttention(MegatronModule):
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
+        window = None
+        if self.window_left is not None:
+            window = window_mask(sq, k.size(2), self.window_left, query.device)  # (causal as well)
         if attention_mask is not None:
-            out = self._sdpa(q, k, v, ~attention_mask.bool(), is_causal=False)  # Megatron: True = masked
+            keep = ~attention_mask.bool()  # Megatron: True = masked
+            out = self._sdpa(q, k, v, keep if window is None else keep & window, is_causal=False)
+        elif window is not None and self._causal(attn_mask_type):
+            out = self._sdpa(q, k, v, window, is_causal=False)
         else:
             out = self._sdpa(q, k, v, None, is_causal=self._causal(attn_mask_type))
         # [b, np, sq, hn] -> [sq, b, np * hn]
@@ -256,7 +274,8 @@ class VarlenCoreAttention(SDPACoreAttention):
         if max_len is None:
             max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
         out = varlen_attention(query[:end], key[:end], value[:end], cu.to(query.device, torch.int32), int(max_len),
-                               causal=self._causal(), scale=self.softmax_scale, kernel=self.kernel)
+                               causal=self._causal(), scale=self.softmax_scale, kernel=self.kernel,
+                               window_left=self.window_left)
         if end < total:
             out = torch.cat([out, query.new_zeros(total - end, *out.shape[1:])], dim=0)
         return out.reshape(total, self.num_heads * self.head_dim)
@@ -264,7 +283,7 @@ class VarlenCoreAttention(SDPACoreAttention):
 
 def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_seqlen: int, *,
                      causal: bool, scale: float, kernel=None, cu_seqlens_k: Optional[Tensor] = None,
-                     max_seqlen_k: Optional[int] = None) -> Tensor:
+                     max_seqlen_k: Optional[int] = None, window_left: Optional[int] = None) -> Tensor:
     """Self-attention of packed sequences: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` (GQA when
     ``ng < np``), ``cu_seqlens`` int32 ``[n+1]`` over exactly ``t`` positions -> ``[t, np, hn]``.
     ``cu_seqlens_k`` / ``max_seqlen_k`` (default: the query's): key segments of other lengths (the
@@ -282,7 +301,9 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
 
     Without ``enable_gqa`` the key/value heads are repeated (``repeat_interleave``, Megatron's head grouping);
     without ``scale`` the query is pre-scaled so that the kernel's ``1/sqrt(hn)`` yields ``scale``. ``kernel``
-    replaces ``varlen_attn`` (tests use a reference with one of these signatures on CPU).
+    replaces ``varlen_attn`` (tests use a reference with one of these signatures on CPU). ``window_left``: a
+    causal sliding window (query ``i`` sees keys ``i - window_left .. i`` of its sequence), passed as
+    ``window_size=(window_left, 0)``; a kernel without ``window_size`` (torch 2.10) refuses it.
     """
     if kernel is None:
         from torch.nn.attention.varlen import varlen_attn as kernel
@@ -307,7 +328,13 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
         kwargs["scale"] = scale
     elif not math.isclose(scale, 1.0 / math.sqrt(head_dim), rel_tol=1e-12):
         query = query * (scale * math.sqrt(head_dim))
-    if "window_size" in params:
+    if window_left is not None:
+        if not causal or "window_size" not in params:
+            raise ValueError(f"a sliding window (window_left={window_left}) needs causal attention and a varlen "
+                             f"kernel with window_size (torch >= 2.11; this is torch {torch.__version__}); use "
+                             "model.attention_backend=sdpa or te")
+        kwargs["window_size"] = (int(window_left), 0)
+    elif "window_size" in params:
         kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
     elif "is_causal" in params:
         kwargs["is_causal"] = causal
@@ -317,6 +344,30 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
     return kernel(query, key, value, cu_seqlens, cu_k, max_seqlen, max_k, **kwargs)
+
+
+def layer_window(config: TransformerConfig, layer_number: int) -> Optional[int]:
+    """The left window (keys before the query that it still sees) of global layer ``layer_number`` (1-based), or
+    None when that layer attends to the whole causal prefix: Megatron-Core's ``window_size = (left, right)`` with
+    ``window_attn_skip_freq`` (``is_layer_window_attention``). Only causal windows (``right == 0``) are taken."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    if config.window_size is None or not is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number):
+        return None
+    left, right = config.window_size
+    if right != 0 or left < 0:
+        raise ValueError(f"window_size={config.window_size}: only causal sliding windows (left >= 0, right == 0) "
+                         "are supported")
+    return int(left)
+
+
+def window_mask(sq: int, sk: int, left: int, device) -> Tensor:
+    """Boolean ``[sq, sk]`` mask (True = attend) of causal sliding-window attention, queries aligned to the last
+    ``sq`` keys: query ``i`` sees keys ``j`` with ``i - left <= j <= i``."""
+    q = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    k = torch.arange(sk, device=device).unsqueeze(0)
+    return (k <= q) & (q - k <= left)
 
 
 # What torch's FlashAttention varlen kernels take (FlashAttention 2: half precision, head dims a multiple of 8

@@ -133,6 +133,10 @@ def check_lora_supported(arch, parallel, cfg: LoraConfig) -> None:
     if getattr(arch, "moe", None) is not None and mlp:
         problems.append(f"target_modules {mlp} on the Mixture-of-Experts model {arch.family!r}: experts and the "
                         "router are not adapted (use qkv / proj)")
+    if arch.family == "phi3":  # (dense_families.FUSED_PROJECTION_FAMILIES)
+        problems.append("family 'phi3' stores q/k/v and gate/up fused (qkv_proj, gate_up_proj); the adapters are per "
+                        "separate HF projection, so their PEFT names and rollout pushes would not match the model "
+                        "(train phi3 without LoRA)")
     qkv = [p for p in cfg.projections if p in ("q", "k", "v")]
     if qkv and arch.num_kv_heads < parallel.tp:
         problems.append(f"target_modules {qkv} with num_kv_heads={arch.num_kv_heads} < tp={parallel.tp} (Megatron "

@@ -1,5 +1,6 @@
-"""Megatron-Core ``GPTModel`` from a Hugging Face config: Llama (incl. SmolLM2), Qwen2, Qwen3, and the
-Mixture-of-Experts families Qwen3-MoE and Mixtral (their sparse blocks: ``moe``).
+"""Megatron-Core ``GPTModel`` from a Hugging Face config: Llama (incl. SmolLM2), Qwen2, Qwen3, Mistral and
+Ministral (a sliding window, ``dense_families``), and the Mixture-of-Experts families Qwen3-MoE and Mixtral (their
+sparse blocks: ``moe``). docs/models.md lists what is tested per family and what is refused.
 
 All three families are the same decoder: pre-norm RMSNorm, rotary position embedding (theta from the config),
 grouped-query attention, SwiGLU MLP ``W2 (silu(W_gate x) * W_up x)``, final RMSNorm, tied or untied output
@@ -13,6 +14,9 @@ qwen2      True                  False
 qwen3      False                 True (and an explicit ``head_dim``)
 qwen3_moe  False                 True; MoE blocks (``ModelArch.moe``)
 mixtral    False                 False; MoE blocks in every layer
+mistral    False                 False; sliding-window attention (``dense_families.py``)
+ministral  False                 False; sliding and full layers mixed
+phi3       False                 False; fused qkv / gate_up in the checkpoint, partial rotary, a window
 =========  ====================  =============================================
 
 ``ModelArch.from_hf_config`` (``arch.py``) reads those numbers (rejecting what the model cannot represent, e.g. an
@@ -41,6 +45,7 @@ import torch
 from . import compat
 from .arch import FAMILIES, QK_NORM_FAMILIES, SUPPORTED_ROPE_TYPES, ModelArch  # noqa: F401 - re-exported
 from .cpu import allow_sequence_parallel_torch_norm, ensure_device_backend
+from .dense_families import window_config_kwargs
 from .moe import MOE_ARCH_CONFIG_FIELDS, moe_block_spec, moe_config_kwargs, reduce_expert_grads_over_expert_grid
 from .parallel import ParallelConfig, validate_parallel
 
@@ -198,6 +203,14 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
         # per-routed-token scale (moe.aux_loss_per_routed_token) are not built for that
         raise ValueError(f"moe_routing_replay={moe_routing_replay} / moe_aux_loss_coeff={moe_aux_loss_coeff} with "
                          f"cp={parallel.cp}: context parallelism takes neither (use cp=1, or turn both off)")
+    # --- sliding-window attention (mistral / ministral; dense_families.py) ---
+    window = window_config_kwargs(arch.sliding_window, arch.window_layers)
+    if window and parallel.cp > 1:
+        raise ValueError(f"sliding_window={arch.sliding_window} ({arch.family}) with cp={parallel.cp}: the "
+                         "context-parallel attention has no sliding window; use cp=1")
+    kwargs.update(window)
+    required += tuple(window)
+    # ---
     kwargs.update(overrides)
     return TransformerConfig(**compat.supported_kwargs(TransformerConfig, kwargs, required=required))
 
@@ -297,7 +310,7 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=arch.rotary_percent,
         rotary_base=arch.rope_theta,
         rope_scaling=arch.rope_scaling_type == "llama3",
         rope_scaling_factor=arch.rope_scaling_factor if arch.rope_scaling_type == "llama3" else 8.0,
@@ -306,6 +319,8 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
     )
     required = ("vocab_size", "share_embeddings_and_output_weights", "position_embedding_type", "rotary_base",
                 "pre_process", "post_process", "parallel_output")
+    if arch.rotary_percent != 1.0:
+        required += ("rotary_percent",)
     if arch.rope_scaling_type != "default":
         required += ("rope_scaling", "rope_scaling_factor", "seq_len_interpolation_factor")
     if vp_stage is not None:

@@ -21,6 +21,20 @@ TINY = {
     "qwen2_tied": dict(_COMMON, model_type="qwen2", tie_word_embeddings=True, rope_theta=1_000_000.0),
     "qwen3_tied": dict(_COMMON, model_type="qwen3", tie_word_embeddings=True, head_dim=24, rope_theta=1_000_000.0),
     "qwen3_untied": dict(_COMMON, model_type="qwen3", tie_word_embeddings=False, head_dim=24, rope_theta=10_000.0),
+    # sliding windows shorter than the test sequences (13 tokens): Mistral (every layer, W=4) and Ministral (sliding
+    # and full layers mixed, W=5, explicit head_dim)
+    "mistral_tied": dict(_COMMON, model_type="mistral", tie_word_embeddings=True, sliding_window=4,
+                         rope_theta=1_000_000.0),
+    "ministral_untied": dict(_COMMON, model_type="ministral", tie_word_embeddings=False, sliding_window=5,
+                             head_dim=24, rope_theta=100_000.0,
+                             layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                          "full_attention"]),
+    # Phi-3: fused qkv_proj / gate_up_proj; tied with a window of 4 and partial rotary 0.75 (Phi-4-mini's), untied
+    # with neither
+    "phi3_tied": dict(_COMMON, model_type="phi3", tie_word_embeddings=True, sliding_window=4,
+                      partial_rotary_factor=0.75, rope_theta=10_000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "phi3_untied": dict(_COMMON, model_type="phi3", tie_word_embeddings=False, sliding_window=None,
+                        rope_theta=10_000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 # Shapes Megatron supports that need care at TP2: one KV head (fewer than the TP ranks: Megatron-Core all-gathers

@@ -47,7 +47,7 @@ def _our_model(name: str, cfg: L.LoraConfig):
     return hf, arch, chunks
 
 
-@pytest.mark.parametrize("name", ["qwen2_untied", "llama_tied", "qwen3_tied"])
+@pytest.mark.parametrize("name", ["qwen2_untied", "llama_tied", "qwen3_tied", "mistral_tied", "ministral_untied"])
 def test_exported_adapter_in_peft_gives_our_logits_and_merged_export_is_merge_and_unload(name, tmp_path):
     cfg = L.LoraConfig(rank=4, alpha=8.0, target_modules=("qkv", "proj", "fc1", "fc2"))
     ids = tokens()
@@ -140,7 +140,7 @@ def test_adapter_for_a_subset_of_layers_is_refused(tmp_path):
 # ----------------------------------------------------------------------------------------------------------
 # The rollout side: the HF engine with pushed adapters (rollout/lora.py, convert.peft.export_rollout_weights)
 # ----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["qwen2_untied", "llama_tied"])
+@pytest.mark.parametrize("name", ["qwen2_untied", "llama_tied", "ministral_untied"])
 def test_hf_rollout_engine_with_pushed_adapters_computes_peft_and_our_logits(name, tmp_path):
     """The first push carries the base and the adapters, later ones the adapters only (their parameters' bytes);
     the engine's unmerged adapters give PEFT's logits and the Megatron policy's, before and after the adapters
