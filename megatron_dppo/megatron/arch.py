@@ -10,10 +10,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .deepseek_moe import DEEPSEEK_MOE_FAMILIES, REFUSED_MODEL_TYPES, MLAArch, arch_fields
 from .moe import MOE_FAMILIES, MoEArch, moe_from_hf_config
 
 # HF model_type -> family
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+FAMILIES.update({f: f for f in DEEPSEEK_MOE_FAMILIES})  # deepseek_v3, glm4_moe (deepseek_moe.py)
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 # RoPE variants Megatron's RotaryEmbedding can represent; llama3 with Megatron's fixed constants only.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -42,6 +44,12 @@ class ModelArch:
     rope_scaling_factor: float = 1.0
     init_std: float = 0.02  # [initializer_range]
     moe: MoEArch | None = None  # the sparse blocks of qwen3_moe / mixtral; None for dense families
+    # deepseek_v3 / glm4_moe (``deepseek_moe``): multi-latent attention (then head_dim = qk_nope + qk_rope and
+    # num_kv_heads = num_attention_heads), the rotated fraction of each head (glm4_moe [partial_rotary_factor]),
+    # the multi-token-prediction layers of the checkpoint (ignored on import)
+    mla: MLAArch | None = None
+    rotary_percent: float = 1.0
+    mtp_layers: int = 0
     # [num_labels] of a *ForSequenceClassification (a reward model): its output layer is the score head [labels, H]
     # at every position (``score_head.ScoreHead``) instead of the vocabulary; None for a causal LM
     num_labels: int | None = None
@@ -82,9 +90,10 @@ class ModelArch:
         """
         hf = _as_transformers_config(cfg)
         model_type = getattr(hf, "model_type", None)
-        if model_type not in FAMILIES:
-            raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+        _check_model_type(model_type)
         family = FAMILIES[model_type]
+        if family in DEEPSEEK_MOE_FAMILIES:
+            return cls(**arch_fields(hf, family))
 
         act = getattr(hf, "hidden_act", "silu")
         if act != "silu":
@@ -144,12 +153,15 @@ class ModelArch:
         h, f, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
+        if self.mla is not None:
+            attn = self.mla.attention_parameters(h, self.num_attention_heads)
         emb = self.vocab_size * h
         if self.moe is None:
             layers = self.num_layers * (attn + 3 * h * f + 2 * h)
         else:
             sparse = self.moe.num_sparse_layers
             experts = self.moe.num_experts * 3 * h * self.moe.expert_ffn_hidden_size + self.moe.num_experts * h
+            experts += 3 * h * (self.moe.shared_expert_ffn_hidden_size or 0)
             layers = self.num_layers * (attn + 2 * h) + sparse * experts + (self.num_layers - sparse) * 3 * h * f
         head = emb if self.num_labels is None else self.num_labels * h
         return layers + h + emb + (0 if self.tie_embeddings else head)
@@ -164,12 +176,21 @@ class ModelArch:
             self.moe.expert_ffn_hidden_size)
 
 
+def _check_model_type(model_type) -> None:
+    """ValueError for a model type we do not build; the refused families (``deepseek_moe.REFUSED_MODEL_TYPES``)
+    by name, with what they have that the Megatron model cannot represent."""
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is refused: {REFUSED_MODEL_TYPES[model_type]}; supported: "
+                         f"{sorted(FAMILIES)}")
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+
+
 def _as_transformers_config(cfg):
     if isinstance(cfg, Mapping):
         cfg = dict(cfg)
         model_type = cfg.get("model_type")
-        if model_type not in FAMILIES:
-            raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+        _check_model_type(model_type)
         from transformers import AutoConfig
 
         return AutoConfig.for_model(**cfg)
