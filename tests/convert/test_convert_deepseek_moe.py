@@ -166,6 +166,37 @@ def test_folder_round_trip_is_bit_exact(name, tmp_path):
     assert config.get("q_lora_rank", "absent") == TINY_DEEPSEEK[name].get("q_lora_rank", "absent")
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_streamed_export_fills_a_transformers_rollout_engine(name, tmp_path):
+    """The stream pushed to the rollout engines (HF names, per expert: what vLLM's deepseek_v3 / glm4_moe loaders
+    read) fills transformers' fused in-memory experts and the expert-bias buffer: every tensor equals the
+    source's."""
+    from _deepseek_models import build_hf_model
+
+    from megatron_dppo.rollout.hf_engine import HFRolloutEngine
+
+    src = save_hf_model(name, tmp_path / "hf")
+    arch = _arch(name)
+    engine = HFRolloutEngine(build_hf_model(name, seed=1))  # other random weights
+    with single_process_world():
+        chunks = build_model_chunks(arch, ParallelConfig(), torch.float32)
+        load_hf_weights(chunks, arch, HFCheckpoint(src).get)
+        stream = list(export_hf_weights(chunks, arch, bucket_bytes=16 * 1024))
+    assert engine.load_weights(iter(stream)) == len(stream)
+    expected = build_hf_model(name, seed=0).state_dict()
+    got = engine.model.state_dict()
+    assert any(n.endswith("e_score_correction_bias") for n in got)
+    assert set(got) == set(expected) and all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_lora_is_refused_for_multi_latent_attention():
+    from megatron_dppo.megatron.lora import LoraConfig, check_lora_supported
+
+    with pytest.raises(ValueError, match="multi-latent attention"):
+        check_lora_supported(_arch("deepseek_v3"), ParallelConfig(), LoraConfig(rank=4, target_modules=("qkv",)))
+    check_lora_supported(_arch("glm4_moe"), ParallelConfig(), LoraConfig(rank=4, target_modules=("qkv", "proj")))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # negative controls: one distinctive feature off in the Megatron config -> the check fails
 # ------------------------------------------------------------------------------------------------------------
