@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
                num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6, n_routed_experts=8,
                num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5)
 _MLA = dict(_COMMON, model_type="deepseek_v3", num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16,

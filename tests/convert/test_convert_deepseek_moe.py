@@ -124,9 +124,9 @@ def test_mtp_layers_are_ignored_on_import(tmp_path):
     arch = _arch("deepseek_v3")
     assert arch.mtp_layers == 1
     shapes = dict(expected_hf_shapes(arch))
-    validate_hf_tensors({**shapes, "model.layers.3.eh_proj.weight": (64, 128)}, arch)
-    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.4.eh_proj.weight'"):
-        validate_hf_tensors({**shapes, "model.layers.4.eh_proj.weight": (64, 128)}, arch)
+    validate_hf_tensors({**shapes, "model.layers.4.eh_proj.weight": (64, 128)}, arch)
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.5.eh_proj.weight'"):
+        validate_hf_tensors({**shapes, "model.layers.5.eh_proj.weight": (64, 128)}, arch)
 
 
 # ------------------------------------------------------------------------------------------------------------
