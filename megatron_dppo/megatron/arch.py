@@ -101,6 +101,11 @@ class ModelArch:
         if getattr(hf, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported (the Megatron model has bias-free MLP layers)")
         attention_bias = bool(getattr(hf, "attention_bias", False) or False)
+        if family in ("qwen3", "qwen3_moe") and attention_bias:
+            # transformers' Qwen3 puts the bias on q, k, v AND o_proj: a bias-free Megatron model would silently
+            # drop all four
+            raise ValueError(f"attention_bias=True ({family}: bias on q, k, v and o_proj) is not supported; the "
+                             "released Qwen3 configs have false")
         if family == "llama" and attention_bias:
             raise ValueError("attention_bias=True (Llama: bias on q, k, v and o) is not supported; only the "
                              "Qwen2 layout (bias on q, k, v) is")

@@ -297,6 +297,21 @@ def test_refused_model_types_are_named(model_type):
         ModelArch.from_hf_config({"model_type": model_type})
 
 
+@pytest.mark.parametrize("name, changes, match", [
+    ("qwen3_untied", {"attention_bias": True}, "attention_bias=True \\(qwen3: bias on q, k, v and o_proj\\)"),
+    ("qwen3_moe", {"attention_bias": True}, "attention_bias=True \\(qwen3_moe"),
+    ("qwen3_untied", {"use_sliding_window": True}, "use_sliding_window=True"),
+    ("qwen3_untied", {"layer_types": ["full_attention", "sliding_attention"] * 2}, "full_attention layers"),
+])
+def test_newest_qwen_fields_are_read_or_refused(name, changes, match):
+    """Fields of transformers 5.19's qwen3 / qwen3_moe configs a bias-free, full-attention Megatron model cannot
+    represent are refused by name (attention_bias was silently dropped before: Qwen3 puts it on o_proj too)."""
+    from _hf_models import TINY, TINY_MOE
+
+    with pytest.raises(ValueError, match=match):
+        ModelArch.from_hf_config(dict({**TINY, **TINY_MOE}[name], **changes))
+
+
 def test_mla_refuses_context_parallelism_and_the_varlen_backend():
     from megatron_dppo.megatron.attention import BackendProbe, resolve_attention_backend
     from megatron_dppo.megatron.model import build_transformer_config
