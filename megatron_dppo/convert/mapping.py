@@ -63,7 +63,6 @@ from torch import Tensor
 
 from megatron_dppo.megatron.moe import MOE_FAMILIES
 
-_DEEPSEEK_FAMILIES = ("deepseek_v3", "glm4_moe")  # tables in families/deepseek.py
 LOCAL_SPEC = "local"
 TE_SPEC = "te"
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
@@ -74,8 +73,9 @@ ALL_LAYERS, DENSE_LAYERS, SPARSE_LAYERS = "all", "dense", "sparse"  # where a la
 #   V vocab, H hidden, F ffn, Q = heads * head_dim, KV = kv_heads * head_dim, D = head_dim,
 #   E experts, FE expert ffn (MoE)
 #   L = num_labels (the score head of a sequence classifier)
-#   deepseek_v3 / glm4_moe (families/deepseek.py): QA q_lora_rank, QB = heads * (qk_nope + qk_rope), KVA = kv_lora
-#   + qk_rope, KVL = kv_lora_rank, KVB = heads * (qk_nope + v), O = heads * v (MLA); FS the shared experts' ffn
+#   a family module may add its own (FAMILY_DIMS), e.g. deepseek_v3 / glm4_moe (families/deepseek.py):
+#   QA q_lora_rank, QB = heads * (qk_nope + qk_rope), KVA = kv_lora + qk_rope, KVL = kv_lora_rank,
+#   KVB = heads * (qk_nope + v), O = heads * v (MLA); FS the shared experts' ffn
 Dims = tuple[str, ...]
 
 
@@ -93,10 +93,9 @@ def resolve_dims(dims: Dims, arch: Any) -> tuple[int, ...]:
     moe = getattr(arch, "moe", None)
     if moe is not None:
         table.update(E=moe.num_experts, FE=moe.expert_ffn_hidden_size)
-    if getattr(arch, "family", None) in _DEEPSEEK_FAMILIES:
-        from megatron_dppo.convert.families.deepseek import mla_dims
-
-        table.update(mla_dims(arch))
+    extra_dims = FAMILY_DIMS.get(getattr(arch, "family", None))
+    if extra_dims is not None:
+        table.update(extra_dims(arch))
     return tuple(table[d] for d in dims)
 
 
@@ -398,13 +397,11 @@ _FAMILY_SWITCHES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (F
                     "qwen3_moe": (False, True), "mixtral": (False, False)}
 
 
-def _deepseek_table(arch: Any, spec: str) -> list[ParamMapping]:
-    from megatron_dppo.convert.families.deepseek import deepseek_v3_table, glm4_moe_table
-
-    return {"deepseek_v3": deepseek_v3_table, "glm4_moe": glm4_moe_table}[arch.family](arch, spec)
-
-
-FAMILY_TABLES.update({f: _deepseek_table for f in _DEEPSEEK_FAMILIES})
+# Families with a module of their own (convert/families/, imported by the convert package) register here: their
+# table, their extra symbolic dimensions (family -> arch -> {name: size}) and the checkpoint tensors they ignore
+# (family -> (hf name, arch) -> bool). Their (qkv_bias, qk_norm) come from their config, not _FAMILY_SWITCHES.
+FAMILY_DIMS: dict[str, Callable[[Any], dict[str, int]]] = {}
+FAMILY_IGNORED_HF: dict[str, Callable[[str, Any], bool]] = {}
 
 
 def mapping_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
@@ -501,12 +498,6 @@ def expected_hf_shapes(arch: Any, spec: str = LOCAL_SPEC) -> dict[str, tuple[int
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _ignored_mtp_tensor(name: str, arch: Any) -> bool:
-    from megatron_dppo.convert.families.deepseek import ignored_hf_tensor
-
-    return ignored_hf_tensor(name, arch)
-
-
 def validate_hf_tensors(hf_shapes: Mapping[str, Sequence[int]], arch: Any) -> None:
     """Compare a checkpoint's tensor names and shapes with what ``arch`` needs; ValueError listing every problem.
 
@@ -519,7 +510,7 @@ def validate_hf_tensors(hf_shapes: Mapping[str, Sequence[int]], arch: Any) -> No
     for name in sorted(hf_shapes.keys() - expected.keys()):
         if name.endswith(IGNORED_HF_SUFFIXES) or (arch.tie_embeddings and name == "lm_head.weight"):
             continue
-        if arch.family in _DEEPSEEK_FAMILIES and _ignored_mtp_tensor(name, arch):
+        if arch.family in FAMILY_IGNORED_HF and FAMILY_IGNORED_HF[arch.family](name, arch):
             continue
         problems.append(f"unexpected tensor {name!r} with shape {tuple(hf_shapes[name])}")
     for name in sorted(expected.keys() & hf_shapes.keys()):

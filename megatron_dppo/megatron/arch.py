@@ -93,7 +93,8 @@ class ModelArch:
         _check_model_type(model_type)
         family = FAMILIES[model_type]
         if family in DEEPSEEK_MOE_FAMILIES:
-            return cls(**arch_fields(hf, family))
+            fields = arch_fields(hf, family)
+            return cls(**dict(fields, moe=MoEArch(**fields["moe"])))
 
         act = getattr(hf, "hidden_act", "silu")
         if act != "silu":

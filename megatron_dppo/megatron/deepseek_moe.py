@@ -265,9 +265,8 @@ def softmax_scale(mla: MLAArch) -> float:
 
 
 def arch_fields(hf: Any, family: str) -> dict:
-    """Every ``ModelArch`` keyword argument of a ``deepseek_v3`` / ``glm4_moe`` transformers config."""
-    from .moe import MoEArch
-
+    """Every ``ModelArch`` keyword argument of a ``deepseek_v3`` / ``glm4_moe`` transformers config (``moe``: the
+    ``MoEArch`` keyword arguments)."""
     heads = int(hf.num_attention_heads)
     classifier = any(str(a).endswith("ForSequenceClassification") for a in _get(hf, "architectures", None) or [])
     if classifier:
@@ -283,7 +282,7 @@ def arch_fields(hf: Any, family: str) -> dict:
                         init_std=float(_get(hf, "initializer_range", 0.02) or 0.02),
                         rope_theta=float(rope_parameters(hf).get("rope_theta") or _get(hf, "rope_theta", None)
                                          or 10000.0),
-                        moe=MoEArch(**moe_fields(hf, family)), mtp_layers=mtp_layers(hf))
+                        moe=moe_fields(hf, family), mtp_layers=mtp_layers(hf))
     if family == "deepseek_v3":
         mla = mla_from_hf_config(hf)
         fields.update(num_kv_heads=heads, head_dim=mla.qk_head_dim, qkv_bias=False, qk_norm=False, mla=mla)

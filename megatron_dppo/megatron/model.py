@@ -15,6 +15,10 @@ qwen3_moe  False                 True; MoE blocks (``ModelArch.moe``)
 mixtral    False                 False; MoE blocks in every layer
 =========  ====================  =============================================
 
+``deepseek_v3`` (multi-latent attention: ``MLATransformerConfig``, Megatron's MLA layer spec) and ``glm4_moe`` (the
+switches from its config, partial rotary) are read by ``deepseek_moe``; their sigmoid routers, expert bias and
+shared experts are MoE fields (``moe_config_kwargs``).
+
 ``ModelArch.from_hf_config`` (``arch.py``) reads those numbers (rejecting what the model cannot represent, e.g. an
 unknown ``rope_scaling`` type), ``build_transformer_config`` makes the Megatron ``TransformerConfig``, and
 ``build_gpt_model`` builds the (TP/PP-local) ``GPTModel``:

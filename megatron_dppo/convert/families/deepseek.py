@@ -33,6 +33,9 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_dppo.convert.mapping import (
+    FAMILY_DIMS,
+    FAMILY_IGNORED_HF,
+    FAMILY_TABLES,
     SPARSE_LAYERS,
     TE_SPEC,
     ColumnParallelMapping,
@@ -192,3 +195,8 @@ def megatron_config_pairs(hf: Any, model: Any) -> list[tuple[str, Any, Any]]:
             ("partial_rotary_factor (rotary_percent)", float(model.rotary_percent), arch.rotary_percent),
         ]
     return pairs
+
+
+FAMILY_TABLES.update(deepseek_v3=deepseek_v3_table, glm4_moe=glm4_moe_table)
+FAMILY_DIMS.update(deepseek_v3=mla_dims, glm4_moe=mla_dims)
+FAMILY_IGNORED_HF.update(deepseek_v3=ignored_hf_tensor, glm4_moe=ignored_hf_tensor)
