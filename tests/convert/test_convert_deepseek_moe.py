@@ -28,6 +28,9 @@ FAILS_ABOVE = 1e-2  # a negative control must move some log-prob by more than th
 NAMES = sorted(TINY_DEEPSEEK)
 LENGTHS = (5, 17, 11, 23)  # packed, of different lengths, longer than the YaRN model's original 8 positions
 SEQ = 12
+# default suite: one MLA and one GLM model; the other variants (no q-LoRA, YaRN, GLM plain) are slow
+FAST = ("deepseek_v3", "glm4_moe")
+NAMES_FAST_FIRST = [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in NAMES]
 
 
 def _arch(name: str) -> ModelArch:
@@ -132,7 +135,7 @@ def test_mtp_layers_are_ignored_on_import(tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 # against transformers, one process
 # ------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES_FAST_FIRST)
 def test_thd_logprobs_equal_transformers_and_export_is_bit_exact(name, tmp_path):
     """Packed THD log-probs == transformers' per sequence; sbhd logits too; the streamed export (small buckets
     and one) == the HF files, bit for bit."""
@@ -153,7 +156,8 @@ def test_thd_logprobs_equal_transformers_and_export_is_bit_exact(name, tmp_path)
     _assert_bit_exact(whole, _state(src))
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_noqlora", "glm4_moe_plain"])
+@pytest.mark.parametrize("name", ["deepseek_v3", pytest.param("deepseek_v3_noqlora", marks=pytest.mark.slow),
+                                  pytest.param("glm4_moe_plain", marks=pytest.mark.slow)])
 def test_folder_round_trip_is_bit_exact(name, tmp_path):
     """HF folder -> Megatron dist checkpoint -> HF folder: every tensor equal; the config is the original."""
     src = save_hf_model(name, tmp_path / "hf")
