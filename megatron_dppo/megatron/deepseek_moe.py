@@ -303,3 +303,21 @@ def ensure_mla_without_te() -> None:
 
     if multi_latent_attention.HAVE_TE and not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.HAVE_TE = False
+
+
+def replicate_mla_down_projections(block) -> None:
+    """Megatron-Core 0.16's local MLA spec makes ``linear_q_down_proj`` / ``linear_kv_down_proj``
+    column-parallel and all-gathers their outputs (``gather_from_tensor_model_parallel_region``). That gather's
+    backward only splits the gradient, so the shared rotary key ``k_pos_emb`` (used by every head, the heads split
+    over TP) keeps the gradient of this rank's heads only: at TP > 1 the forward is right and the gradients are
+    not (measured: one Adam step at TP2 x SP moved log-probs 3.7e-3 away from one process). The replicated
+    layout of the TE spec (``TELinear``, ``parallel_mode='duplicated'``) has the right backward (``k_pos_emb`` is
+    gathered over the sequence-parallel region, whose backward sums over TP); its local twin is Megatron's plain
+    ``Linear`` (``post_training.modelopt.layers``: weights marked ``sequence_parallel``, so their gradients are
+    summed over TP). The local spec gets that, in place, for every layer of ``block``."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    for layer in block.layer_specs:
+        submodules = layer.submodules.self_attention.submodules
+        submodules.linear_q_down_proj = Linear
+        submodules.linear_kv_down_proj = Linear

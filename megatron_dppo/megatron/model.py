@@ -45,7 +45,12 @@ import torch
 from . import compat
 from .arch import FAMILIES, QK_NORM_FAMILIES, SUPPORTED_ROPE_TYPES, ModelArch  # noqa: F401 - re-exported
 from .cpu import allow_sequence_parallel_torch_norm, ensure_device_backend
-from .deepseek_moe import MLA_ARCH_CONFIG_FIELDS, ensure_mla_without_te, mla_config_kwargs
+from .deepseek_moe import (
+    MLA_ARCH_CONFIG_FIELDS,
+    ensure_mla_without_te,
+    mla_config_kwargs,
+    replicate_mla_down_projections,
+)
 from .moe import MOE_ARCH_CONFIG_FIELDS, moe_block_spec, moe_config_kwargs, reduce_expert_grads_over_expert_grid
 from .parallel import ParallelConfig, validate_parallel
 
@@ -207,6 +212,10 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
             raise ValueError(f"cp={parallel.cp} with multi-latent attention (deepseek_v3): context parallelism is "
                              "not supported for MLA here (the CP attention assumes one head dim for q, k and v); "
                              "use cp=1")
+        if parallel.tp > 1 and not parallel.sp:
+            raise ValueError(f"tp={parallel.tp} without sequence parallelism (parallel.sp) with multi-latent "
+                             "attention: the shared rotary key's gradient is summed over TP only by the sequence-"
+                             "parallel gather; set parallel.sp=true")
         kwargs.update(mla_config_kwargs(arch.mla, arch))
         kwargs["apply_rope_fusion"] = te and arch.mla.rope_type == "yarn"  # Megatron fuses MLA's YaRN RoPE only
         config_class, required = MLATransformerConfig, required + MLA_ARCH_CONFIG_FIELDS
@@ -241,8 +250,11 @@ def build_layer_spec(arch: ModelArch, te: bool | None = None, *, attention_backe
             raise ValueError("an MoE layer spec needs the TransformerConfig (its moe_layer_freq places the experts)")
         from .attention import core_attention_class
 
-        return moe_block_spec(config, backend, None if backend == "te" else core_attention_class(backend),
-                              vp_stage=vp_stage)
+        block = moe_block_spec(config, backend, None if backend == "te" else core_attention_class(backend),
+                               vp_stage=vp_stage)
+        if arch.mla is not None and backend != "te":
+            replicate_mla_down_projections(block)  # (moe_block_spec returned a copy)
+        return block
     if backend == "te":
         return compat.gpt_te_layer_spec(qk_layernorm=arch.qk_norm)
     from .attention import core_attention_class

@@ -118,7 +118,7 @@ def test_te_spec_names_of_multi_latent_attention():
     assert index.resolve(a + "linear_q_down_proj.weight").mapping.tp_dim is None  # TELinear, duplicated
     assert detect_spec([a + "linear_kv_up_proj.layer_norm_weight"]) == TE_SPEC  # every layer sparse: no fc1 norm
     local = MappingIndex(mapping_table(arch, LOCAL_SPEC))
-    assert local.resolve(a + "linear_q_down_proj.weight").mapping.tp_dim == 0  # ColumnParallelLinear, gathered
+    assert local.resolve(a + "linear_q_down_proj.weight").mapping.tp_dim is None  # Linear (deepseek_moe.py)
 
 
 def test_mtp_layers_are_ignored_on_import(tmp_path):
@@ -314,6 +314,24 @@ def test_newest_qwen_fields_are_read_or_refused(name, changes, match):
 
     with pytest.raises(ValueError, match=match):
         ModelArch.from_hf_config(dict({**TINY, **TINY_MOE}[name], **changes))
+
+
+def test_refused_at_convert_and_at_train(tmp_path):
+    """`convert` reads the folder's config first: a qwen3_next folder stops there, naming why; `train` refuses the
+    model type in the config section (model.hf_config) and, for a pretrained model.path, by the same reader."""
+    from megatron_dppo.config.sections import ModelConfig
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "hidden_size": 64}))
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(folder / "model.safetensors"))
+    with single_process_world(), pytest.raises(ValueError, match="'qwen3_next' is refused: hybrid linear attention"):
+        convert_hf_to_megatron(folder, tmp_path / "meg")
+    with pytest.raises(ValueError, match="qwen3_next"):
+        ModelConfig(hf_config={"model_type": "qwen3_next"}).validate()
+    ModelConfig(hf_config=dict(TINY_DEEPSEEK["deepseek_v3"])).validate()
 
 
 def test_mla_refuses_context_parallelism_and_the_varlen_backend():

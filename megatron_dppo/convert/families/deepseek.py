@@ -7,12 +7,12 @@ Multi-latent attention (Megatron ``MLASelfAttention``; HF ``DeepseekV3Attention`
 ==========================================  ============================================  ========================
 HF                                          Megatron (local spec)                         split over TP
 ==========================================  ============================================  ========================
-``q_a_proj`` [q_lora, H]                    ``linear_q_down_proj``                        rows (TE: replicated)
+``q_a_proj`` [q_lora, H]                    ``linear_q_down_proj``                        replicated
 ``q_a_layernorm`` [q_lora]                  ``q_layernorm`` (TE: ``linear_q_up_proj.``    replicated
                                             ``layer_norm_weight``)
 ``q_b_proj`` [n (nope + rope), q_lora]      ``linear_q_up_proj``                          rows (whole heads)
 ``q_proj`` [n (nope + rope), H]             ``linear_q_proj`` (``q_lora_rank: null``)     rows (whole heads)
-``kv_a_proj_with_mqa`` [kv_lora + rope, H]  ``linear_kv_down_proj``                       rows (TE: replicated)
+``kv_a_proj_with_mqa`` [kv_lora + rope, H]  ``linear_kv_down_proj``                       replicated
 ``kv_a_layernorm`` [kv_lora]                ``kv_layernorm`` (TE: ``linear_kv_up_proj.``  replicated
                                             ``layer_norm_weight``)
 ``kv_b_proj`` [n (nope + v), kv_lora]       ``linear_kv_up_proj``                         rows (whole heads)
@@ -21,8 +21,10 @@ HF                                          Megatron (local spec)               
 
 The tensors keep their layout: both sides lay heads out contiguously as ``[nope; rope]`` (q) and ``[nope; v]``
 (kv_b), and the rotary rows in DeepSeek's interleaved pair order (Megatron's MLA de-interleaves them at run time,
-transformers with ``rope_interleave``). The local spec's down projections are column-parallel (Megatron gathers
-their output), the TE spec's are replicated ``TELinear`` layers.
+transformers with ``rope_interleave``). The down projections are replicated in both specs: ``TELinear``
+(``parallel_mode='duplicated'``) in the TE spec, Megatron's plain ``Linear`` in the local one (``deepseek_moe.
+replicate_mla_down_projections``: Megatron's own column-parallel choice gets the shared rotary key's gradient wrong
+at TP > 1).
 
 Sparse layers add to the Qwen3-MoE rules: ``mlp.router.expert_bias`` (a float32 buffer) <-> ``mlp.gate.
 e_score_correction_bias`` [E], and the shared experts ``mlp.shared_experts.linear_fc1 = [gate; up]`` /
@@ -94,7 +96,7 @@ def deepseek_v3_table(arch: Any, spec: str) -> list[ParamMapping]:
     te = spec == TE_SPEC
     # the MoE table without its grouped-query attention rows (and TE's norm fused into linear_qkv)
     table = [m for m in _moe_rules(arch, spec, qk_norm=False) if ".self_attention." not in m.megatron]
-    down = ReplicatedMapping if te else ColumnParallelMapping
+    down = ReplicatedMapping  # both specs (module docstring)
     attn = "self_attention."
     rules: list[ParamMapping] = [
         ReplicatedMapping(L + "input_layernorm.weight", _w(H + "input_layernorm.weight"), _dims("H")),
