@@ -334,12 +334,14 @@ def test_refused_at_convert_and_at_train(tmp_path):
     ModelConfig(hf_config=dict(TINY_DEEPSEEK["deepseek_v3"])).validate()
 
 
-def test_mla_refuses_context_parallelism_and_the_varlen_backend():
+def test_mla_refuses_context_parallelism_tp_without_sp_and_the_varlen_backend():
     from megatron_dppo.megatron.attention import BackendProbe, resolve_attention_backend
     from megatron_dppo.megatron.model import build_transformer_config
 
     with pytest.raises(ValueError, match="cp=2 with multi-latent attention"):
         build_transformer_config(_arch("deepseek_v3"), ParallelConfig(cp=2), torch.float32)
+    with pytest.raises(ValueError, match="tp=2 without sequence parallelism"):
+        build_transformer_config(_arch("deepseek_v3"), ParallelConfig(tp=2, sp=False), torch.float32)
     probe = BackendProbe(cuda=True, te="not installed", varlen=None)
     with pytest.raises(ValueError, match="value head dim 12 != query/key head dim 24"):
         resolve_attention_backend("varlen", probe, dtype=torch.bfloat16, head_dim=24, v_head_dim=12)
