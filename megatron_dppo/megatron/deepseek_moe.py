@@ -174,6 +174,12 @@ def check_deepseek_fields(hf: Any, family: str) -> None:
     if not _get(hf, "norm_topk_prob", True):
         raise ValueError(f"{family}: norm_topk_prob=False is not supported (Megatron-Core's sigmoid router always "
                          "divides the top-k weights by their sum)")
+    # the released DeepSeek-V3 config.json names its router (transformers ignores these and always computes the
+    # sigmoid + bias router; vLLM follows them): anything else would make the rollout engine route differently
+    scoring, method = _get(hf, "scoring_func", None), _get(hf, "topk_method", None)
+    if scoring not in (None, "sigmoid") or method not in (None, "noaux_tc"):
+        raise ValueError(f"{family}: scoring_func={scoring!r}, topk_method={method!r} is not supported (the sigmoid "
+                         "router with e_score_correction_bias is scoring_func='sigmoid', topk_method='noaux_tc')")
     if _get(hf, "mlp_layer_types") is not None:
         raise ValueError(f"{family}: mlp_layer_types is not supported (dense layers come from first_k_dense_replace)")
 

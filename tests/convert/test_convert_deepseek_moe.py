@@ -293,6 +293,8 @@ def test_negative_control_rope_interleave_false_is_refused_and_would_differ(tmp_
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("changes, match", [
     ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ({"topk_method": "greedy"}, "topk_method='greedy'"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
     ({"n_group": 4, "topk_group": 2}, "num_experts_per_tok == 2 \\* topk_group"),
     ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
     ({"attention_bias": True}, "attention_bias=True"),

@@ -35,7 +35,14 @@ CONFIGS = {
                      attention_bias=True, partial_rotary_factor=0.5, architectures=["Glm4MoeForCausalLM"]),
     "deepseek_v3": dict(_BASE, model_type="deepseek_v3", num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=64,
                         qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
-                        architectures=["DeepseekV3ForCausalLM"]),
+                        # the released config's router fields, which vLLM reads (transformers does not)
+                        topk_method="noaux_tc", scoring_func="sigmoid", architectures=["DeepseekV3ForCausalLM"]),
+    # the reference MoE family (softmax router, no shared experts), pushed the same way
+    "qwen3_moe": dict(vocab_size=64, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                      model_type="qwen3_moe", eos_token_id=3, pad_token_id=0, bos_token_id=2,
+                      architectures=["Qwen3MoeForCausalLM"]),
 }
 
 
@@ -77,7 +84,7 @@ def test_vllm_serves_and_takes_the_pushed_weights(name, tmp_path):
     sampling = SamplingParams(max_new_tokens=8, seed=0)
     assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(first), engine.generate(PROMPTS, 2, sampling)) < 1e-4
     stream = list(load_file(str(second / "model.safetensors")).items())  # the export's names and tensors
-    assert any(n.endswith("mlp.gate.e_score_correction_bias") for n, _ in stream)
+    assert name == "qwen3_moe" or any(n.endswith("mlp.gate.e_score_correction_bias") for n, _ in stream)
     assert any(".mlp.experts.3.down_proj.weight" in n for n, _ in stream)
     assert engine.load_weights(iter(stream)) == len(stream)
     pushed = AutoModelForCausalLM.from_pretrained(second)
