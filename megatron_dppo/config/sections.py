@@ -58,7 +58,8 @@ class LoraSection:
 
 @dataclass
 class ModelConfig:
-    """The policy model (one of the HF families llama | qwen2 | qwen3 | qwen3_moe | mixtral) and its tokenizer."""
+    """The policy model (one of the HF families llama | qwen2 | qwen3 | qwen3_moe | mixtral | deepseek_v3 |
+    glm4_moe) and its tokenizer."""
 
     path: Optional[str] = opt(None, "Pretrained weights: a Hugging Face model directory (config.json + "
                                     "safetensors), a .gguf file (converted once into <output_dir>/hf-<name>, or "
@@ -69,7 +70,7 @@ class ModelConfig:
                                           "concurrent runs wait for one conversion); null = per run, into "
                                           "<output_dir>/hf-<name>.")
     hf_config: dict = opt({}, "HF config.json fields for a from-scratch model (model_type llama|qwen2|qwen3|"
-                              "qwen3_moe|mixtral, "
+                              "qwen3_moe|mixtral|deepseek_v3|glm4_moe, "
                               "hidden_size, num_hidden_layers, ...). Used when model.path is null; otherwise "
                               "entries here override the pretrained config (e.g. max_position_embeddings).")
     tokenizer: Optional[str] = opt(None, "Tokenizer: an HF tokenizer directory, a sentencepiece .model file, "
@@ -109,9 +110,9 @@ class ModelConfig:
             _check(bool(self.hf_config), "model.hf_config", self.hf_config,
                    "a non-empty dict of HF config fields when model.path is null")
             mt = self.hf_config.get("model_type")
-            _check(mt in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "ministral", "phi3"),
-                   "model.hf_config.model_type", mt,
-                   "llama, qwen2, qwen3, qwen3_moe, mixtral, mistral, ministral or phi3 (docs/models.md)")
+            families = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "ministral", "phi3",
+                        "deepseek_v3", "glm4_moe")
+            _check(mt in families, "model.hf_config.model_type", mt, f"one of {', '.join(families)} (docs/models.md)")
         _check(self.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, ">= 0")
         _check(self.tokenizer_vocab_size >= 64, "model.tokenizer_vocab_size", self.tokenizer_vocab_size, ">= 64")
         if self.lora is not None:

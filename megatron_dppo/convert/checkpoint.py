@@ -329,7 +329,8 @@ def _not_lora(path: Path) -> Path:
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                    "mistral": "MistralForCausalLM", "ministral": "MinistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+                    "mistral": "MistralForCausalLM", "ministral": "MinistralForCausalLM", "phi3": "Phi3ForCausalLM",
+                    "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 def arch_to_hf_config(arch: Any) -> dict:
@@ -339,6 +340,10 @@ def arch_to_hf_config(arch: Any) -> dict:
     """
     from transformers import AutoConfig
 
+    if arch.family in ("deepseek_v3", "glm4_moe"):
+        raise ValueError(f"cannot write an HF config for {arch.family!r} from the architecture alone (its router, "
+                         "attention and MTP fields are not all recorded); pass the original config.json "
+                         "(hf_config=... / --hf-config)")
     if arch.rope_scaling_type != "default":
         raise ValueError(f"cannot write an HF config for rope_scaling_type={arch.rope_scaling_type!r} from the "
                          "architecture alone; pass the original config.json (hf_config=...)")
@@ -400,6 +405,10 @@ def _arch_from_checkpoint_meta(model_dir: Path) -> Any | None:
 
         moe = dict(arch["moe"], sparse_layers=tuple(arch["moe"]["sparse_layers"]))
         arch = dict(arch, moe=MoEArch(**moe))
+    if isinstance(arch.get("mla"), dict):  # likewise the multi-latent attention (deepseek_v3)
+        from megatron_dppo.megatron.deepseek_moe import MLAArch
+
+        arch = dict(arch, mla=MLAArch(**arch["mla"]))
     return ModelArch(**arch)
 
 

@@ -67,7 +67,8 @@ from megatron_dppo.megatron.moe import MOE_FAMILIES
 
 LOCAL_SPEC = "local"
 TE_SPEC = "te"
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "ministral", "phi3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "ministral", "phi3", "deepseek_v3",
+                      "glm4_moe")
 EXPERT_WILDCARD = "#"  # the expert index in a name pattern ("*" is the layer index)
 ALL_LAYERS, DENSE_LAYERS, SPARSE_LAYERS = "all", "dense", "sparse"  # where a layer rule exists
 
@@ -75,6 +76,9 @@ ALL_LAYERS, DENSE_LAYERS, SPARSE_LAYERS = "all", "dense", "sparse"  # where a la
 #   V vocab, H hidden, F ffn, Q = heads * head_dim, KV = kv_heads * head_dim, D = head_dim,
 #   E experts, FE expert ffn (MoE)
 #   L = num_labels (the score head of a sequence classifier)
+#   a family module may add its own (FAMILY_DIMS), e.g. deepseek_v3 / glm4_moe (families/deepseek.py):
+#   QA q_lora_rank, QB = heads * (qk_nope + qk_rope), KVA = kv_lora + qk_rope, KVL = kv_lora_rank,
+#   KVB = heads * (qk_nope + v), O = heads * v (MLA); FS the shared experts' ffn
 Dims = tuple[str, ...]
 
 
@@ -95,6 +99,9 @@ def resolve_dims(dims: Dims, arch: Any) -> tuple[int, ...]:
     moe = getattr(arch, "moe", None)
     if moe is not None:
         table.update(E=moe.num_experts, FE=moe.expert_ffn_hidden_size)
+    extra_dims = FAMILY_DIMS.get(getattr(arch, "family", None))
+    if extra_dims is not None:
+        table.update(extra_dims(arch))
     return tuple(table[d] for d in dims)
 
 
@@ -442,15 +449,22 @@ _FAMILY_SWITCHES.update(mistral=(False, False), ministral=(False, False), phi3=(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# Families with a module of their own (convert/families/, imported by the convert package) register here: their
+# table, their extra symbolic dimensions (family -> arch -> {name: size}) and the checkpoint tensors they ignore
+# (family -> (hf name, arch) -> bool). Their (qkv_bias, qk_norm) come from their config, not _FAMILY_SWITCHES.
+FAMILY_DIMS: dict[str, Callable[[Any], dict[str, int]]] = {}
+FAMILY_IGNORED_HF: dict[str, Callable[[str, Any], bool]] = {}
+
+
 def mapping_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
     """The rules for ``arch.family`` under layer spec ``spec`` ('local' or 'te')."""
     if arch.family not in FAMILY_TABLES:
         raise ValueError(f"unsupported model family {arch.family!r}; supported: {sorted(FAMILY_TABLES)}")
     if spec not in (LOCAL_SPEC, TE_SPEC):
         raise ValueError(f"unknown layer spec {spec!r}; expected {LOCAL_SPEC!r} or {TE_SPEC!r}")
-    expected = _FAMILY_SWITCHES[arch.family]
+    expected = _FAMILY_SWITCHES.get(arch.family)  # None: the family's config sets them (glm4_moe)
     got = (bool(arch.qkv_bias), bool(arch.qk_norm))
-    if got != expected:
+    if expected is not None and got != expected:
         raise ValueError(f"family {arch.family!r} expects (qkv_bias, qk_norm)={expected}, the architecture has {got}")
     if (getattr(arch, "moe", None) is not None) != (arch.family in MOE_FAMILIES):
         raise ValueError(f"family {arch.family!r} and moe={getattr(arch, 'moe', None)} disagree")
@@ -460,7 +474,9 @@ def mapping_table(arch: Any, spec: str = LOCAL_SPEC) -> list[ParamMapping]:
 def detect_spec(megatron_names: Iterable[str]) -> str:
     """'te' when layer norms are fused into linear_qkv / linear_fc1 (Transformer Engine spec), else 'local'."""
     names = list(megatron_names)
-    if any(n.endswith("linear_qkv.layer_norm_weight") or n.endswith("linear_fc1.layer_norm_weight") for n in names):
+    fused = ("linear_qkv.layer_norm_weight", "linear_fc1.layer_norm_weight", "linear_q_up_proj.layer_norm_weight",
+             "linear_kv_up_proj.layer_norm_weight")  # the last two: multi-latent attention's TE spec
+    if any(n.endswith(fused) for n in names):
         return TE_SPEC
     return LOCAL_SPEC
 
@@ -545,6 +561,8 @@ def validate_hf_tensors(hf_shapes: Mapping[str, Sequence[int]], arch: Any) -> No
         problems.append(f"missing tensor {name!r} (expected shape {expected[name]})")
     for name in sorted(hf_shapes.keys() - expected.keys()):
         if name.endswith(IGNORED_HF_SUFFIXES) or (arch.tie_embeddings and name == "lm_head.weight"):
+            continue
+        if arch.family in FAMILY_IGNORED_HF and FAMILY_IGNORED_HF[arch.family](name, arch):
             continue
         problems.append(f"unexpected tensor {name!r} with shape {tuple(hf_shapes[name])}")
     for name in sorted(expected.keys() & hf_shapes.keys()):

@@ -42,6 +42,11 @@ def check_megatron_model(cfg: Mapping[str, Any] | Any, arch: Any, model: Any) ->
 
     hf = _hf_config_object(cfg)
     tc = model.config
+    if hf.model_type in ("deepseek_v3", "glm4_moe"):  # their own fields: families/deepseek.py
+        from megatron_dppo.convert.families.deepseek import megatron_config_pairs
+
+        _raise_first_mismatch(megatron_config_pairs(hf, model))
+        return
     heads = hf.num_attention_heads
     kv = getattr(hf, "num_key_value_heads", None) or heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
@@ -72,6 +77,10 @@ def check_megatron_model(cfg: Mapping[str, Any] | Any, arch: Any, model: Any) ->
          factor if rope_type == "linear" else None),
     ]
     pairs += _moe_pairs(hf, tc)
+    _raise_first_mismatch(pairs)
+
+
+def _raise_first_mismatch(pairs) -> None:
     for field, megatron_value, hf_value in pairs:
         if megatron_value != hf_value:
             raise ValueError(f"HF config field {field}: the Megatron model has {megatron_value!r}, "

@@ -35,13 +35,20 @@ def unwrap_chunk(chunk: nn.Module) -> nn.Module:
     return chunk
 
 
+# Buffers that are model weights (converted like parameters, never trained): the DeepSeek-style router's expert
+# bias (HF ``e_score_correction_bias``)
+WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
+
+
 def global_param_names(chunk: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(global Megatron name, parameter) for every parameter of one chunk, layer indices made global. LoRA adapter
-    parameters (``megatron.lora``) are not model weights and are left out (``convert.peft`` moves them)."""
+    """(global Megatron name, parameter) for every parameter of one chunk (and every ``WEIGHT_BUFFERS`` buffer),
+    layer indices made global. LoRA adapter parameters (``megatron.lora``) are not model weights and are left out
+    (``convert.peft`` moves them)."""
     model = unwrap_chunk(chunk)
     layers = getattr(getattr(model, "decoder", None), "layers", None)
     out = []
-    for name, param in model.named_parameters():
+    weights = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith(WEIGHT_BUFFERS)]
+    for name, param in weights:
         if is_lora_param(name):
             continue
         if name.startswith("decoder.layers."):
@@ -106,7 +113,7 @@ def _sort_key(name: str, expert: bool = False) -> tuple:
 
 
 def _index(chunks: Sequence[nn.Module], arch: Any) -> MappingIndex:
-    names = [n for c in chunks for n, _ in unwrap_chunk(c).named_parameters() if not is_lora_param(n)]
+    names = [n for c in chunks for n, _ in global_param_names(c)]
     return MappingIndex(mapping_table(arch, detect_spec(names)))
 
 

@@ -10,18 +10,42 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .dense_families import (
-    WINDOW_FAMILIES,
-    partial_rotary_from_hf_config,
-    refuse_family,
-    sliding_window_from_hf_config,
-)
+from .deepseek_moe import DEEPSEEK_MOE_FAMILIES, MLAArch, arch_fields
+from .dense_families import WINDOW_FAMILIES, partial_rotary_from_hf_config, sliding_window_from_hf_config
 from .moe import MOE_FAMILIES, MoEArch, moe_from_hf_config
 
 # HF model_type -> family
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
-FAMILIES.update(WINDOW_FAMILIES)  # mistral, ministral (dense_families.py)
+FAMILIES.update(WINDOW_FAMILIES)  # mistral, ministral, phi3 (dense_families.py)
+FAMILIES.update({f: f for f in DEEPSEEK_MOE_FAMILIES})  # deepseek_v3, glm4_moe (deepseek_moe.py)
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+# HF model types people train that this release refuses by name, and why (convert and train both read
+# ModelArch.from_hf_config: a named refusal, never a silently wrong model). docs/models.md has the list.
+_GEMMA3 = ("Gemma 3 mixes sliding and global layers with a different RoPE base per layer type (rope_local_base_freq), "
+           "which Megatron-Core 0.16's GPTModel cannot express (one rotary embedding per model), plus extra pre/post "
+           "norms and (1 + w) RMSNorm weights")
+REFUSED_MODEL_TYPES = {
+    "gpt_oss": "gpt-oss needs attention sinks (softmax_type='learnable') and alternating sliding windows in the "
+               "packed (THD) attention, a clamped SwiGLU with biases and MoE with a router bias; this release "
+               "implements none of the sinks or the clamped-SwiGLU expert mapping",
+    "gemma3": _GEMMA3,
+    "gemma3_text": _GEMMA3,
+    "gemma2": "Gemma 2 needs logit soft-capping in attention and on the output, extra pre/post norms and "
+              "(1 + w) RMSNorm weights; not implemented",
+    "qwen3_next": "hybrid linear attention (Gated DeltaNet layers between gated full-attention layers)",
+    "qwen3_5": "hybrid linear attention (Gated DeltaNet layers) and a vision tower",
+    "qwen3_5_moe": "hybrid linear attention (Gated DeltaNet layers) and a vision tower",
+    "qwen3_5_text": "hybrid linear attention (Gated DeltaNet layers)",
+    "qwen3_5_moe_text": "hybrid linear attention (Gated DeltaNet layers)",
+    "kimi_linear": "hybrid linear attention (Kimi Delta Attention layers)",
+    "minimax": "hybrid linear attention (lightning attention layers)",
+    "minimax_m2": "no mapping yet (MiniMax-M2: sigmoid router, per-layer qk-norm over all heads)",
+    "deepseek_v32": "DeepSeek Sparse Attention (a lightning indexer picks the keys each query attends)",
+    "deepseek_v4": "no mapping yet (DeepSeek-V4 attention and routing differ from V3)",
+    "deepseek_v2": "no mapping yet (DeepSeek-V2: softmax group-limited routing; use a deepseek_v3 config)",
+    "glm4_moe_lite": "no mapping yet (GLM-4.7-Flash: multi-latent attention in a glm4 config)",
+    "longcat_flash": "zero-computation experts and two attention blocks per layer",
+}
 # RoPE variants Megatron's RotaryEmbedding can represent; llama3 with Megatron's fixed constants only.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -49,6 +73,12 @@ class ModelArch:
     rope_scaling_factor: float = 1.0
     init_std: float = 0.02  # [initializer_range]
     moe: MoEArch | None = None  # the sparse blocks of qwen3_moe / mixtral; None for dense families
+    # deepseek_v3 / glm4_moe (``deepseek_moe``): multi-latent attention (then head_dim = qk_nope + qk_rope and
+    # num_kv_heads = num_attention_heads), the rotated fraction of each head (glm4_moe [partial_rotary_factor]),
+    # the multi-token-prediction layers of the checkpoint (ignored on import)
+    mla: MLAArch | None = None
+    rotary_percent: float = 1.0
+    mtp_layers: int = 0
     # [num_labels] of a *ForSequenceClassification (a reward model): its output layer is the score head [labels, H]
     # at every position (``score_head.ScoreHead``) instead of the vocabulary; None for a causal LM
     num_labels: int | None = None
@@ -107,10 +137,11 @@ class ModelArch:
         """
         hf = _as_transformers_config(cfg)
         model_type = getattr(hf, "model_type", None)
-        refuse_family(model_type)
-        if model_type not in FAMILIES:
-            raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+        _check_model_type(model_type)
         family = FAMILIES[model_type]
+        if family in DEEPSEEK_MOE_FAMILIES:
+            fields = arch_fields(hf, family)
+            return cls(**dict(fields, moe=MoEArch(**fields["moe"])))
 
         act = getattr(hf, "hidden_act", "silu")
         if act != "silu":
@@ -118,6 +149,11 @@ class ModelArch:
         if getattr(hf, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported (the Megatron model has bias-free MLP layers)")
         attention_bias = bool(getattr(hf, "attention_bias", False) or False)
+        if family in ("qwen3", "qwen3_moe") and attention_bias:
+            # transformers' Qwen3 puts the bias on q, k, v AND o_proj: a bias-free Megatron model would silently
+            # drop all four
+            raise ValueError(f"attention_bias=True ({family}: bias on q, k, v and o_proj) is not supported; the "
+                             "released Qwen3 configs have false")
         if family == "llama" and attention_bias:
             raise ValueError("attention_bias=True (Llama: bias on q, k, v and o) is not supported; only the "
                              "Qwen2 layout (bias on q, k, v) is")
@@ -175,12 +211,15 @@ class ModelArch:
         h, f, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
+        if self.mla is not None:
+            attn = self.mla.attention_parameters(h, self.num_attention_heads)
         emb = self.vocab_size * h
         if self.moe is None:
             layers = self.num_layers * (attn + 3 * h * f + 2 * h)
         else:
             sparse = self.moe.num_sparse_layers
             experts = self.moe.num_experts * 3 * h * self.moe.expert_ffn_hidden_size + self.moe.num_experts * h
+            experts += 3 * h * (self.moe.shared_expert_ffn_hidden_size or 0)
             layers = self.num_layers * (attn + 2 * h) + sparse * experts + (self.num_layers - sparse) * 3 * h * f
         head = emb if self.num_labels is None else self.num_labels * h
         return layers + h + emb + (0 if self.tie_embeddings else head)
@@ -195,13 +234,21 @@ class ModelArch:
             self.moe.expert_ffn_hidden_size)
 
 
+def _check_model_type(model_type) -> None:
+    """ValueError for a model type we do not build; the refused ones (``REFUSED_MODEL_TYPES``) by name, with what
+    they have that the Megatron model cannot represent."""
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is refused: {REFUSED_MODEL_TYPES[model_type]}; supported: "
+                         f"{sorted(FAMILIES)}")
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+
+
 def _as_transformers_config(cfg):
     if isinstance(cfg, Mapping):
         cfg = dict(cfg)
         model_type = cfg.get("model_type")
-        refuse_family(model_type)
-        if model_type not in FAMILIES:
-            raise ValueError(f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+        _check_model_type(model_type)
         from transformers import AutoConfig
 
         return AutoConfig.for_model(**cfg)

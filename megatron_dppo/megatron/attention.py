@@ -74,6 +74,8 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
@@ -91,7 +93,12 @@ class SDPACoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.num_heads = divide(config.num_attention_heads, tp_size)
         self.num_kv_heads = divide(config.num_query_groups or config.num_attention_heads, tp_size)
-        self.head_dim = config.kv_channels
+        # query/key and value head sizes: kv_channels, or (multi-latent attention) k_channels / v_channels
+        self.head_dim = k_channels if k_channels is not None else config.kv_channels
+        self.v_head_dim = v_channels if v_channels is not None else self.head_dim
+        if self.cp_group is not None and self.v_head_dim != self.head_dim:
+            raise ValueError(f"context_parallel_size={cp} with value head dim {self.v_head_dim} != query/key head "
+                             f"dim {self.head_dim} (multi-latent attention): not supported, use cp=1")
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.window_left = layer_window(config, layer_number)
@@ -136,7 +143,7 @@ class SDPACoreAttention(MegatronModule):
         total = query.size(0)
         if bounds_q[-1] > total:
             raise ValueError(f"cu_seqlens ends at {bounds_q[-1]} but the packed batch has {total} positions")
-        out = query.new_zeros(total, self.num_heads, self.head_dim)
+        out = query.new_zeros(total, self.num_heads, self.v_head_dim)
         segments = [(s, e - s) for s, e in zip(bounds_q[:-1], bounds_q[1:]) if e > s]
         buckets: dict[int, list[tuple[int, int]]] = {}  # ceil(log2(length)) -> segments: padding < 2x
         for start, length in segments:
@@ -159,7 +166,7 @@ class SDPACoreAttention(MegatronModule):
             else:
                 seg_out = self._sdpa(gather(query), gather(key), gather(value), None, is_causal=self._causal())
             out = out.index_put((index[valid],), seg_out.permute(0, 2, 1, 3)[valid])
-        return out.reshape(total, self.num_heads * self.head_dim)
+        return out.reshape(total, self.num_heads * self.v_head_dim)
 
     # the kernel of the context-parallel path: bottom-right-causal segments (cp_attention.context_parallel_attention)
     cp_kernel = staticmethod(sdpa_causal_segments)
@@ -221,7 +228,7 @@ class SDPACoreAttention(MegatronModule):
         else:
             out = self._sdpa(q, k, v, None, is_causal=self._causal(attn_mask_type))
         # [b, np, sq, hn] -> [sq, b, np * hn]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, self.num_heads * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.num_heads * self.v_head_dim)
 
 
 # ==========================================================================================================
@@ -245,7 +252,8 @@ class VarlenCoreAttention(SDPACoreAttention):
         if self.dropout_p:
             raise ValueError(f"attention_dropout={self.dropout_p}: the varlen backend has no dropout (RL "
                              "fine-tuning runs with 0); use model.attention_backend=sdpa or te")
-        problem = flash_varlen_problem(config.params_dtype, self.head_dim) if self.kernel is None else None
+        problem = (flash_varlen_problem(config.params_dtype, self.head_dim, self.v_head_dim) if self.kernel is None
+                   else None)
         if problem:  # a replacement kernel (tests) has its own limits
             raise ValueError(f"model.attention_backend=varlen cannot be used: {problem}")
 
@@ -376,9 +384,13 @@ FLASH_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_VARLEN_MAX_HEAD_DIM = 256
 
 
-def flash_varlen_problem(dtype: Optional[torch.dtype], head_dim: Optional[int]) -> Optional[str]:
+def flash_varlen_problem(dtype: Optional[torch.dtype], head_dim: Optional[int],
+                         v_head_dim: Optional[int] = None) -> Optional[str]:
     """Why torch's FlashAttention varlen kernels cannot run ``dtype`` / ``head_dim`` (None: they can, or the
-    value is not known)."""
+    value is not known); ``v_head_dim``: a value head size other than ``head_dim`` (multi-latent attention)."""
+    if v_head_dim is not None and v_head_dim != head_dim:
+        return (f"value head dim {v_head_dim} != query/key head dim {head_dim} (multi-latent attention): torch's "
+                "FlashAttention varlen kernels need one head dim (use model.attention_backend=sdpa or te)")
     if dtype is not None and dtype not in FLASH_VARLEN_DTYPES:
         return (f"torch's FlashAttention varlen kernels take float16 or bfloat16 only, the model is {dtype} "
                 "(use model.dtype=bfloat16, or model.attention_backend=sdpa or te)")
@@ -460,7 +472,8 @@ def _varlen_problem(cuda: bool) -> Optional[str]:
 
 
 def resolve_attention_backend(requested: str = "auto", probe: Optional[BackendProbe] = None, *,
-                              dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None) -> str:
+                              dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None,
+                              v_head_dim: Optional[int] = None) -> str:
     """The backend to build: ``te``, ``varlen`` or ``sdpa``.
 
     ``auto``: TE when it imports and works on CUDA, else varlen on CUDA when the model's ``dtype`` and
@@ -473,7 +486,7 @@ def resolve_attention_backend(requested: str = "auto", probe: Optional[BackendPr
     if requested == "sdpa":
         return "sdpa"
     probe = probe or probe_backends()
-    varlen = probe.varlen or flash_varlen_problem(dtype, head_dim)
+    varlen = probe.varlen or flash_varlen_problem(dtype, head_dim, v_head_dim)
     if requested == "te":
         if probe.te is not None:
             raise ValueError(f"model.attention_backend=te cannot be used: {probe.te}. Use auto, varlen (CUDA) "

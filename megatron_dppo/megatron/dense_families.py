@@ -1,6 +1,6 @@
 """The dense families beyond Llama/Qwen: Mistral and Ministral (sliding-window attention), Phi-3 (fused
-projections, partial rotary, a window), and the families that are refused by name, each with the reason
-(``REFUSED_FAMILIES``). docs/models.md has the table of what is tested.
+projections, partial rotary, a window). The families refused by name are in ``arch.REFUSED_MODEL_TYPES``.
+docs/models.md has the table of what is tested.
 
 Sliding window (HF ``sliding_window = W``): query ``i`` attends to the keys ``j`` with ``i - W < j <= i`` of its
 own sequence, i.e. ``W`` keys itself included (transformers 5, ``masking_utils.sliding_window_overlay``:
@@ -28,29 +28,7 @@ WINDOW_FAMILIES = {"mistral": "mistral", "ministral": "ministral", "phi3": "phi3
 FUSED_PROJECTION_FAMILIES = ("phi3",)  # qkv_proj and gate_up_proj fused in the checkpoint
 PARTIAL_ROTARY_FAMILIES = ("phi3",)  # partial_rotary_factor read (any other family: refused when != 1)
 
-# Families people train that this release refuses, and why (named at `convert` and at `train`, never a silent wrong
-# model). See docs/models.md.
-REFUSED_FAMILIES = {
-    "gpt_oss": "gpt-oss needs attention sinks (softmax_type='learnable') and alternating sliding windows in the "
-               "packed (THD) attention, a clamped SwiGLU with biases and MoE with a router bias; this release "
-               "implements none of the sinks or the clamped-SwiGLU expert mapping",
-    "gemma3": "Gemma 3 mixes sliding and global layers with a different RoPE base per layer type "
-              "(rope_local_base_freq), which Megatron-Core 0.16's GPTModel cannot express (one rotary embedding "
-              "per model), plus extra pre/post norms and (1 + w) RMSNorm weights",
-    "gemma3_text": "Gemma 3 mixes sliding and global layers with a different RoPE base per layer type "
-                   "(rope_local_base_freq), which Megatron-Core 0.16's GPTModel cannot express (one rotary "
-                   "embedding per model), plus extra pre/post norms and (1 + w) RMSNorm weights",
-    "gemma2": "Gemma 2 needs logit soft-capping in attention and on the output, extra pre/post norms and "
-              "(1 + w) RMSNorm weights; not implemented",
-}
-
 SLIDING_LAYER, FULL_LAYER = "sliding_attention", "full_attention"
-
-
-def refuse_family(model_type: Any) -> None:
-    """ValueError naming ``model_type`` and why it is refused, if it is a refused family."""
-    if model_type in REFUSED_FAMILIES:
-        raise ValueError(f"model_type={model_type!r} is not supported: {REFUSED_FAMILIES[model_type]}")
 
 
 def sliding_window_from_hf_config(hf: Any, family: str, num_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:

@@ -129,6 +129,9 @@ class LoraConfig:
 def check_lora_supported(arch, parallel, cfg: LoraConfig) -> None:
     """Refuse, by name, model / layout combinations the adapters do not handle (before anything is built)."""
     problems = []
+    if getattr(arch, "mla", None) is not None:
+        problems.append(f"multi-latent attention ({arch.family!r}: linear_q_down/up_proj, linear_kv_down/up_proj) "
+                        "has no adapters yet; LoRA adapts the fused linear_qkv of grouped-query attention only")
     mlp = [p for p in cfg.projections if BASE_LINEAR[p][0] == "mlp"]
     if getattr(arch, "moe", None) is not None and mlp:
         problems.append(f"target_modules {mlp} on the Mixture-of-Experts model {arch.family!r}: experts and the "

@@ -19,6 +19,10 @@ ministral  False                 False; sliding and full layers mixed
 phi3       False                 False; fused qkv / gate_up in the checkpoint, partial rotary, a window
 =========  ====================  =============================================
 
+``deepseek_v3`` (multi-latent attention: ``MLATransformerConfig``, Megatron's MLA layer spec) and ``glm4_moe`` (the
+switches from its config, partial rotary) are read by ``deepseek_moe``; their sigmoid routers, expert bias and
+shared experts are MoE fields (``moe_config_kwargs``).
+
 ``ModelArch.from_hf_config`` (``arch.py``) reads those numbers (rejecting what the model cannot represent, e.g. an
 unknown ``rope_scaling`` type), ``build_transformer_config`` makes the Megatron ``TransformerConfig``, and
 ``build_gpt_model`` builds the (TP/PP-local) ``GPTModel``:
@@ -45,6 +49,12 @@ import torch
 from . import compat
 from .arch import FAMILIES, QK_NORM_FAMILIES, SUPPORTED_ROPE_TYPES, ModelArch  # noqa: F401 - re-exported
 from .cpu import allow_sequence_parallel_torch_norm, ensure_device_backend
+from .deepseek_moe import (
+    MLA_ARCH_CONFIG_FIELDS,
+    ensure_mla_without_te,
+    mla_config_kwargs,
+    replicate_mla_down_projections,
+)
 from .dense_families import window_config_kwargs
 from .moe import MOE_ARCH_CONFIG_FIELDS, moe_block_spec, moe_config_kwargs, reduce_expert_grads_over_expert_grid
 from .parallel import ParallelConfig, validate_parallel
@@ -62,7 +72,8 @@ def use_transformer_engine() -> bool:
 
 
 def resolve_backend(attention_backend: str | None = None, te: bool | None = None, *,
-                    dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
+                    dtype: torch.dtype | None = None, head_dim: int | None = None,
+                    v_head_dim: int | None = None) -> str:
     """``te`` | ``varlen`` | ``sdpa`` for a requested ``attention_backend`` (None = auto) and a model of
     ``dtype`` / ``head_dim`` (varlen takes half precision and head dims FlashAttention supports; None = not
     checked); the legacy ``te`` flag (True = "te", False = "sdpa") is accepted when no backend is named."""
@@ -70,7 +81,8 @@ def resolve_backend(attention_backend: str | None = None, te: bool | None = None
 
     if attention_backend is None and te is not None:
         attention_backend = "te" if te else "sdpa"
-    return resolve_attention_backend(attention_backend or "auto", dtype=dtype, head_dim=head_dim)
+    return resolve_attention_backend(attention_backend or "auto", dtype=dtype, head_dim=head_dim,
+                                     v_head_dim=v_head_dim)
 
 
 def engine_device() -> torch.device:
@@ -141,13 +153,14 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
     used by the TE spec only. MoE models (``arch.moe``): ``moe_aux_loss_coeff`` (0 = no load-balancing loss)
     and ``moe_routing_replay`` (Megatron's router replay hooks, see ``routing_replay``); experts use grouped
     GEMM with the TE spec and are split over ``parallel.ep`` / ``parallel.etp``."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     device = ensure_device_backend()
     dtype = dtype or default_dtype()
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype={dtype}; supported: torch.float32, torch.bfloat16, torch.float16")
-    te = device == "cuda" and resolve_backend(attention_backend, dtype=dtype, head_dim=arch.head_dim) == "te"
+    te = device == "cuda" and resolve_backend(attention_backend, dtype=dtype, head_dim=arch.head_dim,
+                                              v_head_dim=_v_head_dim(arch)) == "te"
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -198,6 +211,19 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
     elif moe_routing_replay or moe_aux_loss_coeff:
         raise ValueError(f"moe_routing_replay={moe_routing_replay} / moe_aux_loss_coeff={moe_aux_loss_coeff} "
                          f"need a Mixture-of-Experts model; {arch.family!r} is dense")
+    config_class = TransformerConfig
+    if arch.mla is not None:  # deepseek_v3: multi-latent attention (deepseek_moe.py)
+        if parallel.cp > 1:
+            raise ValueError(f"cp={parallel.cp} with multi-latent attention (deepseek_v3): context parallelism is "
+                             "not supported for MLA here (the CP attention assumes one head dim for q, k and v); "
+                             "use cp=1")
+        if parallel.tp > 1 and not parallel.sp:
+            raise ValueError(f"tp={parallel.tp} without sequence parallelism (parallel.sp) with multi-latent "
+                             "attention: the shared rotary key's gradient is summed over TP only by the sequence-"
+                             "parallel gather; set parallel.sp=true")
+        kwargs.update(mla_config_kwargs(arch.mla, arch))
+        kwargs["apply_rope_fusion"] = te and arch.mla.rope_type == "yarn"  # Megatron fuses MLA's YaRN RoPE only
+        config_class, required = MLATransformerConfig, required + MLA_ARCH_CONFIG_FIELDS
     if parallel.cp > 1 and (moe_routing_replay or moe_aux_loss_coeff):
         # a CP rank routes only its part of each sequence: the per-sequence routes (replay) and the aux loss's
         # per-routed-token scale (moe.aux_loss_per_routed_token) are not built for that
@@ -212,7 +238,12 @@ def build_transformer_config(arch: ModelArch, parallel: ParallelConfig, dtype: t
     required += tuple(window)
     # ---
     kwargs.update(overrides)
-    return TransformerConfig(**compat.supported_kwargs(TransformerConfig, kwargs, required=required))
+    return config_class(**compat.supported_kwargs(config_class, kwargs, required=required))
+
+
+def _v_head_dim(arch: ModelArch) -> int | None:
+    """The value head size when it differs from the query/key one (multi-latent attention), else None."""
+    return arch.mla.v_head_dim if arch.mla is not None and arch.mla.v_head_dim != arch.head_dim else None
 
 
 def build_layer_spec(arch: ModelArch, te: bool | None = None, *, attention_backend: str | None = None,
@@ -222,16 +253,21 @@ def build_layer_spec(arch: ModelArch, te: bool | None = None, *, attention_backe
     specs, MoE or dense, ``moe.moe_block_spec``) built from their ``config``, for this rank's pipeline stage
     (and virtual stage ``vp_stage``)."""
     backend = resolve_backend(attention_backend, te, dtype=getattr(config, "params_dtype", None),
-                              head_dim=arch.head_dim)
+                              head_dim=arch.head_dim, v_head_dim=_v_head_dim(arch))
     if backend != "te":
         allow_sequence_parallel_torch_norm()
+    if arch.mla is not None:
+        ensure_mla_without_te()
     if arch.moe is not None:
         if config is None:
             raise ValueError("an MoE layer spec needs the TransformerConfig (its moe_layer_freq places the experts)")
         from .attention import core_attention_class
 
-        return moe_block_spec(config, backend, None if backend == "te" else core_attention_class(backend),
-                              vp_stage=vp_stage)
+        block = moe_block_spec(config, backend, None if backend == "te" else core_attention_class(backend),
+                               vp_stage=vp_stage)
+        if arch.mla is not None and backend != "te":
+            replicate_mla_down_projections(block)  # (moe_block_spec returned a copy)
+        return block
     if backend == "te":
         return compat.gpt_te_layer_spec(qk_layernorm=arch.qk_norm)
     from .attention import core_attention_class
@@ -294,7 +330,8 @@ def build_gpt_model(arch: ModelArch, parallel: ParallelConfig, dtype: torch.dtyp
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     dtype = config.params_dtype if config is not None else dtype or default_dtype()
-    backend = resolve_backend(attention_backend, te, dtype=dtype, head_dim=arch.head_dim)
+    backend = resolve_backend(attention_backend, te, dtype=dtype, head_dim=arch.head_dim,
+                              v_head_dim=_v_head_dim(arch))
     config = config or build_transformer_config(arch, parallel, dtype, attention_backend=backend, **config_overrides)
     spec = build_layer_spec(arch, attention_backend=backend, config=config, vp_stage=vp_stage)
     if backend != "te" and getattr(config, "apply_rope_fusion", False):

@@ -46,7 +46,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")  # the last two: deepseek_moe.py
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,13 @@ class MoEArch:
     norm_topk_prob: bool  # [norm_topk_prob]; Mixtral always renormalizes
     sparse_layers: tuple[bool, ...]  # per layer: True = MoE block, False = dense MLP (ffn_hidden_size)
     router_aux_loss_coef: float = 0.0  # [router_aux_loss_coef], informative: training uses model.moe_aux_loss_coeff
+    # DeepSeek-style routers (deepseek_v3, glm4_moe; ``deepseek_moe``): defaults are the qwen3_moe / mixtral router
+    score_function: str = "softmax"  # softmax | sigmoid
+    expert_bias: bool = False  # [e_score_correction_bias] added to the scores for the choice only (sigmoid)
+    num_groups: int | None = None  # [n_group] group-limited routing (None: no group limit)
+    group_topk: int | None = None  # [topk_group]
+    scaling_factor: float = 1.0  # [routed_scaling_factor] multiplies the top-k weights
+    shared_expert_ffn_hidden_size: int | None = None  # [n_shared_experts * moe_intermediate_size]; None: none
 
     def __post_init__(self):
         if self.num_experts < 2:
@@ -67,6 +74,12 @@ class MoEArch:
             raise ValueError(f"num_experts_per_tok={self.topk} must be in 1..num_experts={self.num_experts}")
         if self.expert_ffn_hidden_size <= 0:
             raise ValueError(f"expert ffn size {self.expert_ffn_hidden_size} must be positive")
+        if self.score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_function={self.score_function!r}; supported: softmax, sigmoid")
+        if self.expert_bias and self.score_function != "sigmoid":
+            raise ValueError("expert_bias=True needs score_function='sigmoid' (aux-loss-free routing)")
+        if (self.num_groups is None) != (self.group_topk is None):
+            raise ValueError(f"num_groups={self.num_groups} and group_topk={self.group_topk}: set both or neither")
         if not any(self.sparse_layers):
             raise ValueError("the configuration has no MoE layer (every layer is in mlp_only_layers or skipped "
                              "by decoder_sparse_step)")
@@ -102,6 +115,10 @@ def moe_from_hf_config(hf: Any, family: str) -> MoEArch:
                        expert_ffn_hidden_size=int(hf.intermediate_size), norm_topk_prob=True,
                        sparse_layers=(True,) * layers,
                        router_aux_loss_coef=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0))
+    if family in ("deepseek_v3", "glm4_moe"):
+        from .deepseek_moe import moe_fields
+
+        return MoEArch(**moe_fields(hf, family))
     raise ValueError(f"family={family!r} is not a Mixture-of-Experts family; supported: {MOE_FAMILIES}")
 
 
@@ -116,8 +133,16 @@ def moe_config_kwargs(moe: MoEArch, *, ep: int, etp: int, aux_loss_coeff: float 
         moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
         moe_layer_freq=moe.layer_pattern(),
         # softmax-then-top-k without renormalization only for Qwen3-MoE's norm_topk_prob=False
-        moe_router_pre_softmax=not moe.norm_topk_prob,
-        moe_router_score_function="softmax",
+        moe_router_pre_softmax=moe.score_function == "softmax" and not moe.norm_topk_prob,
+        moe_router_score_function=moe.score_function,
+        # DeepSeek-style routers (deepseek_moe.py): a frozen expert bias (no aux-loss-free updates in RL), groups,
+        # the routed scaling factor and the shared experts
+        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_topk,
+        moe_router_topk_scaling_factor=moe.scaling_factor if moe.scaling_factor != 1.0 else None,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=float(aux_loss_coeff),
@@ -134,7 +159,10 @@ def moe_config_kwargs(moe: MoEArch, *, ep: int, etp: int, aux_loss_coeff: float 
 
 # The TransformerConfig fields above that define the model: an installed Megatron-Core lacking one cannot build it.
 MOE_ARCH_CONFIG_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
-                          "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+                          "moe_router_pre_softmax", "moe_router_score_function", "moe_router_enable_expert_bias",
+                          "moe_router_bias_update_rate", "moe_router_num_groups", "moe_router_group_topk",
+                          "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+                          "moe_router_load_balancing_type", "moe_aux_loss_coeff",
                           "moe_token_dispatcher_type", "expert_model_parallel_size", "expert_tensor_parallel_size")
 
 

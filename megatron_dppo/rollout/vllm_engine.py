@@ -231,13 +231,22 @@ def read_eos_token_ids(model_path: str | Path) -> list[int]:
 
 
 def expected_hf_weights(model_path: str | Path) -> dict[str, tuple[int, ...]]:
-    """{hf_name: shape} of the transformers model described by ``model_path``/config.json (built on meta)."""
+    """{hf_name: shape} of the transformers model described by ``model_path``/config.json (built on meta), and of
+    the tensors of its safetensors files: the names vLLM loads and the weight export sends. They differ for
+    Mixture-of-Experts models: transformers 5 keeps the experts fused in memory (``mlp.experts.gate_up_proj``)
+    while the checkpoints and the export have one tensor per expert (``mlp.experts.<e>.gate_proj.weight``)."""
+    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                expected.setdefault(name, tuple(f.get_slice(name).get_shape()))
+    return expected
 
 
 def ties_embeddings(model_path: str | Path) -> bool:

@@ -124,7 +124,7 @@ def test_arch_reads_the_window_and_the_layer_types():
 @pytest.mark.parametrize("model_type, words", [("gpt_oss", "attention sinks"), ("gemma3_text", "RoPE base"),
                                                 ("gemma3", "RoPE base"), ("gemma2", "soft-capping")])
 def test_refused_families_are_named(model_type, words):
-    with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported: .*{words}"):
+    with pytest.raises(ValueError, match=f"model_type='{model_type}' is refused: .*{words}"):
         ModelArch.from_hf_config({"model_type": model_type})
 
 

@@ -77,7 +77,7 @@ def test_convert_and_train_refuse_a_refused_family_by_name(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"model.embed_tokens.weight": torch.zeros(512, 64)}, folder / "model.safetensors")
-    expected = "model_type='gpt_oss' is not supported: gpt-oss needs attention sinks"
+    expected = "model_type='gpt_oss' is refused: gpt-oss needs attention sinks"
     proc = subprocess.run([PY, "-m", "megatron_dppo.cli", "convert", "hf-to-megatron", str(folder),
                            str(tmp_path / "meg")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and expected in proc.stderr, proc.stderr[-2000:]

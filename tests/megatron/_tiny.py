@@ -32,6 +32,21 @@ TINY_MOE_CONFIGS = {
                     num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                     rope_theta=1_000_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                     max_position_embeddings=512, sliding_window=None),
+    # DeepSeek-style (megatron/deepseek_moe.py): sigmoid router + expert bias, 2 groups, a shared expert, dense
+    # first layer; deepseek_v3 with multi-latent attention (q-LoRA), glm4_moe with q/k norm, q/k/v bias, half rotary
+    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=96,
+                        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+                        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        rope_theta=10_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                        max_position_embeddings=512),
+    "glm4_moe": dict(model_type="glm4_moe", vocab_size=256, hidden_size=64, intermediate_size=96,
+                     moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                     n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_qk_norm=True,
+                     attention_bias=True, partial_rotary_factor=0.5, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, max_position_embeddings=512),
 }
 
 

@@ -209,6 +209,9 @@ OTHER_ROUTERS = {
     "mixtral": ("mixtral", {}),
     # softmax over all experts, top-k, no renormalization (moe_router_pre_softmax True)
     "qwen3_moe_unnormalized": ("qwen3_moe", {"norm_topk_prob": False}),
+    # sigmoid router with expert bias, groups, scaling, a shared expert; multi-latent attention (deepseek_moe.py)
+    "deepseek_v3": ("deepseek_v3", {}),
+    "glm4_moe": ("glm4_moe", {}),
 }
 
 
