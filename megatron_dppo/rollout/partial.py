@@ -130,24 +130,32 @@ class InterruptibleEngine:
     """A rollout worker's engine with partial rollouts: ``generate`` runs ``generate_partial`` while ``active``
     (the worker turns it on around a batch's generation, off around an evaluation, which must use exactly its
     version), else the plain engine's. ``version`` is the version the engine holds (the worker sets it when it
-    loads one; a load mid-batch updates it); ``taken`` counts the versions loaded mid-generation. Everything else
-    is the wrapped engine's."""
+    loads one; a load mid-batch updates it); ``take_count()`` is the number of versions loaded mid-generation
+    since it was last asked. Everything else is the wrapped engine's."""
 
     def __init__(self, engine, source: WeightSource, max_interruptions: int, chunk_tokens: int | None):
-        self.engine, self.source = engine, source
+        self.engine = engine
         self.max_interruptions, self.chunk_tokens = max_interruptions, chunk_tokens
         self.version: int | None = None
         self.active = False
-        self.taken = 0
+        self._taken = 0
+
+        def load_newer() -> int:
+            self._taken += 1
+            return source.load_newer()
+
+        self.source = version_callables(source.newer, load_newer)
+
+    def take_count(self) -> int:
+        count, self._taken = self._taken, 0
+        return count
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
                  **kwargs) -> list[CompletionGroup]:
         if not self.active:
             return self.engine.generate(prompt_token_ids, n, sampling, **kwargs)
-        before = self.version
         groups, self.version = generate_partial(self.engine, prompt_token_ids, n, sampling, self.version,
                                                 self.source, self.max_interruptions, self.chunk_tokens)
-        self.taken += self.version != before
         return groups
 
     def __getattr__(self, name: str) -> Any:
@@ -172,3 +180,15 @@ def version_callables(newer: Callable[[], bool], load_newer: Callable[[], int]) 
             return load_newer()
 
     return _Source()
+
+
+def partial_metrics(token_versions: list[list[list[int]]], step: int) -> dict[str, float]:
+    """Per-step metrics of a batch's per-token versions (trained at RL ``step``): async/token_staleness (the mean
+    of step - version over the sampled tokens), async/interrupted_samples (the fraction of samples that ran under
+    more than one version), async/offpolicy_tokens (the fraction of tokens older than their sample's last
+    version: what rollout.mask_offpolicy masks)."""
+    samples = [v for group in token_versions for v in group]
+    tokens = sum(len(v) for v in samples) or 1
+    return {"async/token_staleness": sum(step - t for v in samples for t in v) / tokens,
+            "async/interrupted_samples": sum(len(set(v)) > 1 for v in samples) / max(1, len(samples)),
+            "async/offpolicy_tokens": sum(len(v) - sum(offpolicy_mask(v)) for v in samples) / tokens}

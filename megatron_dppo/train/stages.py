@@ -108,7 +108,7 @@ def build_train_batch(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneR
             weight.append(float(total_cut.weight[q, i]))
             rewards.append(float(rollout.rewards[row, i]))
             origin.append((row, i))
-            comp_lengths.append(len(completion) if masks is None else int(trained[row, i]))
+            comp_lengths.append(len(completion) if masks is None else sum(masks[row][i]))  # (episodes: trained)
     seq_w = torch.tensor(weight, dtype=torch.float32)
     lengths = torch.tensor(comp_lengths, dtype=torch.float32)
     return TrainBatch(
