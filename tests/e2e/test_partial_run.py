@@ -38,8 +38,9 @@ def _config(tmp_path, name, **train):
 
 
 def test_partial_rollouts_train_within_the_per_token_bound_and_resume(tmp_path):
+    """With rollout.mask_offpolicy: the older segments' zero loss masks go through packing and the loss."""
     out, cfg = _config(tmp_path, "run", steps=4)
-    run_cli(cfg, *PARTIAL, nproc=2)
+    run_cli(cfg, *PARTIAL, "rollout.mask_offpolicy=true", nproc=2)
     records = _rl(read_metrics(out))
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(0.0 <= r["async/token_staleness"] <= 1.0 for r in records)
@@ -47,10 +48,11 @@ def test_partial_rollouts_train_within_the_per_token_bound_and_resume(tmp_path):
     assert sum(r["async/versions_taken_mid_batch"] for r in records) >= 1, records
     interrupted = [r for r in records if r["async/interrupted_samples"] > 0]
     assert interrupted and all(r["async/token_staleness"] < r["async/staleness"] for r in interrupted)
+    assert all(0 < r["async/offpolicy_tokens"] < 1 for r in interrupted)  # (masked: the segments before the last)
     worker = json.loads((out / "rollout_worker.json").read_text())
     assert [b["step"] for b in worker["batches"]] == [0, 1, 2, 3]
 
-    run_cli(cfg, *PARTIAL, "train.steps=6", nproc=2)  # resumed from the checkpoint of step 4
+    run_cli(cfg, *PARTIAL, "rollout.mask_offpolicy=true", "train.steps=6", nproc=2)  # resumed at step 4
     assert [r["step"] for r in _rl(read_metrics(out))] == [0, 1, 2, 3, 4, 5]
 
 
