@@ -87,7 +87,7 @@ def test_partial_rollouts_validate_only_where_a_version_can_arrive_mid_batch():
 def test_partial_metrics_count_tokens_samples_and_offpolicy_segments():
     from megatron_dppo.rollout.partial import partial_metrics
 
-    m = partial_metrics([[[4, 4, 5], [5]], [[4, 4, 4, 4]]], step=5)  # 8 tokens: five of version 4 + ...
+    m = partial_metrics([[[4, 4, 5], [5]], [[4, 4, 4, 4]]], step=5)  # 8 tokens: six of version 4, two of 5
     assert m["async/token_staleness"] == (2 * 1 + 0 + 0 + 4 * 1) / 8
     assert m["async/interrupted_samples"] == 1 / 3
     assert m["async/offpolicy_tokens"] == 2 / 8  # the two version-4 tokens before the sample's version 5
