@@ -9,7 +9,9 @@ its idle and CPU seconds; then the next (``train.staleness_mode=fixed``: exactly
 every version until the loop is past it). A version the trainer marked due for evaluation is evaluated first, and
 the metrics sent the same way (``DueEvaluations``). The first version also carries the trainer's RL step, sampler
 position and history, so a resumed trainer repositions the workers (batches that were in flight are generated
-again)."""
+again). With partial rollouts (``rollout.max_interruptions``) a version that arrives while a batch generates is
+loaded mid-batch and the running samples continue under it (``partial_engine``); the batch stays stamped with the
+version it started from, its oldest tokens'."""
 from __future__ import annotations
 
 import contextlib
