@@ -4,7 +4,8 @@
 #   generation + log-probs vs HF, weight reload through Worker.reload_weights, external_launcher with 2 processes,
 #   the weight-sync worker extension (rollout/vllm_weight_sync.py), and separate placement end to end: a trainer on
 #   the main venv (DPPO_TRAINER_PYTHON, default .venv/bin/python: it needs Megatron-Core) with one vLLM rollout
-#   worker, and with two (two engines at rollout.tp=1, one at rollout.tp=2); the reward-model engine (pooling and
+#   worker, and with two (two engines at rollout.tp=1, one at rollout.tp=2); partial rollouts (per-token versions
+#   and log-probs vs HF, and a worker taking versions between chunks); the reward-model engine (pooling and
 #   judge log-probs vs HF, ~1 min).
 # Measured on 2 cores: install ~1.5-3 min, tests ~4-5 min (+1.4 min for the two-worker runs).
 set -euo pipefail
@@ -21,4 +22,5 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export DPPO_TRAINER_PYTHON="${DPPO_TRAINER_PYTHON:-.venv/bin/python}"
 "$VENV/bin/python" -m pytest -q -m vllm tests/rollout/test_vllm_cpu.py tests/rollout/test_vllm_reward_cpu.py \
-    tests/rollout/test_episodes_engines.py tests/e2e/test_async_vllm.py "$@"
+    tests/rollout/test_episodes_engines.py tests/rollout/test_partial_vllm.py tests/e2e/test_async_vllm.py \
+    tests/e2e/test_partial_vllm_run.py "$@"

@@ -141,6 +141,19 @@ class Config:
                            ("eval.every_cpu_s", self.eval.every_cpu_s), ("algo.cost_budget", planned)):
             _check(value is None or r.placement == "colocated", key, value, "null with rollout.placement=separate "
                    "(the rollout workers' seconds are not in the trainer's timers)")
+        if r.max_interruptions:
+            _check(k >= 1, "train.max_staleness", k, ">= 1 with rollout.max_interruptions >= 1 (at 0 the batch of "
+                   "step t needs version t, and no newer version arrives while it generates)")
+            _check(self.train.staleness_mode == "newest", "train.staleness_mode", self.train.staleness_mode,
+                   "newest with rollout.max_interruptions >= 1 (fixed mode's versions do not depend on timing; "
+                   "when a version arrives mid-batch does)")
+            for key, on in (("env", self.env is not None), ("algo.screen_k", bool(self.algo.screens)),
+                            ("dynamic_sampling.enable", self.dynamic_sampling.enable)):
+                _check(not on, "rollout.max_interruptions", r.max_interruptions,
+                       f"0 with {key} (partial rollouts carry per-token versions through single-turn "
+                       "generation only)")
+            _check(r.tp == 1, "rollout.tp", r.tp, "1 with rollout.max_interruptions >= 1 (each worker takes a new "
+                   "version mid-batch on its own; the ranks of one vLLM engine would have to agree on when)")
         if r.placement == "colocated":
             _check(k == 0, "train.max_staleness", k, "0 with rollout.placement=colocated (one process generates "
                    "and trains in turn: nothing to overlap); use rollout.placement=separate for k >= 1")
@@ -229,6 +242,8 @@ UNUSED_WHEN = [
       "rollout.offload_train_state"), "rollout.engine", lambda c: c.rollout.engine != "vllm",
      "only rollout.engine=vllm reads it"),
     (("rollout.batch_size",), "rollout.engine", lambda c: c.rollout.engine != "hf", "only rollout.engine=hf reads it"),
+    (("rollout.interrupt_chunk_tokens", "rollout.mask_offpolicy"), "rollout.max_interruptions",
+     lambda c: c.rollout.max_interruptions == 0, "only partial rollouts (rollout.max_interruptions >= 1) read it"),
     (("rollout.workers", "rollout.tp", "rollout.worker_timeout_s", "train.staleness_mode"), "rollout.placement",
      lambda c: c.rollout.placement != "separate", "only rollout.placement=separate reads it"),
 ]

@@ -203,7 +203,7 @@ class TrainerLink:
                                f"the batch of step {step}: only the evaluations the trainer waits for are sent")
         if batch.step != step:
             raise RuntimeError(f"rollout batch for step {batch.step} arrived while the trainer is at step {step}")
-        self.gate.admit(step, batch.version)
+        self.gate.admit(step, batch.version, batch_token_versions(batch))
         return batch
 
     def receive_eval(self, version: int) -> dict[str, float]:
@@ -290,6 +290,15 @@ class TrainerLink:
         if clean and self.roles.job_rank == 0:
             self._weights_sender().stop()
             self.batches.join(self.timeout_s)
+
+
+def batch_token_versions(batch) -> list[int] | None:
+    """Every sampled token's weight version of a batch with partial rollouts (``rollout.max_interruptions``), else
+    None (the batch has one version)."""
+    versions = getattr(getattr(batch, "rollout", None), "token_versions", None)
+    if versions is None:
+        return None
+    return [v for group in versions for sample in group for v in sample]
 
 
 def _unpickle_in_flight(in_flight: bytes | None) -> list:

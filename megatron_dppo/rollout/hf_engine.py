@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -84,6 +84,17 @@ class _StepLogprobRecorder:
         if len(steps) < gen_len:  # the final token was sampled after the last call
             steps.append(self.last.gather(1, generated[:, gen_len - 1 : gen_len]).squeeze(1))
         return torch.stack(steps, dim=1)
+
+
+class _Interrupt:
+    """A stopping criterion that stops every row once ``ask()`` returns True (``generate(interrupt=...)``)."""
+
+    def __init__(self, ask: Callable[[], bool]):
+        self.ask, self.fired = ask, False
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        self.fired = self.fired or bool(self.ask())
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
 
 
 def default_device() -> torch.device:
@@ -175,8 +186,11 @@ class HFRolloutEngine:
         return engine
 
     # ------------------------------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[CompletionGroup]:
-        """n completions per prompt with token ids, the log-probs of the sampled distribution and finish reasons."""
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 interrupt: Callable[[], bool] | None = None) -> list[CompletionGroup]:
+        """n completions per prompt with token ids, the log-probs of the sampled distribution and finish reasons.
+        ``interrupt`` (partial rollouts, ``rollout/partial.py``): asked after every sampled token; once it returns
+        True the rows still running stop there, finish_reason "interrupted", with the tokens sampled so far."""
         validate_prompts(prompt_token_ids, n)
         if self._asleep:
             raise RuntimeError("HFRolloutEngine.generate() called while asleep; call wake_up() first")
@@ -192,13 +206,15 @@ class HFRolloutEngine:
                 torch.manual_seed(sampling.seed)
             for start in range(0, len(rows), self.max_batch_size):
                 chunk = rows[start : start + self.max_batch_size]
-                for (p, _), completion in zip(chunk, self._generate_rows([ids for _, ids in chunk], sampling)):
+                for (p, _), completion in zip(chunk, self._generate_rows([ids for _, ids in chunk], sampling,
+                                                                         interrupt)):
                     groups[p].completions.append(completion)
         return groups
 
     @torch.no_grad()
-    def _generate_rows(self, rows: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        from transformers import GenerationConfig, LogitsProcessorList
+    def _generate_rows(self, rows: list[list[int]], sampling: SamplingParams,
+                       interrupt: Callable[[], bool] | None = None) -> list[Completion]:
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
         from transformers.generation.logits_process import (
             TemperatureLogitsWarper,
             TopKLogitsWarper,
@@ -230,8 +246,10 @@ class HFRolloutEngine:
         )
         input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
         prefill = self._shared_prefill(rows, input_ids, attention_mask) if self.share_prompt_prefill else {}
+        stopper = _Interrupt(interrupt) if interrupt is not None else None
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                  logits_processor=LogitsProcessorList(processors), **prefill)
+                                  logits_processor=LogitsProcessorList(processors),
+                                  stopping_criteria=StoppingCriteriaList([stopper] if stopper else []), **prefill)
         generated = out.sequences[:, width:]
         sample_logprobs = sample_recorder.finish(generated).cpu()
         generated = generated.cpu()
@@ -242,6 +260,8 @@ class HFRolloutEngine:
             tokens = generated[i].tolist()
             end = next((t + 1 for t, tok in enumerate(tokens) if tok in stop_set), None)
             finish = "stop" if end is not None else "length"
+            if end is None and stopper is not None and stopper.fired and len(tokens) < sampling.max_new_tokens:
+                finish = "interrupted"
             end = end if end is not None else len(tokens)
             completions.append(Completion(
                 token_ids=tokens[:end],

@@ -223,8 +223,13 @@ def async_metrics(run: Run, drawn: DrawnBatch) -> dict[str, float]:
     weights), async/trainer_wait_s (the trainer idle, waiting for it), the workers' idle/busy/CPU seconds."""
     if run.link is None:
         return {}
-    return {"async/staleness": float(run.link.gate.admitted[-1][0] - drawn.version),
-            "async/trainer_wait_s": run.link.last_wait_s, **drawn.metrics}
+    step = run.link.gate.admitted[-1][0]
+    partial = {}
+    if drawn.rollout.token_versions is not None:  # partial rollouts (rollout.max_interruptions): per token
+        from megatron_dppo.rollout.partial import partial_metrics
+        partial = partial_metrics(drawn.rollout.token_versions, step)
+    return {"async/staleness": float(step - drawn.version), "async/trainer_wait_s": run.link.last_wait_s,
+            **partial, **drawn.metrics}
 
 
 # ==============================================================================================================

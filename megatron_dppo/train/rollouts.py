@@ -56,6 +56,9 @@ class Rollout:
     reward_model_failed: int = 0  # groups scored 0 because the reward model failed (reward.model.on_error=zero)
     reward_model_unparsed: int = 0  # judge verdicts without a score (reward.model.unparsed_score)
     episodes: list[list[Episode]] | None = None  # [Bk][G] the multi-turn episodes (env); None = single-turn
+    token_versions: list[list[list[int]]] | None = None  # [Bk][G] partial rollouts (rollout.max_interruptions):
+    #                                    the weight version that sampled each token; None = the batch's one version
+    mask_offpolicy: bool = False  # rollout.mask_offpolicy: loss_masks trains only each sample's last version
 
     @property
     def group_size(self) -> int:
@@ -65,6 +68,9 @@ class Rollout:
     def loss_masks(self) -> list[list[list[int]]] | None:
         """[Bk][G] per-token 0/1 masks of the completions (1 = sampled, trained; 0 = observation); None for
         single-turn completions (every token trained)."""
+        if self.mask_offpolicy and self.token_versions is not None:
+            from megatron_dppo.rollout.partial import offpolicy_mask
+            return [[offpolicy_mask(v) for v in versions] for versions in self.token_versions]
         return None if self.episodes is None else [[e.loss_mask for e in eps] for eps in self.episodes]
 
     @property
@@ -132,15 +138,18 @@ def generate(side: RolloutSide, prompts: list[Prompt], n: int, step: int, temper
                         [side.tokenizer.decode(_strip_stop(c.token_ids, side.eos_ids), skip_special_tokens=True)
                          for c in comps],
                         [c.logprobs for c in comps],
-                        [c.finish_reason == "length" for c in comps], None))
+                        [c.finish_reason == "length" for c in comps], None,
+                        [getattr(c, "versions", None) for c in comps]))
         return out
 
     shard_index, num_shards = generation_shards(cfg)
     with generation_window(side):  # wakes the rollout engine (GPU memory handover), sleeps it afterwards
         results = D.map_sharded(generate_shard, prompts, shard_index, num_shards)
     episodes = [r[4] for r in results] if side.env_factory is not None else None
+    versions = [r[5] for r in results] if results and len(results[0]) > 5 and results[0][5][0] is not None else None
     return Rollout(prompts=list(prompts), completions=[r[0] for r in results], texts=[r[1] for r in results],
-                   behaviour_logprobs=[r[2] for r in results], truncated=[r[3] for r in results], episodes=episodes)
+                   behaviour_logprobs=[r[2] for r in results], truncated=[r[3] for r in results], episodes=episodes,
+                   token_versions=versions, mask_offpolicy=cfg.rollout.mask_offpolicy and versions is not None)
 
 
 def generate_episodes_shard(side: RolloutSide, shard: list[Prompt], n: int, sampling, env_seed: int) -> list[tuple]:

@@ -17,6 +17,7 @@ from megatron_dppo.algo.overlong import finished_denominator
 from megatron_dppo.algo.pruning import PruneResult, combine, make_generator, zero_variance_filter
 from megatron_dppo.data import Prompt
 from megatron_dppo.distributed import collectives as D
+from megatron_dppo.rollout.partial import offpolicy_mask
 from megatron_dppo.run.state import TrainSide
 from megatron_dppo.train.rollouts import Rollout, counted_episodes, filter_rewards
 
@@ -108,7 +109,7 @@ def build_train_batch(side: TrainSide, prompts: list[Prompt], prompt_cut: PruneR
             weight.append(float(total_cut.weight[q, i]))
             rewards.append(float(rollout.rewards[row, i]))
             origin.append((row, i))
-            comp_lengths.append(len(completion) if masks is None else int(trained[row, i]))
+            comp_lengths.append(len(completion) if masks is None else sum(masks[row][i]))  # (episodes: trained)
     seq_w = torch.tensor(weight, dtype=torch.float32)
     lengths = torch.tensor(comp_lengths, dtype=torch.float32)
     return TrainBatch(
@@ -283,6 +284,8 @@ def behaviour_logprobs_at(mb, like: torch.Tensor, batch: TrainBatch, rollout: Ro
     for sid, a, b in zip(mb.sample_ids.tolist(), bounds[:-1], bounds[1:]):
         row, i = batch.origin[sid]
         ref = rollout.behaviour_logprobs[row][i]
+        if ref is not None and rollout.mask_offpolicy and rollout.token_versions is not None:  # the last segment
+            ref = [lp for lp, m in zip(ref, offpolicy_mask(rollout.token_versions[row][i])) if m]
         positions = mask[a:b].nonzero().flatten() + a
         if ref is None or len(ref) != positions.numel():
             raise ValueError(f"completion {i} of prompt {rollout.prompts[row].id!r}: the rollout engine returned "

@@ -9,9 +9,12 @@ its idle and CPU seconds; then the next (``train.staleness_mode=fixed``: exactly
 every version until the loop is past it). A version the trainer marked due for evaluation is evaluated first, and
 the metrics sent the same way (``DueEvaluations``). The first version also carries the trainer's RL step, sampler
 position and history, so a resumed trainer repositions the workers (batches that were in flight are generated
-again)."""
+again). With partial rollouts (``rollout.max_interruptions``) a version that arrives while a batch generates is
+loaded mid-batch and the running samples continue under it (``partial_engine``); the batch stays stamped with the
+version it started from, its oldest tokens'."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -41,12 +44,17 @@ def serve(cfg) -> dict[str, Any]:
     gate = StalenessGate(cfg.train.max_staleness, fixed=fixed)
     gate.floor = link.weights.arrived[0]  # this run's first version (a resumed trainer may have sent more since)
     step, loaded, used, evals, newest = first.extra["rl_step"], None, [], DueEvaluations(side, link.batches), first
+    partial = partial_engine(cfg, side, link.weights)  # rollout.max_interruptions >= 1, else None
 
     def take(version) -> float:
-        """Load ``version`` (if it is not loaded yet) and evaluate it if it is due; returns the eval seconds."""
+        """Load ``version`` (if it is not loaded yet: partial rollouts may have loaded its weights mid-batch) and
+        its history, and evaluate it if it is due; returns the eval seconds."""
         nonlocal loaded
         if version.version != loaded:
-            link.weights.load(version)
+            if partial is None or partial.version != version.version:
+                link.weights.load(version)
+            if partial is not None:
+                partial.version = version.version
             side.pruner.load_state_dict(version.extra["history"])
             loaded = version.version
         return evals.run_if_due(version)
@@ -60,10 +68,13 @@ def serve(cfg) -> dict[str, Any]:
             break
         eval_s = take(newest)  # (a due version is loaded at the latest for batch version + k: see DueEvaluations)
         timer = PhaseTimer()
-        drawn = draw_batch(side, step, timer, version=loaded)
+        with interruptible(partial):  # (versions arriving now are taken mid-batch: the oldest, ``loaded``, stamps it)
+            drawn = draw_batch(side, step, timer, version=loaded)
         drawn.version, drawn.sampler_state = loaded, side.sampler.state_dict()
         drawn.metrics = {"async/rollout_idle_s": idle, "async/rollout_busy_s": timer.as_metrics()["time/step"],
                          "async/rollout_cpu_s": D.sum_over_ranks(timer.cpu_seconds), "async/rollout_eval_s": eval_s}
+        if partial is not None:  # (each worker's own: the versions it took mid-batch)
+            drawn.metrics["async/versions_taken_mid_batch"] = float(D.sum_over_ranks(partial.take_count()))
         if link.batches is not None:
             link.batches.send(drawn)
         used.append({"step": step, "version": loaded, **drawn.metrics})
@@ -80,6 +91,49 @@ def serve(cfg) -> dict[str, Any]:
         path = Path(cfg.train.output_dir) / "rollout_worker.json"
         path.write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def partial_engine(cfg, side: RolloutSide, weights):
+    """Partial rollouts (``rollout.max_interruptions`` >= 1, docs/async.md): ``side.engine`` becomes an
+    ``InterruptibleEngine`` that, while a batch generates, takes a newer version that reached this worker (HF: at
+    the next token; vLLM: at the next chunk of ``rollout.interrupt_chunk_tokens``); returns it, or None when off.
+    Each worker takes versions on its own (they generate disjoint shards): the check and the load are local, never
+    a collective."""
+    if not cfg.rollout.max_interruptions:
+        return None
+    from megatron_dppo.rollout.partial import InterruptibleEngine, version_callables
+
+    holder: list = []
+
+    def newer() -> bool:
+        arrived = weights.arrived
+        return bool(arrived) and arrived[-1] > holder[0].version
+
+    def load_newer() -> int:
+        version = weights._newest(holder[0].version + 1, False)  # (this worker's newest; no agreement needed)
+        weights.load(version)
+        return version.version
+
+    chunk = cfg.rollout.interrupt_chunk_tokens if cfg.rollout.engine == "vllm" else None
+    engine = InterruptibleEngine(side.engine, version_callables(newer, load_newer), cfg.rollout.max_interruptions,
+                                 chunk)
+    holder.append(engine)
+    side.engine = engine
+    return engine
+
+
+@contextlib.contextmanager
+def interruptible(engine):
+    """``engine`` (an ``InterruptibleEngine``, or None) takes new versions mid-generation inside the block only:
+    an evaluation outside it uses exactly its due version."""
+    if engine is None:
+        yield
+        return
+    engine.active = True
+    try:
+        yield
+    finally:
+        engine.active = False
 
 
 class DueEvaluations:
