@@ -26,6 +26,9 @@ it (the global torch RNG is saved and restored), so the same call on the same en
 Weights: ``load_weights`` copies HF-named tensors into the model (cast to its dtype), strictly: an unknown name or
 a wrong shape raises ValueError, and by default every parameter must be covered by the stream.
 
+Speculative decoding (``speculative=PromptLookupDecoding(...)``, ``rollout/speculative.py``): prompt-lookup drafts
+verified by the model in one batched forward per round, exact (same distribution and log-probs as without it).
+
 LoRA (``lora=adapter_config``, ``rollout/lora.py``): the model computes ``W x + scaling * B (A x)`` on its adapted
 projections. A push then carries the base once (the first) and afterwards only the adapter tensors (PEFT names),
 which replace the adapters as a whole; adapters before any base weights are refused (``needs_base``).
@@ -47,6 +50,7 @@ from megatron_dppo.rollout.base import (
     validate_prompts,
 )
 from megatron_dppo.rollout.lora import HFAdapters, refuse_adapters, split_adapters
+from megatron_dppo.rollout.speculative import PromptLookupDecoding
 
 logger = logging.getLogger("megatron_dppo.rollout")
 
@@ -102,10 +106,12 @@ class HFRolloutEngine:
             adapters (``rollout.lora.HFAdapters``), filled by the adapter tensors of ``load_weights``.
         share_prompt_prefill: run each distinct prompt of a batch through the model once for all its samples
             (module docstring).
+        speculative: a ``PromptLookupDecoding`` to decode with (exact speculative decoding), or None.
     """
 
     def __init__(self, model, *, eos_token_ids: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-                 max_batch_size: int = 64, lora: dict | None = None, share_prompt_prefill: bool = True):
+                 max_batch_size: int = 64, lora: dict | None = None, share_prompt_prefill: bool = True,
+                 speculative: PromptLookupDecoding | None = None):
         from transformers import GenerationConfig
 
         self.model = model.eval()
@@ -126,6 +132,7 @@ class HFRolloutEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = int(max_batch_size)
         self.share_prompt_prefill = bool(share_prompt_prefill)
+        self.speculative = speculative
         # Neutral generation defaults: nothing from a Hub generation_config.json may reshape the distribution.
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_token_ids or None,
                                                         pad_token_id=self.pad_token_id)
@@ -210,11 +217,16 @@ class HFRolloutEngine:
         )
         input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
         prefill = self._shared_prefill(rows, input_ids, attention_mask) if self.share_prompt_prefill else {}
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                  logits_processor=LogitsProcessorList(processors), **prefill)
-        generated = out.sequences[:, width:]
-        sample_logprobs = sample_recorder.finish(generated).cpu()
-        generated = generated.cpu()
+        if self.speculative is not None:
+            generated, sample_logprobs = self.speculative.decode(
+                self.model, rows, input_ids, attention_mask, prefill.get("past_key_values"), sampling, stops,
+                self.pad_token_id)
+        else:
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                      logits_processor=LogitsProcessorList(processors), **prefill)
+            generated = out.sequences[:, width:]
+            sample_logprobs = sample_recorder.finish(generated).cpu()
+            generated = generated.cpu()
 
         stop_set = set(stops)
         completions = []
