@@ -198,3 +198,28 @@ def test_options_are_checked_and_methods_refused_by_name():
     assert vllm_speculative_config("mtp", 2, 1, 3, {"num_nextn_predict_layers": 1})["method"] == "mtp"
     with pytest.raises(ValueError, match="method='eagle' needs a trained EAGLE draft model"):
         vllm_speculative_config("eagle", 4, 1, 3)
+
+
+def test_the_config_section_loads_from_yaml_and_command_line_overrides(tmp_path):
+    import yaml
+
+    from megatron_dppo.config import load_config
+    from megatron_dppo.config.speculative import SPECULATIVE_METHODS as CONFIG_METHODS
+    from megatron_dppo.rollout.speculative import SPECULATIVE_METHODS
+
+    assert CONFIG_METHODS == SPECULATIVE_METHODS
+    repo = __import__("pathlib").Path(__file__).resolve().parents[2]
+    data = yaml.safe_load((repo / "examples" / "quickstart.yaml").read_text())
+    data.setdefault("rollout", {})["speculative"] = {"method": "ngram", "num_draft_tokens": 6}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    spec = load_config(path, ["rollout.speculative.ngram_max=5"]).rollout.speculative
+    assert (spec.method, spec.num_draft_tokens, spec.ngram_min, spec.ngram_max) == ("ngram", 6, 1, 5)
+    assert load_config(repo / "examples" / "quickstart.yaml").rollout.speculative.method == "none"
+    with pytest.raises(ValueError, match="rollout.speculative.method='suffix' is invalid: expected none or ngram with "
+                                         "rollout.engine=hf"):
+        load_config(path, ["rollout.speculative.method=suffix"])
+    with pytest.raises(ValueError, match="rollout.speculative.ngram_max=0 is invalid"):
+        load_config(path, ["rollout.speculative.ngram_max=0"])
+    with pytest.raises(ValueError, match="rollout.speculative.num_draft_tokens=0 is invalid"):
+        load_config(path, ["rollout.speculative.num_draft_tokens=0"])
