@@ -21,4 +21,4 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export DPPO_TRAINER_PYTHON="${DPPO_TRAINER_PYTHON:-.venv/bin/python}"
 "$VENV/bin/python" -m pytest -q -m vllm tests/rollout/test_vllm_cpu.py tests/rollout/test_vllm_reward_cpu.py \
-    tests/rollout/test_episodes_engines.py tests/e2e/test_async_vllm.py "$@"
+    tests/rollout/test_episodes_engines.py tests/rollout/test_vllm_speculative_cpu.py tests/e2e/test_async_vllm.py "$@"

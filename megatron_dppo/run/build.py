@@ -237,7 +237,8 @@ def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenize
                          sleep_level=cfg.rollout.sleep_level, weight_sync=separate, lora=rollout_adapter_config(lora),
                          enable_sleep_mode=None if not separate else False,  # (a worker shares its GPU with nothing)
                          speculative_config=vllm_speculative_config(spec.method, spec.num_draft_tokens, spec.ngram_min,
-                                                                    spec.ngram_max, hf_config))
+                                                                    spec.ngram_max, hf_config,
+                                                                    on_cpu=not torch.cuda.is_available()))
 
 
 def rollout_tensor_parallel(cfg: Config) -> int:

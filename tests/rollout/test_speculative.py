@@ -23,14 +23,14 @@ CYCLE = list(range(4, VOCAB))  # the counting pattern: 4, 5, ..., 15, 4, 5, ...
 FOLLOW = 0.75  # probability that the chain continues the pattern
 
 
-def counting_model(context: float = 0.1, seed: int = 0, follow: float = FOLLOW):
+def counting_model(context: float = 0.1, seed: int = 0, follow: float = FOLLOW, hidden: int = HIDDEN, heads: int = 4):
     """A tiny Llama that is nearly a Markov chain: token x -> the next token of CYCLE with probability 0.75, any
     other non-special token or EOS otherwise. Embeddings are one-hot, the output layer holds the log transition
     matrix; the attention and MLP outputs are scaled by ``context`` (not 0: the distribution still depends on the
-    whole history, through the KV cache)."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=EOS,
-                         pad_token_id=0, bos_token_id=2)
+    whole history, through the KV cache). ``hidden``, ``heads``: vLLM's CPU attention needs a head size of 64."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                         max_position_embeddings=128, eos_token_id=EOS, pad_token_id=0, bos_token_id=2)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     transition = torch.full((VOCAB, VOCAB), 1e-6)
@@ -44,7 +44,7 @@ def counting_model(context: float = 0.1, seed: int = 0, follow: float = FOLLOW):
         model.model.embed_tokens.weight.zero_()
         model.model.embed_tokens.weight[:, :VOCAB] = torch.eye(VOCAB)
         model.lm_head.weight.zero_()
-        model.lm_head.weight[:, :VOCAB] = transition.log().T / math.sqrt(HIDDEN)  # RMSNorm(one-hot) = sqrt(H) e_x
+        model.lm_head.weight[:, :VOCAB] = transition.log().T / math.sqrt(hidden)  # RMSNorm(one-hot) = sqrt(H) e_x
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(context)
             layer.mlp.down_proj.weight.mul_(context)
@@ -223,3 +223,18 @@ def test_the_config_section_loads_from_yaml_and_command_line_overrides(tmp_path)
         load_config(path, ["rollout.speculative.ngram_max=0"])
     with pytest.raises(ValueError, match="rollout.speculative.num_draft_tokens=0 is invalid"):
         load_config(path, ["rollout.speculative.num_draft_tokens=0"])
+
+
+def test_vllm_methods_are_refused_on_cpu_and_suffix_without_arctic_inference():
+    import importlib.util
+
+    from megatron_dppo.rollout.speculative import VLLM_CPU_NOT_EXACT
+
+    for method in ("ngram", "suffix", "mtp", "eagle"):
+        with pytest.raises(ValueError, match="not exact on CPU") as err:
+            vllm_speculative_config(method, 4, 1, 3, {"num_nextn_predict_layers": 1}, on_cpu=True)
+        assert VLLM_CPU_NOT_EXACT in str(err.value)
+    assert vllm_speculative_config("none", 4, 1, 3, on_cpu=True) is None
+    if importlib.util.find_spec("arctic_inference") is None:
+        with pytest.raises(ValueError, match="method='suffix' needs the arctic-inference package"):
+            vllm_speculative_config("suffix", 4, 1, 3)
