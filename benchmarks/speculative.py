@@ -149,10 +149,10 @@ def main(argv=None):
     ap.add_argument("--config", default=str(REPO / "examples" / "smollm2_list_max_cpu.yaml"))
     ap.add_argument("--cache", default="runs/cache", help="model.gguf_cache (the converted SmolLM2 folder)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    ap.add_argument("--shapes", nargs="+", default=["1x1", "8x8"],
+    ap.add_argument("--shapes", nargs="+", default=["1x1", "4x4"],
                     help="PROMPTSxSAMPLES per generate call (1x1: one sequence; 8x8: the example's rollout batch)")
     ap.add_argument("--draft-tokens", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=4, help="generate calls per shape (1x1: different prompts)")
+    ap.add_argument("--repeats", type=int, default=2, help="generate calls per shape (1x1: different prompts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf")
@@ -204,6 +204,9 @@ def main(argv=None):
                 summary["nan_logprobs_in_8_completions"] = sum(s["nan_logprobs"] for s in spec)
             summary["speedup_per_token"] = summary["plain_cpu_ms_per_token"] / summary["ngram_cpu_ms_per_token"]
             results.append(summary)
+            write_json(args.out, {"machine": machine(), "load_avg_1m_before": load_before, "shared_box": True,
+                                  "engine": args.engine, "config": args.config, "draft_tokens": args.draft_tokens,
+                                  "ngram": [1, 3], "results": results, "complete": False})  # (a stop keeps these)
             print(f"{args.engine} {workload:9s} {shape:5s} plain {summary['plain_cpu_ms_per_token']:.1f} CPU ms/token, "
                   f"ngram {summary['ngram_cpu_ms_per_token']:.1f} (x{summary['speedup_per_token']:.2f}); acceptance "
                   f"{summary['acceptance_rate']:.2f}, tokens per row forward {summary.get('tokens_per_row_forward')}, "
@@ -212,7 +215,7 @@ def main(argv=None):
     write_json(args.out, {"machine": machine(), "load_avg_1m_before": load_before, "shared_box": True,
                           "engine": args.engine,
                           "config": args.config, "draft_tokens": args.draft_tokens, "ngram": [1, 3],
-                          "results": results})
+                          "results": results, "complete": True})
 
 
 if __name__ == "__main__":
