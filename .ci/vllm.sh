@@ -22,5 +22,5 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export DPPO_TRAINER_PYTHON="${DPPO_TRAINER_PYTHON:-.venv/bin/python}"
 "$VENV/bin/python" -m pytest -q -m vllm tests/rollout/test_vllm_cpu.py tests/rollout/test_vllm_reward_cpu.py \
-    tests/rollout/test_episodes_engines.py tests/rollout/test_partial_vllm.py tests/e2e/test_async_vllm.py \
-    tests/e2e/test_partial_vllm_run.py "$@"
+    tests/rollout/test_episodes_engines.py tests/rollout/test_partial_vllm.py tests/rollout/test_vllm_speculative_cpu.py \
+    tests/e2e/test_async_vllm.py tests/e2e/test_partial_vllm_run.py "$@"

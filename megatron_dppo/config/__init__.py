@@ -5,8 +5,9 @@
 
 ``root.py``: the root ``Config`` and the rules that span sections; ``sections.py``: model ... logging;
 ``data.py``: data; ``algo.py``: algo (pruning); the loss section is the loss code's own (``algo/losses.py``), the env
-section the episode loop's (``env/config.py``); ``dapo.py``: dynamic_sampling, overlong; ``fields.py``: the field
-helpers (``opt``, ``_check``); ``loading.py``: YAML, overrides, coercion, the option catalogue.
+section the episode loop's (``env/config.py``); ``dapo.py``: dynamic_sampling, overlong; ``speculative.py``:
+rollout.speculative; ``fields.py``: the field helpers (``opt``, ``_check``); ``loading.py``: YAML, overrides,
+coercion, the option catalogue.
 """
 from megatron_dppo.algo.losses import LossConfig
 from megatron_dppo.config.algo import AlgoConfig
@@ -27,10 +28,11 @@ from megatron_dppo.config.sections import (
     RolloutConfig,
     TrainConfig,
 )
+from megatron_dppo.config.speculative import SpeculativeConfig
 
 __all__ = [
     "AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "DynamicSamplingConfig",
     "EvalConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig", "OverlongConfig", "PackingConfig",
-    "ParallelConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "TrainConfig", "all_keys", "coerce",
-    "describe", "load_config", "parse_override", "set_option",
+    "ParallelConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "SpeculativeConfig", "TrainConfig",
+    "all_keys", "coerce", "describe", "load_config", "parse_override", "set_option",
 ]

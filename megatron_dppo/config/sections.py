@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from megatron_dppo.config.fields import _check, opt
+from megatron_dppo.config.speculative import SpeculativeConfig
 
 # --------------------------------------------------------------------------------------------------------------
 # Sections
@@ -314,6 +315,8 @@ class RolloutConfig:
                 "it, and the rollout/trainer mismatch shows in rollout/kl_k1 and is corrected by "
                 "loss.rollout_correction (docs/algorithms.md, \"Rollout correction\"; docs/benchmarks.md, bf16 "
                 "rollouts). On CPU bfloat16 samples faster where the CPU has AVX512-BF16 / AMX.")
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig,
+                                           metadata={"help": "Exact speculative decoding (its options)."})
     gpu_memory_utilization: float = opt(0.5, "vLLM: the most of the GPU's memory (a fraction of its total) vLLM "
                                              "may take for weights + KV cache. When less is free where its engine "
                                              "is built (colocated: after the trainer), vLLM gets the free memory "
@@ -378,6 +381,10 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
         _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", self.top_k, "-1 or >= 1")
         _check(self.batch_size >= 1, "rollout.batch_size", self.batch_size, ">= 1")
+        self.speculative.validate()
+        _check(self.engine == "vllm" or self.speculative.method in ("none", "ngram"), "rollout.speculative.method",
+               self.speculative.method, "none or ngram with rollout.engine=hf (the HF engine drafts by prompt lookup; "
+               "suffix, mtp and eagle are vLLM's)")
         _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
                self.gpu_memory_utilization, "in (0, 1]")
         _check(self.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", self.weight_bucket_mb, ">= 1")

@@ -34,6 +34,9 @@ Memory (``release_weights_on_sleep``, a colocated CPU engine): ``sleep`` frees t
 is True until a complete push fills them again (``rollout/hf_memory.py``); generation after the push is the same
 as with weights kept.
 
+Speculative decoding (``speculative=PromptLookupDecoding(...)``, ``rollout/speculative.py``): prompt-lookup drafts
+verified by the model in one batched forward per round, exact (same distribution and log-probs as without it).
+
 LoRA (``lora=adapter_config``, ``rollout/lora.py``): the model computes ``W x + scaling * B (A x)`` on its adapted
 projections. A push then carries the base once (the first) and afterwards only the adapter tensors (PEFT names),
 which replace the adapters as a whole; adapters before any base weights are refused (``needs_base``).
@@ -56,6 +59,7 @@ from megatron_dppo.rollout.base import (
     validate_prompts,
 )
 from megatron_dppo.rollout.lora import HFAdapters, refuse_adapters, split_adapters
+from megatron_dppo.rollout.speculative import PromptLookupDecoding
 
 logger = logging.getLogger("megatron_dppo.rollout")
 
@@ -92,9 +96,13 @@ class _Interrupt:
     def __init__(self, ask: Callable[[], bool]):
         self.ask, self.fired = ask, False
 
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+    def check(self) -> bool:
+        """Ask (until the first True) and say whether it has fired."""
         self.fired = self.fired or bool(self.ask())
-        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+        return self.fired
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.check(), dtype=torch.bool, device=input_ids.device)
 
 
 def default_device() -> torch.device:
@@ -124,11 +132,13 @@ class HFRolloutEngine:
             (module docstring).
         release_weights_on_sleep: on the CPU, ``sleep`` frees the model's weights (module docstring, "Memory");
             the next ``wake_up(["weights"])`` allocates them and a complete ``load_weights`` fills them.
+        speculative: a ``PromptLookupDecoding`` to decode with (exact speculative decoding), or None;
+            with ``interrupt`` it is asked after every verification round instead of every token.
     """
 
     def __init__(self, model, *, eos_token_ids: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                  max_batch_size: int = 64, lora: dict | None = None, share_prompt_prefill: bool = True,
-                 release_weights_on_sleep: bool = False):
+                 release_weights_on_sleep: bool = False, speculative: PromptLookupDecoding | None = None):
         from transformers import GenerationConfig
 
         self.model = model.eval()
@@ -149,6 +159,7 @@ class HFRolloutEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = int(max_batch_size)
         self.share_prompt_prefill = bool(share_prompt_prefill)
+        self.speculative = speculative
         # Neutral generation defaults: nothing from a Hub generation_config.json may reshape the distribution.
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_token_ids or None,
                                                         pad_token_id=self.pad_token_id)
@@ -247,12 +258,17 @@ class HFRolloutEngine:
         input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
         prefill = self._shared_prefill(rows, input_ids, attention_mask) if self.share_prompt_prefill else {}
         stopper = _Interrupt(interrupt) if interrupt is not None else None
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                  logits_processor=LogitsProcessorList(processors),
-                                  stopping_criteria=StoppingCriteriaList([stopper] if stopper else []), **prefill)
-        generated = out.sequences[:, width:]
-        sample_logprobs = sample_recorder.finish(generated).cpu()
-        generated = generated.cpu()
+        if self.speculative is not None:
+            generated, sample_logprobs = self.speculative.decode(
+                self.model, rows, input_ids, attention_mask, prefill.get("past_key_values"), sampling, stops,
+                self.pad_token_id, interrupt=stopper.check if stopper else None)
+        else:
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                      logits_processor=LogitsProcessorList(processors),
+                                      stopping_criteria=StoppingCriteriaList([stopper] if stopper else []), **prefill)
+            generated = out.sequences[:, width:]
+            sample_logprobs = sample_recorder.finish(generated).cpu()
+            generated = generated.cpu()
 
         stop_set = set(stops)
         completions = []

@@ -208,6 +208,7 @@ def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenize
     always pushed from the Megatron policy before the first rollout). ``lora``: the run's ``LoraConfig`` (the
     engine serves the pushed adapters, ``rollout/lora.py``)."""
     from megatron_dppo.rollout import create_engine
+    from megatron_dppo.rollout.speculative import hf_speculative, vllm_speculative_config
     from megatron_dppo.run.lora import rollout_adapter_config
 
     directory = model_dir
@@ -217,11 +218,14 @@ def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenize
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "config.json").write_text(json.dumps(full_hf_config(hf_config), indent=1))
         D.barrier()
+    spec = cfg.rollout.speculative
     if cfg.rollout.engine == "hf":
         release = cfg.rollout.sleep_between_steps and cfg.rollout.placement == "colocated" and lora is None
         return create_engine("hf", directory, load_weights=False, dtype=torch_dtype(rollout_dtype(cfg)),
                              eos_token_ids=eos_ids(tokenizer, hf_config), pad_token_id=tokenizer.pad_token_id,
                              max_batch_size=cfg.rollout.batch_size, lora=rollout_adapter_config(lora),
+                             speculative=hf_speculative(spec.method, spec.num_draft_tokens, spec.ngram_min,
+                                                        spec.ngram_max),
                              release_weights_on_sleep=release)
     tp, separate = rollout_tensor_parallel(cfg), cfg.rollout.placement == "separate"
     heads = int(hf_config.get("num_attention_heads", tp))
@@ -233,7 +237,10 @@ def build_rollout(cfg: Config, hf_config: dict, model_dir: Path | None, tokenize
                          load_format="dummy", gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                          seed=cfg.train.seed, enforce_eager=cfg.rollout.enforce_eager,
                          sleep_level=cfg.rollout.sleep_level, weight_sync=separate, lora=rollout_adapter_config(lora),
-                         enable_sleep_mode=None if not separate else False)  # (a worker shares its GPU with nothing)
+                         enable_sleep_mode=None if not separate else False,  # (a worker shares its GPU with nothing)
+                         speculative_config=vllm_speculative_config(spec.method, spec.num_draft_tokens, spec.ngram_min,
+                                                                    spec.ngram_max, hf_config,
+                                                                    on_cpu=not torch.cuda.is_available()))
 
 
 def rollout_dtype(cfg: Config) -> str:
