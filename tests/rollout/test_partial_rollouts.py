@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from _sampling_reference import teacher_forced  # isort: skip
 from megatron_dppo.rollout import HFRolloutEngine, SamplingParams
 from megatron_dppo.rollout.partial import INTERRUPTED, PartialCompletion, generate_partial, offpolicy_mask
+from megatron_dppo.rollout.speculative import PromptLookupDecoding
 
 EOS = 3
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
@@ -42,18 +43,22 @@ class VersionsArriving:
         return self.loaded
 
 
-def run(max_interruptions, every=4, temperature=1.0, top_k=0, max_batch_size=16):
+def run(max_interruptions, every=4, temperature=1.0, top_k=0, max_batch_size=16, speculative=None):
     models = [tiny_model(seed) for seed in range(3)]
-    engine = HFRolloutEngine(tiny_model(0), max_batch_size=max_batch_size)
+    engine = HFRolloutEngine(tiny_model(0), max_batch_size=max_batch_size, speculative=speculative)
     source = VersionsArriving(engine, models, every)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=16, seed=7)
     groups, version = generate_partial(engine, PROMPTS, 3, sampling, 0, source, max_interruptions)
     return models, groups, version
 
 
-@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.8, 10)])
-def test_every_token_has_the_version_and_logprob_of_the_policy_that_sampled_it(temperature, top_k):
-    models, groups, version = run(max_interruptions=2, temperature=temperature, top_k=top_k)
+@pytest.mark.parametrize("temperature, top_k, speculative", [
+    (1.0, 0, None), (0.8, 10, None),
+    # exact speculative decoding asks the interrupt after every verification round instead of every token
+    (1.0, 0, PromptLookupDecoding(num_draft_tokens=3, ngram_min=1, ngram_max=2))])
+def test_every_token_has_the_version_and_logprob_of_the_policy_that_sampled_it(temperature, top_k, speculative):
+    models, groups, version = run(max_interruptions=2, every=2 if speculative else 4, temperature=temperature,
+                                  top_k=top_k, speculative=speculative)
     assert version == 2
     spans = set()
     for group in groups:
