@@ -102,15 +102,19 @@ class Config:
             _check(self.env is None, "algo.screen_k", self.algo.screen_k,
                    "0 with an env section (screens and continuations of multi-turn episodes are not joined)")
         if self.algo.pruner == "adaptive":  # the allocation reads a Beta posterior of binary rewards
-            for key, ok, valid in (
-                    ("overlong.buffer", self.overlong.buffer == 0, "0 (the penalty makes the rewards continuous)"),
-                    ("overlong.filter", not self.overlong.filter, "false (its denominator depends on the draw)"),
-                    ("reward.model.path", self.reward.model.path is None, "null (a reward model's scores are "
-                                                                          "continuous)"),
-                    ("env", self.env is None, "absent (multi-turn episodes are not allocated)"),
-                    ("algo.posterior_rewards", self.algo.posterior_rewards != "continuous", "auto or binary")):
-                _check(ok, key, getattr(getattr(self, key.split(".")[0]), key.split(".")[1]) if "." in key
-                       else self.env, f"{valid} with algo.pruner=adaptive")
+            for key, value, ok, valid in (
+                    ("overlong.buffer", self.overlong.buffer, self.overlong.buffer == 0,
+                     "0 (the penalty makes the rewards continuous)"),
+                    ("overlong.filter", self.overlong.filter, not self.overlong.filter,
+                     "false (its denominator depends on the draw)"),
+                    ("reward.model.path", self.reward.model.path, self.reward.model.path is None,
+                     "null (a reward model's scores are continuous)"),
+                    ("env", "set", self.env is None, "absent (multi-turn episodes are not allocated)"),
+                    ("algo.posterior_rewards", self.algo.posterior_rewards, self.algo.posterior_rewards != "continuous",
+                     "auto or binary"),
+                    ("rollout.placement", self.rollout.placement, self.rollout.placement == "colocated",
+                     "colocated (the allocation's slots are drawn where the step trains)")):
+                _check(ok, key, value, f"{valid} with algo.pruner=adaptive")
         self._validate_placement()
         if (self.eval.every or self.eval.every_cpu_s) and self.data.task == "files" and not self.eval.files:
             raise ValueError("eval.every > 0 (or eval.every_cpu_s) needs eval.files (held-out JSONL/parquet files)")
