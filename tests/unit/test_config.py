@@ -299,7 +299,7 @@ def test_posterior_screening_and_planner_options():
     """The posterior's options are refused where another prompt rule reads the history in their place (and the
     history's EMA under the posterior); screening and the planner need the posterior, but algo.pruner=none turns
     them off quietly; a screen must leave completions to continue."""
-    with pytest.raises(ValueError, match=r"algo.posterior_gamma=2.0 \(only algo.dppo_keep=posterior reads it\)"):
+    with pytest.raises(ValueError, match=r"algo.posterior_gamma=2.0 \(only algo.dppo_keep=posterior and algo.pruner"):
         _load("algo.pruner=dppo", "algo.dppo_keep=optimal", "algo.posterior_gamma=2")
     with pytest.raises(ValueError, match=r"algo.history_ema=0.5 \(algo.dppo_keep=posterior keeps the prompt"):
         _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.history_ema=0.5")
