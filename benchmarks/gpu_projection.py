@@ -12,7 +12,8 @@ What is modelled: one step of the GPU workload costs
 with g_arm, t_arm the arm's generated and trained tokens per step as fractions of GRPO's, s the generation share
 of GRPO's step on the GPU (0.7, 0.8, 0.9: the issue's range), and T_ref GRPO's step time on the reference GPU
 workload. T_ref and the per-token cost T_ref / tokens come from a published profile, NeMo RL's performance summary
-(NVIDIA-NeMo/RL, docs/about/performance-summary.md, "NeMo RL v0.7", "H100 BF16 Benchmarks"): GRPO, Qwen3-32B,
+(https://docs.nvidia.com/nemo/rl/latest/about/performance-summary.html, its source in the
+NVIDIA-NeMo/RL repository; section "NeMo RL v0.7", "H100 BF16 Benchmarks"): GRPO, Qwen3-32B,
 on policy, 32 H100 GPUs, G-GBS 2,048 samples per step, G-average sequence length 3,256 tokens, total step time
 323 s (665 tokens / s / GPU). That table gives the step, not its split: the split s is this model's assumption,
 and the per-token costs follow from it (c_gen = s T_ref / tokens, c_train = (1 - s) T_ref / tokens per token, in
@@ -38,7 +39,8 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import REPO, write_json
 
-PROFILE = {"source": "NVIDIA-NeMo/RL docs/about/performance-summary.md, NeMo RL v0.7, H100 BF16, GRPO",
+PROFILE = {"source": "NeMo RL performance summary (docs.nvidia.com/nemo/rl, about/performance-summary), v0.7, "
+                     "H100 BF16, GRPO",
            "model": "Qwen3-32B", "policy": "on policy", "gpus": 32, "samples_per_step": 2048,
            "mean_sequence_tokens": 3256, "step_s": 323.0, "tokens_per_s_per_gpu": 665}
 SHARES = (0.7, 0.8, 0.9)
