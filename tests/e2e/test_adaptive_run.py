@@ -15,7 +15,8 @@ from _e2e_helpers import read_metrics, run_cli, tiny_config, write_config
 
 from megatron_dppo.algo.advantages import compute_advantages
 
-ADAPTIVE = {"pruner": "adaptive", "adaptive_budget": 0.6, "adaptive_generation_share": 0.5, "posterior_max_weight": 4.0}
+ADAPTIVE = {"pruner": "adaptive", "adaptive_budget": 0.6, "adaptive_generation_share": 0.5, "adaptive_signal": 1.0,
+            "posterior_max_weight": 4.0}  # signal 1: sizes 2-4 here (at the default 0.3 this run gives one size)
 
 
 def test_variable_size_groups_are_generated_packed_and_trained(tmp_path):
