@@ -113,7 +113,9 @@ class Config:
                     ("algo.posterior_rewards", self.algo.posterior_rewards, self.algo.posterior_rewards != "continuous",
                      "auto or binary"),
                     ("rollout.placement", self.rollout.placement, self.rollout.placement == "colocated",
-                     "colocated (the allocation's slots are drawn where the step trains)")):
+                     "colocated (the allocation's slots are drawn where the step trains)"),
+                    ("logging.audit_every", self.logging.audit_every, not self.logging.audit_every,
+                     "0 (the audit compares with the full groups, which an allocated step never generates)")):
                 _check(ok, key, value, f"{valid} with algo.pruner=adaptive")
         self._validate_placement()
         if (self.eval.every or self.eval.every_cpu_s) and self.data.task == "files" and not self.eval.files:

@@ -379,6 +379,7 @@ def test_every_loss_option_reaches_the_loss():
     (["reward.model.path=/tmp"], "reward.model.path='/tmp' is invalid: expected null"),
     (["rollout.placement=separate"], "rollout.placement='separate' is invalid: expected colocated"),
     (["algo.posterior_rewards=continuous"], "algo.posterior_rewards='continuous' is invalid: expected auto or binary"),
+    (["logging.audit_every=5"], "logging.audit_every=5 is invalid: expected 0"),
 ])
 def test_adaptive_group_sizes_are_refused_where_the_allocation_cannot_run(extra, named):
     """The allocation reads a Beta posterior of binary rewards and draws its slots where the step trains."""
