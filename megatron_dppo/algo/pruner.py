@@ -337,10 +337,6 @@ class Adaptive(_HistoryKeeper):
                    signal=algo.adaptive_signal, generation_share=algo.adaptive_generation_share,
                    max_weight=algo.posterior_max_weight, mode=algo.mode)
 
-    def set_generation_share(self, share: float) -> None:
-        """The fitted step cost's generation share (the planner's, when it runs)."""
-        self.generation_share = float(share)
-
     def allocation(self, ids: Sequence, version: int) -> Allocation:
         """(n_q, pi_q) of each of ``ids`` at the weights of ``version``."""
         alpha, beta = self.state.beta_parameters(ids, version)
