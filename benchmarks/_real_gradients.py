@@ -134,7 +134,7 @@ def rollout_step(run, B: int, G: int) -> tuple[StepData, object]:
     prompts = [side.train_prompts[i] for i in side.sampler.take(B)]
     history = side.pruner.state.scores([p.id for p in prompts])
     rollout = generate(side, prompts, G, step, temperature=run.cfg.rollout.temperature)
-    rollout.rewards = score(side.scorer, rollout, G)
+    rollout.rewards = score(side, rollout, step)
     adv = compute_advantages(rollout.rewards, trainer.estimator, trainer.loss_cfg.advantage_eps)
     ones = torch.ones(B, dtype=torch.float64)
     prompt_cut = PruneResult(keep=torch.ones(B, dtype=torch.bool), weight=ones.float(), keep_prob=ones)

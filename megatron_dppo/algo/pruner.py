@@ -7,6 +7,8 @@ A step (``train.draw``, ``train.stages``) talks to its pruner through :class:`Pr
     select_completions(adv, gen, ...)       keep and pi_{i|q} of each completion of the kept prompts
     kept_denominator                        True: the loss averages over the kept completions (a biased baseline's
                                             choice); False: the full-batch denominator D with the prompts' pi_q
+    completion_slots()                      which of the G completion slots each drawn prompt of the last
+                                            select_prompts generates ([B, G] bool; None: all G of every kept one)
     observe(groups)                         the generated groups (rewards, advantages, tokens) into its state
     state_dict() / load_state_dict(state)   its per-prompt state, for checkpoints and the rollout workers
     state_format                            the format its state_dict carries (a checkpoint of another is not loaded)
@@ -20,7 +22,8 @@ Adding a rule: one class implementing the methods above, registered with ``@PRUN
 ``from_config(algo, context)`` classmethod reading its options from the ``algo`` section (config/algo.py). The
 contract test (tests/unit/test_pruner_contract.py) then checks it unchanged: unbiasedness at both levels (or, for
 a rule registered with ``unbiased = False``, that the same check detects its bias), resume equality through
-state_dict / load_state_dict, and the required metrics. :class:`PODS` (at the end) is such a rule, added this way.
+state_dict / load_state_dict, and the required metrics. :class:`PODS` and :class:`Adaptive` (at the end) are such
+rules, added this way.
 
 Plain torch: nothing here imports Megatron, the config package or torch.distributed. The caller draws on one rank
 with a generator from ``pruning.make_generator`` and broadcasts the result.
@@ -34,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_rate, floor_with_tolerance
+from .allocation import Allocation, allocate, check_estimator, draw_allocation
 from .prompt_history import PromptHistory, make_history
 from .prompt_posterior import PromptPosterior
 from .pruning import CPPOPruner, DPPOPruner, PruneResult, keep_all
@@ -51,6 +55,8 @@ class PrunerContext:
     estimator: str = "grpo"  # advantage estimator (shapes the prompt posterior's energy curve)
     zero_advantage_gradient: bool = False  # the loss has a term whose gradient does not vanish at A = 0 (KL)
     reward_model: bool = False  # a reward model scores (continuous rewards: algo.history_score=auto -> reward_std)
+    aggregation: str = "seq_mean_token_mean"  # the loss aggregation (adaptive group sizes need a fixed denominator)
+    filtered: bool = False  # algo.drop_zero_variance_groups: groups with one reward for all are not trained
 
 
 @dataclass
@@ -78,6 +84,8 @@ class Pruner(Protocol):
 
     def select_completions(self, advantages: Tensor, generator: torch.Generator, *, prompt_prob: Tensor,
                            lengths: Tensor, tokens: Tensor) -> PruneResult: ...
+
+    def completion_slots(self) -> Tensor | None: ...
 
     def observe(self, groups: Groups) -> None: ...
 
@@ -119,6 +127,9 @@ class _HistoryKeeper:
 
     def select_prompts(self, ids: Sequence, version: int, generator: torch.Generator) -> PruneResult:
         return keep_all(len(ids))
+
+    def completion_slots(self) -> Tensor | None:
+        return None  # every kept prompt generates its G completions
 
     def observe(self, groups: Groups) -> None:
         if len(groups.ids):
@@ -278,3 +289,95 @@ class PODS(_HistoryKeeper):
         ones = torch.ones(a.shape, dtype=torch.float64)
         return PruneResult(keep=best_keep.to(advantages.device), weight=best_keep.float().to(advantages.device),
                            keep_prob=ones.to(advantages.device))
+
+
+@PRUNERS.register("adaptive")
+class Adaptive(_HistoryKeeper):
+    """algo.pruner=adaptive: adaptive group sizes (``algo.allocation``; docs/algorithms.md, "Adaptive group sizes").
+    Before generation, each drawn prompt gets a size n_q in [algo.adaptive_min_size, G] and a probability pi_q >=
+    1/algo.posterior_max_weight of being generated, chosen from the prompt posterior (read with the rloo energy
+    curve) for the least predicted variance at an expected modelled cost of algo.adaptive_budget x the uniform
+    step's (B prompts x G completions; algo.adaptive_generation_share of a completion's cost is generation, and
+    with algo.drop_zero_variance_groups a group with one reward for all costs no training). The n_q completions fill
+    a uniformly random n_q-subset of the prompt's G slots (``completion_slots``), so each slot is generated with
+    probability pi_q n_q / G and trained with the weight 1/pi_q at the prompt level times G/n_q at the completion
+    level. Needs the rloo estimator (whose per-prompt expectation does not depend on n) and a loss denominator that
+    does not depend on the draw (not token_mean)."""
+
+    def __init__(self, state: PromptPosterior, context: PrunerContext, *, budget: float, min_size: int,
+                 signal: float, generation_share: float, max_weight: float, mode: str) -> None:
+        super().__init__(state, context)
+        if context.estimator != "rloo":
+            check_estimator(context.estimator)  # grpo: refused with its reason
+            raise ValueError(f"algo.pruner=adaptive needs loss.advantage_estimator=rloo, got {context.estimator!r} "
+                             f"(dr_grpo's expectation is (n-1)/n of rloo's: with variable n it is rloo after the "
+                             f"factor n/(n-1), so use rloo)")
+        if context.aggregation == "token_mean":
+            raise ValueError("algo.pruner=adaptive needs a loss denominator that does not depend on the draw; "
+                             "token_mean's counts the tokens generated (valid: seq_mean_token_mean, "
+                             "seq_mean_token_sum, seq_mean_token_sum_norm)")
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"algo.adaptive_budget must be in (0, 1], got {budget!r}")
+        if not 0.0 <= generation_share <= 1.0:
+            raise ValueError(f"algo.adaptive_generation_share must be in [0, 1], got {generation_share!r}")
+        if not 2 <= min_size <= context.group_size:
+            raise ValueError(f"algo.adaptive_min_size must be in [2, train.group_size = {context.group_size}], got "
+                             f"{min_size!r}")
+        if mode not in ("bernoulli", "fixed_size"):
+            raise ValueError(f"algo.mode={mode!r}: algo.pruner=adaptive draws bernoulli or fixed_size")
+        self.budget, self.min_size, self.signal = budget, min_size, signal
+        self.generation_share, self.max_weight, self.mode = generation_share, max_weight, mode
+        self.last: Allocation | None = None
+        self._slots: Tensor | None = None
+
+    @classmethod
+    def from_config(cls, algo: Any, context: PrunerContext) -> "Adaptive":
+        state = PromptPosterior(context.group_size, estimator="rloo", gamma=algo.posterior_gamma, rewards="binary")
+        return cls(state, context, budget=algo.adaptive_budget, min_size=algo.adaptive_min_size,
+                   signal=algo.adaptive_signal, generation_share=algo.adaptive_generation_share,
+                   max_weight=algo.posterior_max_weight, mode=algo.mode)
+
+    def allocation(self, ids: Sequence, version: int) -> Allocation:
+        """(n_q, pi_q) of each of ``ids`` at the weights of ``version``."""
+        alpha, beta = self.state.beta_parameters(ids, version)
+        G, rho = self.context.group_size, self.generation_share
+        return allocate(alpha, beta, budget=self.budget * len(ids) * G, gen_cost=rho, train_cost=1.0 - rho,
+                        n_min=self.min_size, n_max=G, max_weight=self.max_weight, signal=self.signal,
+                        gamma=self.state.gamma, filtered=self.context.filtered)
+
+    def select_prompts(self, ids: Sequence, version: int, generator: torch.Generator) -> PruneResult:
+        alloc = self.last = self.allocation(ids, version)
+        keep = draw_allocation(alloc.prob, generator, self.mode)
+        G = self.context.group_size
+        order = torch.rand(len(ids), G, generator=generator, dtype=torch.float64).argsort(-1)
+        chosen = torch.arange(G).expand(len(ids), G) < alloc.sizes[:, None]  # the first n_q of a random order
+        self._slots = torch.zeros(len(ids), G, dtype=torch.bool).scatter(-1, order, chosen) & keep[:, None]
+        weight = torch.where(keep, 1.0 / alloc.prob, torch.zeros_like(alloc.prob))
+        return PruneResult(keep=keep, weight=weight.float(), keep_prob=alloc.prob, candidate=alloc.prob < 1.0,
+                           score=alloc.sizes.double() * alloc.prob)
+
+    def completion_slots(self) -> Tensor | None:
+        return self._slots
+
+    def select_completions(self, advantages: Tensor, generator: torch.Generator, *, prompt_prob: Tensor,
+                           lengths: Tensor, tokens: Tensor) -> PruneResult:
+        """The slots the kept prompts generated, each weighted G/n_q (its inclusion probability n_q/G given the
+        prompt was generated)."""
+        if self._slots is None:
+            raise ValueError("algo.pruner=adaptive: select_completions before select_prompts (no allocation)")
+        slots = self._slots[self._slots.any(-1)].to(advantages.device)
+        if slots.shape != advantages.shape:
+            raise ValueError(f"algo.pruner=adaptive: {tuple(advantages.shape)} advantages for the {slots.shape[0]} "
+                             f"prompts of the last allocation")
+        n = slots.sum(-1, keepdim=True).double()
+        prob = (n / slots.shape[-1]).expand(slots.shape)
+        return PruneResult(keep=slots, weight=torch.where(slots, 1.0 / prob, 0.0).float(), keep_prob=prob.clone(),
+                           candidate=slots.clone())
+
+    def metrics(self) -> dict[str, float]:
+        out = super().metrics()
+        if self.last is not None:
+            out.update({"adaptive/expected_samples": self.last.expected_samples,
+                        "adaptive/mean_size": float(self.last.sizes.double().mean()),
+                        "adaptive/min_prob": float(self.last.prob.min())})
+        return out

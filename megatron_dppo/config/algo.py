@@ -15,10 +15,12 @@ from megatron_dppo.config.fields import _check, opt
 class AlgoConfig:
     """Pruning (docs/algorithms.md, "Pruning")."""
 
-    pruner: Literal["none", "cppo", "dppo", "pods"] = opt(
+    pruner: Literal["none", "cppo", "dppo", "pods", "adaptive"] = opt(
         "dppo", "none = plain GRPO family; cppo = keep the largest-|A| completions (biased baseline); dppo = unbiased "
                 "hierarchical pruning with 1/P reweighting; pods = keep each group's max-reward-variance subset "
-                "(biased baseline). The rules are algo/pruner.py's PRUNERS.")
+                "(biased baseline); adaptive = unbiased adaptive group sizes (n_q completions per prompt, chosen "
+                "before generation from the prompt posterior at a cost budget: algo.adaptive_*). The rules are "
+                "algo/pruner.py's PRUNERS.")
     r_q: float = opt(0.5, "DPPO prompt-level pruning rate in [0, 1): candidate prompts (history score 0 or below "
                           "the batch mean) are skipped with probability r_q, survivors weighted 1/(1-r_q).")
     r_o: float = opt(0.5, "DPPO completion-level pruning rate in [0, 1): candidate completions (A == 0 or |A| "
@@ -104,6 +106,21 @@ class AlgoConfig:
     pods_rate: float = opt(0.5, "PODS max-variance down-sampling rate in [0, 1): keep floor(G * (1 - rate)) of each "
                                 "group's completions (at least 2), the highest- and lowest-reward ones whose rewards "
                                 "vary most; weight 1, loss averaged over the kept ones (biased baseline).")
+    adaptive_budget: float = opt(0.5, "algo.pruner=adaptive: the expected modelled cost of a step as a fraction "
+                                      "of the uniform step's (train.prompts_per_step prompts x train.group_size "
+                                      "completions, all generated and trained), in (0, 1]. docs/algorithms.md, "
+                                      "\"Adaptive group sizes\".")
+    adaptive_min_size: int = opt(2, "algo.pruner=adaptive: the smallest group generated (>= 2: the leave-one-out "
+                                    "baseline needs one other completion); the largest is train.group_size.")
+    adaptive_signal: float = opt(0.3, "algo.pruner=adaptive: the squared norm of a prompt's expected gradient as a "
+                                      "multiple of one completion's noise (a model, >= 0): what skipping a prompt "
+                                      "costs in variance. 0 prefers few prompts with large groups; large values "
+                                      "prefer every prompt at small groups. 0.3: fitted on the quickstart's real "
+                                      "gradients (0.09-0.60 over 5 checkpoints, mean 0.28; "
+                                      "benchmarks/adaptive_fidelity.py).")
+    adaptive_generation_share: float = opt(0.3, "algo.pruner=adaptive: generation's share of a completion's cost "
+                                                "(generated and trained), in [0, 1]; 0.26 measured on the CPU "
+                                                "quickstart, 0.7-0.9 on GPU RL (docs/benchmarks.md).")
     drop_zero_variance_groups: bool = opt(False, "Deterministically drop groups whose rewards are all equal (DAPO "
                                                  "dynamic-sampling filter; exact when loss.kl_coef == 0).")
 
@@ -128,6 +145,12 @@ class AlgoConfig:
         _check(math.isfinite(self.posterior_gamma) and self.posterior_gamma >= 0, "algo.posterior_gamma",
                self.posterior_gamma, "a finite number >= 0")
         _check(self.screen_k >= 0, "algo.screen_k", self.screen_k, "an integer >= 0 (0 = no screening)")
+        _check(0 < self.adaptive_budget <= 1, "algo.adaptive_budget", self.adaptive_budget, "in (0, 1]")
+        _check(self.adaptive_min_size >= 2, "algo.adaptive_min_size", self.adaptive_min_size, "an integer >= 2")
+        _check(math.isfinite(self.adaptive_signal) and self.adaptive_signal >= 0, "algo.adaptive_signal",
+               self.adaptive_signal, "a finite number >= 0")
+        _check(0 <= self.adaptive_generation_share <= 1, "algo.adaptive_generation_share",
+               self.adaptive_generation_share, "in [0, 1]")
         _check(self.screen_k == 0 or self.pruner == "none" or (self.pruner == "dppo" and self.dppo_keep == "posterior"),
                "algo.screen_k", self.screen_k, "0 unless algo.pruner=dppo with algo.dppo_keep=posterior (the "
                "continuation scores come from the prompt posterior; algo.pruner=none turns screening off)")

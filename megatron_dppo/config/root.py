@@ -101,6 +101,22 @@ class Config:
                    "binary rewards)")
             _check(self.env is None, "algo.screen_k", self.algo.screen_k,
                    "0 with an env section (screens and continuations of multi-turn episodes are not joined)")
+        if self.algo.pruner == "adaptive":  # the allocation reads a Beta posterior of binary rewards
+            for key, value, ok, valid in (
+                    ("overlong.buffer", self.overlong.buffer, self.overlong.buffer == 0,
+                     "0 (the penalty makes the rewards continuous)"),
+                    ("overlong.filter", self.overlong.filter, not self.overlong.filter,
+                     "false (its denominator depends on the draw)"),
+                    ("reward.model.path", self.reward.model.path, self.reward.model.path is None,
+                     "null (a reward model's scores are continuous)"),
+                    ("env", "set", self.env is None, "absent (multi-turn episodes are not allocated)"),
+                    ("algo.posterior_rewards", self.algo.posterior_rewards, self.algo.posterior_rewards != "continuous",
+                     "auto or binary"),
+                    ("rollout.placement", self.rollout.placement, self.rollout.placement == "colocated",
+                     "colocated (the allocation's slots are drawn where the step trains)"),
+                    ("logging.audit_every", self.logging.audit_every, not self.logging.audit_every,
+                     "0 (the audit compares with the full groups, which an allocated step never generates)")):
+                _check(ok, key, value, f"{valid} with algo.pruner=adaptive")
         self._validate_placement()
         if (self.eval.every or self.eval.every_cpu_s) and self.data.task == "files" and not self.eval.files:
             raise ValueError("eval.every > 0 (or eval.every_cpu_s) needs eval.files (held-out JSONL/parquet files)")
@@ -226,17 +242,22 @@ UNUSED_WHEN = [
      "only data.task=files reads it; data.task=arithmetic and data.task=procedural generate their prompts"),
     (_ARITHMETIC, "data.task", lambda c: c.data.task != "arithmetic", "only data.task=arithmetic reads it"),
     (_PROCEDURAL, "data.task", lambda c: c.data.task != "procedural", "only data.task=procedural reads it"),
-    (("algo.r_q", "algo.r_o", "algo.mode", "algo.dppo_keep", "algo.keep_floor", "algo.keep_length_exponent",
-      "algo.history_ema"), "algo.pruner", lambda c: c.algo.pruner in ("cppo", "pods"),
+    (("algo.r_q", "algo.r_o", "algo.dppo_keep", "algo.keep_floor", "algo.keep_length_exponent",
+      "algo.history_ema"), "algo.pruner", lambda c: c.algo.pruner in ("cppo", "pods", "adaptive"),
      "only algo.pruner=dppo reads it"),
+    (("algo.mode",), "algo.pruner", lambda c: c.algo.pruner in ("cppo", "pods"),
+     "only algo.pruner=dppo and algo.pruner=adaptive read it"),
+    (("algo.adaptive_budget", "algo.adaptive_min_size", "algo.adaptive_signal", "algo.adaptive_generation_share"),
+     "algo.pruner", lambda c: c.algo.pruner != "adaptive", "only algo.pruner=adaptive reads it"),
     (("algo.cppo_rate", "algo.cppo_scope", "algo.cppo_allocation"), "algo.pruner",
-     lambda c: c.algo.pruner in ("dppo", "pods"), "only algo.pruner=cppo reads it"),
-    (("algo.pods_rate",), "algo.pruner", lambda c: c.algo.pruner in ("dppo", "cppo"), "only algo.pruner=pods reads it"),
+     lambda c: c.algo.pruner in ("dppo", "pods", "adaptive"), "only algo.pruner=cppo reads it"),
+    (("algo.pods_rate",), "algo.pruner", lambda c: c.algo.pruner in ("dppo", "cppo", "adaptive"),
+     "only algo.pruner=pods reads it"),
     (("algo.posterior_max_weight", "algo.posterior_gamma", "algo.posterior_rewards"), ("algo.pruner", "algo.dppo_keep"),
      lambda c: c.algo.pruner in ("cppo", "pods") or (c.algo.pruner == "dppo" and c.algo.dppo_keep != "posterior"),
-     "only algo.dppo_keep=posterior reads it"),
+     "only algo.dppo_keep=posterior and algo.pruner=adaptive read it"),
     (("algo.history_ema", "algo.history_score"), ("algo.pruner", "algo.dppo_keep"),
-     lambda c: c.algo.pruner == "dppo" and c.algo.dppo_keep == "posterior",
+     lambda c: (c.algo.pruner == "dppo" and c.algo.dppo_keep == "posterior") or c.algo.pruner == "adaptive",
      "algo.dppo_keep=posterior keeps the prompt posterior in place of the history"),
     (("rollout.gpu_memory_utilization", "rollout.enforce_eager", "rollout.sleep_level",
       "rollout.offload_train_state"), "rollout.engine", lambda c: c.rollout.engine != "vllm",

@@ -501,7 +501,8 @@ def build_pruner(cfg: Config, loss_cfg: LossConfig, estimator: str):
 
     context = PrunerContext(group_size=cfg.train.group_size, prompts_per_step=cfg.train.prompts_per_step,
                             estimator=estimator, zero_advantage_gradient=loss_cfg.kl_coef > 0,
-                            reward_model=cfg.reward.model.path is not None)
+                            reward_model=cfg.reward.model.path is not None, aggregation=loss_cfg.aggregation,
+                            filtered=cfg.algo.drop_zero_variance_groups)
     return build(cfg.algo.pruner, cfg.algo, context)
 
 

@@ -27,7 +27,7 @@ from megatron_dppo.distributed import collectives as D
 from megatron_dppo.run.metrics import PhaseTimer
 from megatron_dppo.run.state import RolloutSide
 from megatron_dppo.train.dapo import refill_groups
-from megatron_dppo.train.rollouts import Rollout, counted_episodes, counted_groups, generate, score
+from megatron_dppo.train.rollouts import Rollout, counted_episodes, counted_groups, generate, generate_slots, score
 from megatron_dppo.train.screen import Screens, screen_and_continue
 
 
@@ -58,10 +58,13 @@ def draw_batch(side: RolloutSide, step: int, timer: PhaseTimer, version: int | N
     version = step if version is None else version
     prompts = [side.train_prompts[i] for i in side.sampler.take(prompts_to_draw(side))]
     with timer("prune"):
-        prompt_cut = select_prompts(side, prompts, step, version)
+        prompt_cut, slots = select_prompts(side, prompts, step, version, with_slots=True)
     screens = None
     if cfg.algo.screens:  # a screen of k for every kept prompt, then G - k more for those continued
         prompt_cut, kept, rollout, screens = screen_and_continue(side, prompts, prompt_cut, step, version, timer)
+    elif slots is not None:  # adaptive group sizes: n_q completions in the slots the pruner chose
+        kept = [p for p, k in zip(prompts, prompt_cut.keep.tolist()) if k]
+        rollout = generate_slots(side, kept, slots[prompt_cut.keep], step, timer)
     else:
         kept = [p for p, k in zip(prompts, prompt_cut.keep.tolist()) if k]
         with timer("generate"):
@@ -81,15 +84,19 @@ def prompts_to_draw(side: RolloutSide) -> int:
     return side.pruner.prompts_to_draw()
 
 
-def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int, version: int | None = None) -> PruneResult:
+def select_prompts(side: RolloutSide, prompts: list[Prompt], step: int, version: int | None = None,
+                   with_slots: bool = False):
     """The pruner's prompt-level decision on rank 0, broadcast (a rule without one keeps every prompt with
     probability 1). Its per-prompt state is read at ``version`` (default ``step``): the optimizer step of the
-    weights that will generate."""
+    weights that will generate. ``with_slots``: also the completion slots each prompt generates ([B, G] bool, the
+    pruner's ``completion_slots``; None = all G), as (decision, slots)."""
     result = None
     if D.is_main():
-        result = side.pruner.select_prompts([p.id for p in prompts], step if version is None else version,
-                                            make_generator(side.cfg.train.seed, step, "prompts"))
-    return D.broadcast_object(result)
+        decision = side.pruner.select_prompts([p.id for p in prompts], step if version is None else version,
+                                              make_generator(side.cfg.train.seed, step, "prompts"))
+        result = (decision, side.pruner.completion_slots())
+    decision, slots = D.broadcast_object(result)
+    return (decision, slots) if with_slots else decision
 
 
 def update_prompt_state(side: RolloutSide, rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor,

@@ -59,6 +59,8 @@ class Rollout:
     token_versions: list[list[list[int]]] | None = None  # [Bk][G] partial rollouts (rollout.max_interruptions):
     #                                    the weight version that sampled each token; None = the batch's one version
     mask_offpolicy: bool = False  # rollout.mask_offpolicy: loss_masks trains only each sample's last version
+    slots: torch.Tensor | None = None  # [Bk, G] bool: the slots generated (algo.pruner=adaptive: n_q of G; the
+    #                                    others are empty placeholders, reward 0, in no statistic); None = all G
 
     @property
     def group_size(self) -> int:
@@ -150,6 +152,38 @@ def generate(side: RolloutSide, prompts: list[Prompt], n: int, step: int, temper
     return Rollout(prompts=list(prompts), completions=[r[0] for r in results], texts=[r[1] for r in results],
                    behaviour_logprobs=[r[2] for r in results], truncated=[r[3] for r in results], episodes=episodes,
                    token_versions=versions, mask_offpolicy=cfg.rollout.mask_offpolicy and versions is not None)
+
+
+def generate_slots(side: RolloutSide, prompts: list[Prompt], slots: torch.Tensor, step: int, timer) -> Rollout:
+    """Adaptive group sizes: for each of ``prompts`` the completions of its ``slots`` [Bk, G] (n_q of them), generated
+    and scored with the prompts of the same n_q together (sampling seeds from (seed, step, "generate/n<n>",
+    shard)), laid out in a [Bk][G] rollout whose other slots are empty placeholders (reward 0, not counted:
+    ``Rollout.slots``)."""
+    G = slots.shape[1]
+    sizes = slots.sum(1)
+    completions = [[[] for _ in range(G)] for _ in prompts]
+    texts = [["" for _ in range(G)] for _ in prompts]
+    logprobs = [[[] for _ in range(G)] for _ in prompts]
+    truncated = [[False] * G for _ in prompts]
+    rewards, rule = torch.zeros(len(prompts), G), torch.zeros(len(prompts), G)
+    failures = timeouts = 0
+    for n in sorted(set(sizes.tolist()) - {0}):
+        rows = (sizes == n).nonzero().flatten().tolist()
+        with timer("generate"):
+            part = generate(side, [prompts[r] for r in rows], n, step, temperature=side.cfg.rollout.temperature,
+                            tag=f"generate/n{n}")
+        with timer("reward"):
+            part.rewards = score(side, part, step, tag=f"reward/n{n}")
+        failures, timeouts = failures + part.reward_failures, timeouts + part.reward_timeouts
+        for j, row in enumerate(rows):
+            for k, i in enumerate(slots[row].nonzero().flatten().tolist()):
+                completions[row][i], texts[row][i] = part.completions[j][k], part.texts[j][k]
+                logprobs[row][i], truncated[row][i] = part.behaviour_logprobs[j][k], part.truncated[j][k]
+            rewards[row, slots[row]] = part.rewards[j].float()
+            rule[row, slots[row]] = part.rule_rewards[j].float()
+    return Rollout(prompts=list(prompts), completions=completions, texts=texts, behaviour_logprobs=logprobs,
+                   truncated=truncated, rewards=rewards, reward_failures=failures, reward_timeouts=timeouts,
+                   rule_rewards=rule, slots=slots.clone())
 
 
 def generate_episodes_shard(side: RolloutSide, shard: list[Prompt], n: int, sampling, env_seed: int) -> list[tuple]:
@@ -257,12 +291,14 @@ def counted_episodes(cfg, rollout: Rollout) -> torch.Tensor | None:
     state; None when all do (single-turn completions, or env.errors=score). With env.errors=exclude (the default)
     an episode that ended with env_error does not: its environment failed, not the policy (verl's and TRL's tool
     loops do not score infrastructure errors as task failures either). The loss denominator still counts it as a
-    unit of the drawn batch, like any unit with no loss term (docs/environments.md, "Environment errors")."""
-    if rollout.episodes is None or cfg.env is None or cfg.env.errors != "exclude":
-        return None
-    counted = torch.tensor([[e.finish_reason != "env_error" for e in eps] for eps in rollout.episodes],
-                           dtype=torch.bool).view(len(rollout.episodes), rollout.group_size or 1)
-    return None if bool(counted.all()) else counted
+    unit of the drawn batch, like any unit with no loss term (docs/environments.md, "Environment errors"). Under
+    adaptive group sizes (``Rollout.slots``) only the generated slots count."""
+    counted = rollout.slots  # adaptive group sizes: only the generated slots count (their placeholders never do)
+    if rollout.episodes is not None and cfg.env is not None and cfg.env.errors == "exclude":
+        ok = torch.tensor([[e.finish_reason != "env_error" for e in eps] for eps in rollout.episodes],
+                          dtype=torch.bool).view(len(rollout.episodes), rollout.group_size or 1)
+        counted = ok if counted is None else counted & ok
+    return None if counted is None or bool(counted.all()) else counted
 
 
 def counted_groups(counted: torch.Tensor | None, num_rows: int):

@@ -64,8 +64,9 @@ def select_completions(side: TrainSide, prompt_cut: PruneResult, rollout: Rollou
         decided = side.pruner.select_completions(advantages, make_generator(cfg.train.seed, step, "completions"),
                                                  prompt_prob=prompt_cut.probabilities()[prompt_cut.keep],
                                                  lengths=rollout.lengths(), tokens=rollout.total_tokens())
-        if cfg.algo.drop_zero_variance_groups:
-            decided = _drop(decided, zero_variance_filter(filter_rewards(side.cfg, rollout)).keep)
+        if cfg.algo.drop_zero_variance_groups:  # (one reward for all among the generated slots)
+            decided = _drop(decided, zero_variance_filter(generated_only(filter_rewards(side.cfg, rollout),
+                                                                         rollout.slots)).keep)
         if cfg.overlong.filter:  # overlong filtering: truncated completions leave the loss (and D, see denominator)
             decided = _drop(decided, rollout.finished(advantages.shape[1]))
         counted = counted_episodes(cfg, rollout)
@@ -77,6 +78,15 @@ def select_completions(side: TrainSide, prompt_cut: PruneResult, rollout: Rollou
         empty = torch.zeros(B, G, dtype=torch.bool)
         return None, PruneResult(keep=empty, weight=empty.float(), keep_prob=torch.ones(B, G, dtype=torch.float64))
     return decided, combine(prompt_cut, decided)
+
+
+def generated_only(rewards: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+    """``rewards`` [Bk, G] with each placeholder slot (adaptive group sizes) given its row's first generated reward,
+    so that a group is "one reward for all" iff its generated completions are."""
+    if slots is None or not len(rewards):
+        return rewards
+    first = rewards.gather(1, slots.long().argmax(1, keepdim=True))
+    return torch.where(slots, rewards, first)
 
 
 def _drop(decided: PruneResult, allowed: torch.Tensor) -> PruneResult:
@@ -376,6 +386,8 @@ def write_audit(audit, step: int, prompts: list[Prompt], prompt_cut: PruneResult
             rec.update(rewards=rollout.rewards[row].tolist(), advantages=advantages[row].tolist(),
                        keep=total_cut.keep[q].tolist(), weight=total_cut.weight[q].tolist(),
                        lengths=[len(c) for c in rollout.completions[row]], completions=rollout.texts[row])
+            if rollout.slots is not None:  # adaptive group sizes: which slots were generated (the others: placeholders)
+                rec["generated"] = rollout.slots[row].tolist()
             if rollout.episodes is not None:  # lengths: the whole streams; trained: their sampled tokens
                 episodes = rollout.episodes[row]
                 rec.update(trained=[e.num_trained for e in episodes], turns=[e.turns for e in episodes],

@@ -42,25 +42,29 @@ def rollout_metrics(prompt_cut: PruneResult, rollout: Rollout, group_size: int) 
     ``step_metrics`` that describes what was generated, not what was trained)."""
     m: dict[str, float] = {}
     r = rollout.rewards if rollout.rewards is not None else torch.zeros(0, group_size)
-    flat = r.flatten()
+    slots = rollout.slots if rollout.slots is not None else torch.ones(r.shape, dtype=torch.bool)
+    flat = r[slots]  # (adaptive group sizes: the generated slots only, never the placeholders)
+    n = slots.sum(dim=1).clamp(min=1).float()
     if prompt_cut.keep.numel():
         # Headline rates are Horvitz-Thompson estimates over ALL B drawn prompts (docs/algorithms.md, "Metrics"):
         # a generated prompt counts 1/pi_q, a pruned one (never generated) 0, divided by B. Without prompt
         # pruning every pi_q = 1 and this is the plain mean. reward/mean_generated and reward/std are raw over the
         # generated completions, reward/mean_kept over the trained sequences.
-        m["reward/mean"] = ht_prompt_mean(prompt_cut, r.mean(dim=1))
-        solved = solved_rewards(rollout) > 0  # the rule's verdict, not the training reward's sign
-        m["reward/pass_rate"] = ht_prompt_mean(prompt_cut, solved.float().mean(dim=1))
+        m["reward/mean"] = ht_prompt_mean(prompt_cut, (r * slots).sum(dim=1) / n)
+        solved = (solved_rewards(rollout) > 0) & slots  # the rule's verdict, not the training reward's sign
+        m["reward/pass_rate"] = ht_prompt_mean(prompt_cut, solved.float().sum(dim=1) / n)
         m["reward/prompt_solve_rate"] = ht_prompt_mean(prompt_cut, solved.any(dim=1).float())
-        m["reward/zero_variance_groups"] = ht_prompt_mean(prompt_cut, (r == r[:, :1]).all(dim=1).float())
+        first = r.gather(1, slots.long().argmax(dim=1, keepdim=True)) if r.numel() else r[:, :1]
+        constant = ((r == first) | ~slots).all(dim=1)
+        m["reward/zero_variance_groups"] = ht_prompt_mean(prompt_cut, constant.float())
     if flat.numel():
         m["reward/mean_generated"] = float(flat.mean())
         m["reward/std"] = float(flat.std()) if flat.numel() > 1 else 0.0
         m["reward/failed"] = float(rollout.reward_failures)  # scored 0: the reward function raised, hung, ...
         m["reward/timeouts"] = float(rollout.reward_timeouts)  # ... of which ran out of time
     # generated = sampled tokens (an episode's observation tokens were not generated; its stream is tokens/episode_*)
-    comp_lengths = ([len(c) for comps in rollout.completions for c in comps] if rollout.episodes is None
-                    else [e.num_trained for eps in rollout.episodes for e in eps])
+    comp_lengths = ([len(c) for comps, row in zip(rollout.completions, slots.tolist()) for c, g in zip(comps, row)
+                     if g] if rollout.episodes is None else [e.num_trained for eps in rollout.episodes for e in eps])
     m["tokens/generated"] = float(sum(comp_lengths))
     m["tokens/completion_mean"] = sum(comp_lengths) / len(comp_lengths) if comp_lengths else 0.0
     m["tokens/truncated_fraction"] = (sum(t for ts in rollout.truncated for t in ts) / len(comp_lengths)

@@ -299,7 +299,7 @@ def test_posterior_screening_and_planner_options():
     """The posterior's options are refused where another prompt rule reads the history in their place (and the
     history's EMA under the posterior); screening and the planner need the posterior, but algo.pruner=none turns
     them off quietly; a screen must leave completions to continue."""
-    with pytest.raises(ValueError, match=r"algo.posterior_gamma=2.0 \(only algo.dppo_keep=posterior reads it\)"):
+    with pytest.raises(ValueError, match=r"algo.posterior_gamma=2.0 \(only algo.dppo_keep=posterior and algo.pruner"):
         _load("algo.pruner=dppo", "algo.dppo_keep=optimal", "algo.posterior_gamma=2")
     with pytest.raises(ValueError, match=r"algo.history_ema=0.5 \(algo.dppo_keep=posterior keeps the prompt"):
         _load("algo.pruner=dppo", "algo.dppo_keep=posterior", "algo.history_ema=0.5")
@@ -372,3 +372,32 @@ def test_every_loss_option_reaches_the_loss():
     with pytest.raises(ValueError, match="unknown config key 'loss.temperature'"):  # the run sets it, not the file
         load_config(None, ["loss.temperature=0.5"], validate=False)
     assert "temperature" not in Config().to_dict()["loss"]
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["overlong.buffer=2"], "overlong.buffer=2 is invalid: expected 0"),
+    (["reward.model.path=/tmp"], "reward.model.path='/tmp' is invalid: expected null"),
+    (["rollout.placement=separate"], "rollout.placement='separate' is invalid: expected colocated"),
+    (["algo.posterior_rewards=continuous"], "algo.posterior_rewards='continuous' is invalid: expected auto or binary"),
+    (["logging.audit_every=5"], "logging.audit_every=5 is invalid: expected 0"),
+])
+def test_adaptive_group_sizes_are_refused_where_the_allocation_cannot_run(extra, named):
+    """The allocation reads a Beta posterior of binary rewards and draws its slots where the step trains."""
+    with pytest.raises(ValueError, match=named):
+        _load("algo.pruner=adaptive", "loss.advantage_estimator=rloo", *extra)
+
+
+def test_adaptive_options_are_refused_under_another_pruner_and_the_pruner_refuses_grpo():
+    from megatron_dppo.run.build import build_loss, build_pruner
+
+    with pytest.raises(ValueError, match=r"algo.adaptive_budget=0.3 \(only algo.pruner=adaptive reads it\)"):
+        _load("algo.pruner=dppo", "algo.adaptive_budget=0.3")
+    with pytest.raises(ValueError, match=r"algo.r_q=0.3 \(only algo.pruner=dppo reads it\)"):
+        _load("algo.pruner=adaptive", "loss.advantage_estimator=rloo", "algo.r_q=0.3")
+    for estimator, named in (("grpo", "grpo's std normalisation"), ("dr_grpo", "needs loss.advantage_estimator=rloo")):
+        cfg = _load("algo.pruner=adaptive", f"loss.advantage_estimator={estimator}")
+        with pytest.raises(ValueError, match=named):
+            build_pruner(cfg, *build_loss(cfg))
+    cfg = _load("algo.pruner=adaptive", "loss.advantage_estimator=rloo", "loss.preset=dapo")
+    with pytest.raises(ValueError, match="token_mean"):
+        build_pruner(cfg, *build_loss(cfg))

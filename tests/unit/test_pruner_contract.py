@@ -34,8 +34,11 @@ DRAWS = 1200
 AGGREGATION = "seq_mean_token_mean"
 IDS = list(range(B))
 
+# what a rule needs of the rest of the configuration (adaptive group sizes: the rloo estimator, unbiased at every n)
+NEEDS = {"adaptive": ("loss.advantage_estimator=rloo",)}
 # every registered pruner with its defaults, and the other keep rules and modes of the ones that have them
-VARIANTS = {"dppo": [("algo.dppo_keep=optimal", "algo.keep_floor=0.1"), ("algo.dppo_keep=posterior",),
+VARIANTS = {"adaptive": [("algo.mode=fixed_size", "algo.adaptive_budget=0.3")],
+            "dppo": [("algo.dppo_keep=optimal", "algo.keep_floor=0.1"), ("algo.dppo_keep=posterior",),
                      ("algo.mode=fixed_size",), ("algo.mode=deterministic",)]}
 CASES = [(name, ()) for name in PRUNERS.names()] + [(n, v) for n in PRUNERS.names() for v in VARIANTS.get(n, [])]
 CASE_IDS = ["-".join((name, *(o.split("=", 1)[1] for o in extra))) for name, extra in CASES]
@@ -43,7 +46,8 @@ CASE_IDS = ["-".join((name, *(o.split("=", 1)[1] for o in extra))) for name, ext
 
 def make_pruner(name: str, extra=()) -> Pruner:
     cfg = load_config("examples/quickstart.yaml", [f"algo.pruner={name}", f"train.group_size={G}",
-                                                   f"train.prompts_per_step={B}", "loss.kl_coef=0.1", *extra])
+                                                   f"train.prompts_per_step={B}", "loss.kl_coef=0.1",
+                                                   *NEEDS.get(name, ()), *extra])
     loss_cfg, estimator = build_loss(cfg)
     return build_pruner(cfg, loss_cfg, estimator)
 
