@@ -224,7 +224,7 @@ def test_cli_reports_error_with_status_2(tmp_path, capsys):
     _edit_config(src, model_type="gpt_oss")  # a refused family: named with the reason (mistral is supported now)
     assert hf_to_megatron_main([str(src), str(tmp_path / "out"), "--tp", "1"]) == 2
     err = capsys.readouterr().err
-    assert "error: HF config" in err and "model_type='gpt_oss' is not supported: gpt-oss needs attention sinks" in err
+    assert "error: HF config" in err and "model_type='gpt_oss' is refused: gpt-oss needs attention sinks" in err
     assert not (tmp_path / "out").exists()
 
 
