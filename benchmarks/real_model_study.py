@@ -66,8 +66,8 @@ PROTOCOL = {
 }
 
 
-def arm_overrides(arm: str, seed: int) -> list[str]:
-    p = PROTOCOL
+def arm_overrides(arm: str, seed: int, protocol: dict = PROTOCOL) -> list[str]:
+    p = protocol
     return p["arms"][arm] + p["common"] + [f"train.seed={seed}", f"train.cpu_budget_s={p['budget_s']}",
                                            f"eval.every_cpu_s={p['eval_every_cpu_s']}"]
 
@@ -75,7 +75,7 @@ def arm_overrides(arm: str, seed: int) -> list[str]:
 def jobs(work: Path, protocol: dict, extra: list[str]) -> list[SR.Job]:
     """Seeds outermost, so two runs side by side are of different arms as often as not and every arm meets the
     same contention."""
-    return [SR.Job(f"{arm}_s{seed}", REPO / protocol["config"], arm_overrides(arm, seed) + extra,
+    return [SR.Job(f"{arm}_s{seed}", REPO / protocol["config"], arm_overrides(arm, seed, protocol) + extra,
                    work / f"{arm}_s{seed}", done=SR.cpu_budget_reached(protocol["budget_s"]))
             for seed in protocol["seeds"] for arm in protocol["arms"]]
 
@@ -150,7 +150,7 @@ def markdown(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(rep: dict, path: Path) -> Path:
+def plot(rep: dict, path: Path, title: str = "SmolLM2-135M-Instruct on list_max, equal CPU budget per run") -> Path:
     """Held-out pass@1 against RL CPU seconds: every run's evaluations (thin) and each arm's mean over seeds at the
     protocol's points (0, the half budget, the budget; thick)."""
     import matplotlib
@@ -168,7 +168,7 @@ def plot(rep: dict, path: Path) -> Path:
                 a["final"]["mean"]], color=color, lw=2.2, marker="o", label=f"{arm} (mean of {len(rs)} seeds)")
     ax.set_xlabel("RL CPU seconds (process CPU of the steps, evaluation excluded)")
     ax.set_ylabel("held-out pass@1")
-    ax.set_title("SmolLM2-135M-Instruct on list_max, equal CPU budget per run")
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

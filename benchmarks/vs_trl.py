@@ -4,6 +4,7 @@ GRPO vs our DPPO.
     make bench-trl                                   # = the line below
     .venv/bin/python benchmarks/vs_trl.py --seeds 3 --steps 16 [--out runs/vs_trl]
     .venv/bin/python benchmarks/vs_trl.py --work smollm2 --seeds 1 --steps 5     # a real pretrained model
+    .venv/bin/python benchmarks/vs_trl.py --work smollm2 --dtype bfloat16 ...   # both sides in bf16 mixed precision
 
 The work (identical for the three methods)
 ------------------------------------------
@@ -42,6 +43,13 @@ system prompt) and given to TRL as that text, so both tokenize the same string; 
 re-stated in the TRL worker); Adam lr 1e-5, clip 1.0, everything else as above. Our DPPO is ``algo.pruner=dppo``
 with its defaults. Our phases split the step into generation and training; the train phase's FLOP per CPU second
 against ``torch.mm``'s is ``benchmarks/real_step_profile.py``.
+
+Precision (``--dtype``)
+-----------------------
+``float32`` (default): everything in fp32. ``bfloat16``: both sides in bf16 mixed precision with fp32 master weights
+and optimizer state: ours ``model.dtype=bfloat16`` (Megatron's mixed-precision optimizer; ``rollout.dtype=auto``
+samples in bf16 too), TRL loads the fp32 model and trains with ``bf16=True`` (Accelerate's bf16 autocast around
+the fp32 model, which TRL's generation runs under as well).
 
 TRL is the one of the main environment (``requirements/cpu.txt``, the parity tests' peer), in its own process
 that imports nothing from this package; ``--trl-python`` names another environment's Python.
@@ -136,13 +144,14 @@ def write_prompts(out: Path, seed: int, work: str, hf: Path) -> Path:
     return path
 
 
-def run_ours(method: str, out: Path, hf: Path, seed: int, steps: int, python: str, work: str) -> list[dict]:
+def run_ours(method: str, out: Path, hf: Path, seed: int, steps: int, python: str, work: str,
+             dtype: str = "float32") -> list[dict]:
     result = out / "runs" / f"{method}-s{seed}.json"
     pruner = "dppo" if method == "ours-dppo" else "none"
     model = [f"model.path={hf}", f"model.tokenizer={hf}"] if work == "quickstart" else []  # (smollm2: its GGUF)
     _run([python, str(Path(__file__).resolve()), "_ours", "--config", WORKS[work].config, "--result", str(result),
           "--steps", str(steps + 1), *model, "train.sft_steps=0", f"train.seed={seed}", "train.cpu_threads=1",
-          f"algo.pruner={pruner}", "loss.kl_coef=0.0", "eval.every=0", "logging.plot=false",
+          f"algo.pruner={pruner}", f"model.dtype={dtype}", "loss.kl_coef=0.0", "eval.every=0", "logging.plot=false",
           f"train.output_dir={out / 'runs' / f'{method}-s{seed}'}"], out / f"{method}-s{seed}.log")
     return json.loads(result.read_text())
 
@@ -177,10 +186,11 @@ def ours_worker(argv: list[str]) -> None:
     Path(a.result).write_text(json.dumps(steps))
 
 
-def run_trl(out: Path, hf: Path, prompts: Path, seed: int, steps: int, trl_python: str, work: str) -> list[dict]:
+def run_trl(out: Path, hf: Path, prompts: Path, seed: int, steps: int, trl_python: str, work: str,
+            dtype: str = "float32") -> list[dict]:
     result = out / "runs" / f"trl-grpo-s{seed}.json"
     _run([trl_python, str(Path(__file__).resolve()), "_trl", "--hf", str(hf), "--prompts", str(prompts),
-          "--work", json.dumps(asdict(WORKS[work])),
+          "--work", json.dumps(asdict(WORKS[work])), "--dtype", dtype,
           "--seed", str(seed), "--steps", str(steps + 1), "--result", str(result),
           "--workdir", str(out / "runs" / f"trl-grpo-s{seed}")], out / f"trl-grpo-s{seed}.log")
     return json.loads(result.read_text())
@@ -231,7 +241,8 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict:
 
 
 def print_summary(summary: dict, meta: dict) -> None:
-    print(f"\n{meta['seeds']} seeds x {meta['steps']} measured steps per run (+1 warm-up), one torch thread, "
+    print(f"\n{meta.get('dtype', 'float32')}: {meta['seeds']} seeds x {meta['steps']} measured steps per run (+1 "
+          "warm-up), one torch thread, "
           f"interleaved; load average before/after: {meta['load_before']:.1f} / {meta['load_after']:.1f}")
     print(f"{'method':10s} {'s/step':>7s} {'x TRL':>6s} {'CPU s':>6s} {'x TRL':>6s} {'gen tok/s':>9s} "
           f"{'reward@steps':>12s} {'reward@time':>11s}  phases (median wall s)")
@@ -252,12 +263,17 @@ def main() -> None:
                    "prompt pruning acts from step 9 on, once prompts have a history)")
     p.add_argument("--work", choices=sorted(WORKS), default="quickstart", help="the quickstart's 1.6M-parameter "
                    "model on arithmetic, or SmolLM2-135M-Instruct on list_max (module docstring)")
-    p.add_argument("--out", default=None, help="default runs/vs_trl (quickstart), runs/vs_trl_smollm2")
+    p.add_argument("--out", default=None, help="default runs/vs_trl (quickstart), runs/vs_trl_smollm2; with "
+                   "--dtype bfloat16 the folder name ends in _bf16")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="both sides' precision (module docstring, 'Precision')")
     p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     p.add_argument("--trl-python", default=str(REPO / ".venv" / "bin" / "python"),
                    help="a Python with TRL (the main venv has the TRL of requirements/cpu.txt, the parity tests' peer)")
     args = p.parse_args()
-    out = (REPO / (args.out or ("runs/vs_trl" if args.work == "quickstart" else f"runs/vs_trl_{args.work}"))).resolve()
+    default_out = "runs/vs_trl" if args.work == "quickstart" else f"runs/vs_trl_{args.work}"
+    default_out += "_bf16" if args.dtype == "bfloat16" else ""
+    out = (REPO / (args.out or default_out)).resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
     hf = prepare(out, args.python, args.work)
@@ -268,12 +284,13 @@ def main() -> None:
         for m in order:
             print(f"seed {seed}: {m} ...", flush=True)
             if m == "trl-grpo":
-                runs[m].append(run_trl(out, hf, prompts, seed, args.steps, args.trl_python, args.work))
+                runs[m].append(run_trl(out, hf, prompts, seed, args.steps, args.trl_python, args.work, args.dtype))
             else:
-                runs[m].append(run_ours(m, out, hf, seed, args.steps, args.python, args.work))
+                runs[m].append(run_ours(m, out, hf, seed, args.steps, args.python, args.work, args.dtype))
             print(f"  median s/step {_median([s['time'] for s in runs[m][-1][1:]]):.3f}", flush=True)
-    meta = {"work": args.work, **asdict(WORKS[args.work]), "seeds": args.seeds, "steps": args.steps,
-            "load_before": load_before, "load_after": os.getloadavg()[0], "cpu_count": os.cpu_count()}
+    meta = {"work": args.work, **asdict(WORKS[args.work]), "dtype": args.dtype, "seeds": args.seeds,
+            "steps": args.steps, "load_before": load_before, "load_after": os.getloadavg()[0],
+            "cpu_count": os.cpu_count()}
     summary = summarize(runs)
     print_summary(summary, meta)
     (out / "vs_trl.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
@@ -313,6 +330,7 @@ def trl_worker(argv: list[str]) -> None:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--work", required=True, help="the Work's fields, as JSON")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     a = p.parse_args(argv)
     work = Work(**json.loads(a.work))
     score = TRL_REWARDS[work.reward]
@@ -348,7 +366,7 @@ def trl_worker(argv: list[str]) -> None:
                     work.prompts_per_step * work.group
 
     config = GRPOConfig(
-        output_dir=a.workdir, seed=a.seed, max_steps=a.steps, use_cpu=True, bf16=False,
+        output_dir=a.workdir, seed=a.seed, max_steps=a.steps, use_cpu=True, bf16=a.dtype == "bfloat16",
         per_device_train_batch_size=work.prompts_per_step * work.group, num_generations=work.group,
         steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
         max_completion_length=work.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, learning_rate=work.lr,

@@ -1,0 +1,85 @@
+"""Does bf16 mixed precision learn as fp32 does? The real-model GRPO run in both precisions at the same CPU budget.
+
+    python benchmarks/bf16_learning.py --write-prereg   # once, then commit docs/benchmarks/bf16_learning_prereg.json
+    python benchmarks/bf16_learning.py --extra model.gguf_cache=<folder>   # the runs (resumable)
+    python benchmarks/bf16_learning.py --report         # the table and the figure
+
+The protocol of ``benchmarks/real_model_study.py`` (SmolLM2-135M-Instruct on list_max, held-out test lists, GRPO,
+one torch thread per run, two runs side by side, every run stopped after the RL step that crosses ``budget_s``
+process CPU seconds, evaluated on 200 held-out lists x 2 fresh samples at 0, half the budget and the budget) with
+two arms that differ in precision only:
+
+- ``fp32``: ``model.dtype=float32`` (the rollout engine in fp32 too);
+- ``bf16``: ``model.dtype=bfloat16``: bf16 parameters and compute, fp32 master weights and Adam state (Megatron's
+  mixed-precision optimizer), the rollout engine in bf16 (``rollout.dtype=auto``), the log-prob / loss math in fp32.
+
+Both arms run in the same session, seeds outermost, so the box's load hits both alike. Endpoints (fixed here,
+before the runs): held-out pass@1 at the budget (bf16 - fp32, paired by seed, t interval; with 2 seeds the t
+quantile is 12.7, so only a large difference would show: the report states the half-width), the RL steps each arm
+fits in the budget, and pass@1 against RL steps (learning per step, which precision should not change).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if not __package__:  # `python benchmarks/bf16_learning.py`: the repository joins sys.path (benchmarks: a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import real_model_study as R
+from benchmarks import study_runner as SR
+from benchmarks.common import REPO
+
+PROTOCOL = dict(
+    R.PROTOCOL,
+    arms={"fp32": ["algo.pruner=none", "model.dtype=float32"],
+          "bf16": ["algo.pruner=none", "model.dtype=bfloat16"]},
+    seeds=[1, 2],
+    primary="held-out pass@1 (200 test prompts x 2 fresh samples) after the RL step that crosses budget_s",
+    secondary="RL steps in the budget; held-out pass@1 at half the budget; pass@1 against RL steps",
+    comparisons=[["bf16", "fp32"]],
+    test="paired by seed, Student t (df = seeds - 1), two-sided; the half-width is the smallest difference the "
+         "two seeds could have detected",
+)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=REPO / "runs" / "bf16_learning")
+    ap.add_argument("--prereg", type=Path, default=REPO / "docs" / "benchmarks" / "bf16_learning_prereg.json")
+    ap.add_argument("--write-prereg", action="store_true", help="write the protocol to --prereg (before the runs)")
+    ap.add_argument("--report", action="store_true", help="analyse the finished runs; write <work>/report.json")
+    ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run that do not change the "
+                                                            "protocol (e.g. model.gguf_cache=<folder>)")
+    args = ap.parse_args(argv)
+    if args.write_prereg:
+        args.prereg.write_text(json.dumps(PROTOCOL, indent=1) + "\n")
+        print(f"wrote {args.prereg}: commit it before the runs")
+        return 0
+    if not args.prereg.is_file():
+        sys.exit(f"no protocol at {args.prereg}: run with --write-prereg and commit it first")
+    protocol = json.loads(args.prereg.read_text())
+    if args.report:
+        rep = R.analyse(args.work, protocol)
+        for arm, runs in rep["runs"].items():  # learning per step: pass@1 at each evaluation with its RL step
+            rep["arms"][arm]["points_by_step"] = {s: [(p[2], p[1]) for p in r["points"]] for s, r in runs.items()}
+        (args.work / "report.json").write_text(json.dumps(rep, indent=1))
+        print(R.markdown(rep))
+        for arm, a in rep["arms"].items():
+            print(f"{arm}: (RL step, pass@1) per seed: {a['points_by_step']}")
+        figure = R.plot(rep, args.work / "bf16_learning.png",
+                        title="SmolLM2-135M-Instruct on list_max, GRPO: fp32 vs bf16 at equal CPU budget")
+        print(f"figure: {figure}")
+        return 0
+    if protocol != PROTOCOL:
+        sys.exit(f"{args.prereg} differs from this script's PROTOCOL: the protocol is fixed before the runs")
+    failed = SR.run_jobs(R.jobs(args.work, protocol, args.extra), parallel=protocol["parallel"],
+                         state=args.work / "study_state.json")
+    for name, why in failed:
+        print(f"FAILED {name}: {why}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
