@@ -14,6 +14,7 @@ from megatron_dppo.config.algo import AlgoConfig
 from megatron_dppo.config.dapo import DynamicSamplingConfig, OverlongConfig
 from megatron_dppo.config.data import DataConfig
 from megatron_dppo.config.loading import all_keys, coerce, describe, load_config, parse_override, set_option
+from megatron_dppo.config.rollout import RolloutConfig
 from megatron_dppo.config.root import Config
 from megatron_dppo.config.sections import (
     CheckpointConfig,
@@ -25,7 +26,6 @@ from megatron_dppo.config.sections import (
     ParallelConfig,
     RewardConfig,
     RewardModelConfig,
-    RolloutConfig,
     TrainConfig,
 )
 from megatron_dppo.config.speculative import SpeculativeConfig

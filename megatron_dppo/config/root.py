@@ -16,6 +16,7 @@ from megatron_dppo.config.algo import AlgoConfig
 from megatron_dppo.config.dapo import DynamicSamplingConfig, OverlongConfig
 from megatron_dppo.config.data import DataConfig
 from megatron_dppo.config.fields import _check
+from megatron_dppo.config.rollout import RolloutConfig
 from megatron_dppo.config.sections import (
     CheckpointConfig,
     EvalConfig,
@@ -25,7 +26,6 @@ from megatron_dppo.config.sections import (
     PackingConfig,
     ParallelConfig,
     RewardConfig,
-    RolloutConfig,
     TrainConfig,
 )
 from megatron_dppo.env.config import EnvConfig  # the env section is the episode loop's own (env/config.py)
