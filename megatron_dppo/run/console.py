@@ -82,11 +82,13 @@ def attention_backend_name(cfg, arch=None) -> str:
 def print_banner(run: Run, found: Path | None) -> None:
     cfg, arch = run.cfg, run.arch
     model, layout = f"{arch.num_parameters / 1e6:.2f}M params", ""
+    precision = cfg.model.dtype if cfg.rollout.dtype in ("auto", cfg.model.dtype) else \
+        f"{cfg.model.dtype}, rollout {cfg.rollout.dtype}"
     if arch.moe is not None:
         model += (f" ({arch.num_active_parameters / 1e6:.2f}M active: {arch.moe.num_experts} experts, top "
                   f"{arch.moe.topk}{', routing replay' if cfg.model.moe_routing_replay else ''})")
         layout = f", ep {cfg.parallel.ep}, etp {cfg.parallel.etp}"
-    print(f"megatron-dppo: {arch.family} {model} | world {D.world_size()} "
+    print(f"megatron-dppo: {arch.family} {model} ({precision}) | world {D.world_size()} "
           f"(tp {cfg.parallel.tp}, pp {cfg.parallel.pp}{f', cp {cfg.parallel.cp}' if cfg.parallel.cp > 1 else ''}, "
           f"dp {run.train_side.dp_size}{layout}) | {len(run.rollout_side.train_prompts)} "
           "train prompts"

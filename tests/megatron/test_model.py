@@ -70,7 +70,7 @@ def test_arch_rope_scaling():
 
 @pytest.mark.parametrize("bad, match", [
     (dict(SMOLLM2_135M, model_type="gpt2"), "model_type='gpt2' is not supported; supported: "),  # (mistral is)
-    (dict(SMOLLM2_135M, model_type="gemma2"), "model_type='gemma2' is not supported: Gemma 2"),
+    (dict(SMOLLM2_135M, model_type="gemma2"), "model_type='gemma2' is refused: Gemma 2"),
     (dict(SMOLLM2_135M, partial_rotary_factor=0.5), "partial_rotary_factor=0.5 is not supported for 'llama'"),
     (dict(SMOLLM2_135M, hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(SMOLLM2_135M, attention_bias=True), "attention_bias"),
