@@ -136,6 +136,46 @@ def _load_into_model(worker, weights) -> None:
     worker.model_runner.get_model().load_weights(weights)
 
 
+def _reload_into_worker(worker, weights) -> None:
+    """Runs in each vLLM worker (vLLM >= 0.16; ``collective_rpc`` passes the worker first): ``Worker.reload_weights``
+    with the checkpoint-format stream, inside ``cpu_moe_kernels_rebuilt`` (the module docstring, "Weights")."""
+    with cpu_moe_kernels_rebuilt(worker.model_runner.get_model()):
+        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+
+@contextlib.contextmanager
+def cpu_moe_kernels_rebuilt(model) -> Iterator[int]:
+    """Make vLLM's layer-wise reload redo the CPU MoE expert packing its first load did; yields the number of
+    MoE layers concerned.
+
+    vLLM 0.32's unquantized MoE method (``UnquantizedFusedMoEMethod._setup_kernel``) runs the experts' own
+    ``process_weights_after_loading`` only while its ``moe_kernel`` is None, i.e. at the first load. On CPU that
+    hook (``CPUUnquantizedExperts``) repacks ``w13_weight`` / ``w2_weight`` into the grouped-gemm layout of
+    ``cpu_fused_moe`` (``cpu_prepack_moe_weight``: same shape, other element order). A reload then copies the new
+    weights, in checkpoint order, into the packed tensors and skips the packing, so the kernel reads them in the
+    wrong order (log-prob errors ~10). Setting ``moe_kernel`` to None for the reload makes each MoE layer that the
+    reload processes take the first-load path (build the kernel, pack); a layer the stream did not reach (vLLM
+    puts its old, packed tensors back) gets its old kernel again. A vLLM without these CPU experts: nothing."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        yield 0
+        return
+    kept = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+            kept.append((method, kernel))
+            method.moe_kernel = None
+    try:
+        yield len(kept)
+    finally:
+        for method, kernel in kept:
+            if method.moe_kernel is None:
+                method.moe_kernel = kernel
+
+
 GIB = 1 << 30
 # Left free beyond vLLM's budget when it is sized from the free memory: vLLM creates its NCCL communicators (and
 # this process's CUDA context may grow) between our measurement and its own snapshot.
@@ -502,8 +542,7 @@ class VLLMRolloutEngine:
             stream = list(stream)
         self._weights_incomplete = True
         if self.weight_push == "reload_weights":
-            self.llm.collective_rpc("reload_weights",
-                                    kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+            self.llm.collective_rpc(_reload_into_worker, args=(stream,))
         else:
             self.llm.collective_rpc(_load_into_model, args=(stream,))
         self._weights_incomplete = self._dummy_base = False
