@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,17 +29,18 @@ def cpu_moe_kernels_rebuilt(model) -> Iterator[int]:
     weights, in checkpoint order, into the packed tensors and skips the packing, so the kernel reads them in the
     wrong order (log-prob errors ~10). Setting ``moe_kernel`` to None for the reload makes each MoE layer that the
     reload processes take the first-load path (build the kernel, pack); a layer the stream did not reach (vLLM
-    puts its old, packed tensors back) gets its old kernel again. A vLLM without these CPU experts: nothing."""
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:
+    puts its old, packed tensors back) gets its old kernel again. Nothing for a model without such experts (GPU,
+    dense models), or when their module is not loaded (a vLLM without it); it is never imported here."""
+    cpu_moe = sys.modules.get("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
+    if cpu_moe is None:
         yield 0
         return
+    experts_cls = cpu_moe.CPUUnquantizedExperts
     kept = []
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
-        if isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+        if isinstance(getattr(kernel, "fused_experts", None), experts_cls):
             kept.append((method, kernel))
             method.moe_kernel = None
     try:
