@@ -84,7 +84,9 @@ class ModelConfig:
                    "Megatron's mixed precision (16-bit parameters and compute, fp32 gradient reduction, fp32 master "
                    "weights and Adam state in the optimizer and checkpoints; log-probs and the loss in fp32 from the "
                    "16-bit logits); float16 also scales the loss dynamically (its first ~15-20 updates overflow and "
-                   "are skipped). The rollout engine samples in it too.")
+                   "are skipped). The rollout engine samples in it too. At a small learning rate over few steps the "
+                   "16-bit weights lag the fp32 masters (an update below half a bf16 step does not show in the "
+                   "forward), so learning per step can be slower than in float32: docs/benchmarks.md, bf16 learning.")
     init_seed: int = opt(1234, "Seed of the random initialization of a from-scratch model.")
     attention_backend: Literal["auto", "te", "varlen", "sdpa"] = opt(
         "auto", "Core attention of packed (THD) micro-batches: te (Transformer Engine fused attention, GPU), varlen "
