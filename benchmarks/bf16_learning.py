@@ -3,6 +3,7 @@
     python benchmarks/bf16_learning.py --write-prereg   # once, then commit docs/benchmarks/bf16_learning_prereg.json
     python benchmarks/bf16_learning.py --extra model.gguf_cache=<folder>   # the runs (resumable)
     python benchmarks/bf16_learning.py --report         # the table and the figure
+    python benchmarks/bf16_learning.py --weight-change  # how much of each run's weights its updates changed
 
 The protocol of ``benchmarks/real_model_study.py`` (SmolLM2-135M-Instruct on list_max, held-out test lists, GRPO,
 one torch thread per run, two runs side by side, every run stopped after the RL step that crosses ``budget_s``
@@ -17,6 +18,10 @@ Both arms run in the same session, seeds outermost, so the box's load hits both 
 before the runs): held-out pass@1 at the budget (bf16 - fp32, paired by seed, t interval; with 2 seeds the t
 quantile is 12.7, so only a large difference would show: the report states the half-width), the RL steps each arm
 fits in the budget, and pass@1 against RL steps (learning per step, which precision should not change).
+
+``--weight-change`` (added after the runs, to explain them): each run's last checkpoint exported to HF
+(``convert megatron-to-hf``: the weights the forward computes with, bf16 for the bf16 arm) against the pretrained
+weights in the run's precision: the fraction of the elements that changed and the L2 norm of the change.
 """
 from __future__ import annotations
 
@@ -44,12 +49,57 @@ PROTOCOL = dict(
 )
 
 
+def weight_change(work: Path, protocol: dict, pretrained: Path) -> dict:
+    """Per run: the fraction of weight elements that differ from the pretrained ones (in the run's precision) and
+    the L2 norm of the difference, from the run's last checkpoint exported to HF."""
+    import subprocess
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file
+
+    def weights(folder: Path) -> dict:
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    base = weights(pretrained)
+    result = {}
+    for arm in protocol["arms"]:
+        dtype = torch.bfloat16 if "model.dtype=bfloat16" in protocol["arms"][arm] else torch.float32
+        for seed in protocol["seeds"]:
+            run = work / f"{arm}_s{seed}"
+            with tempfile.TemporaryDirectory() as tmp:
+                subprocess.run([sys.executable, "-m", "megatron_dppo.cli", "convert", "megatron-to-hf",
+                                str(run / "checkpoints"), str(Path(tmp) / "hf")], check=True, capture_output=True)
+                trained = weights(Path(tmp) / "hf")
+            changed = total = 0
+            square = 0.0
+            for name, w0 in base.items():
+                if name not in trained:
+                    continue
+                w0 = w0.to(dtype).float()
+                dw = trained[name].float() - w0
+                changed += int((dw != 0).sum())
+                total += dw.numel()
+                square += float((dw.double() ** 2).sum())
+            steps = SR.rl_steps(R.read_metrics(run))
+            result[f"{arm}_s{seed}"] = {"steps": steps, "changed_fraction": changed / total,
+                                        "change_l2": square ** 0.5}
+            print(f"{arm}_s{seed}: {steps} RL steps, {changed / total:.4f} of {total} weights changed, "
+                  f"|dW| = {square ** 0.5:.4f}", flush=True)
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=REPO / "runs" / "bf16_learning")
     ap.add_argument("--prereg", type=Path, default=REPO / "docs" / "benchmarks" / "bf16_learning_prereg.json")
     ap.add_argument("--write-prereg", action="store_true", help="write the protocol to --prereg (before the runs)")
     ap.add_argument("--report", action="store_true", help="analyse the finished runs; write <work>/report.json")
+    ap.add_argument("--weight-change", action="store_true", help="how much of its weights each finished run "
+                    "changed (module docstring); writes <work>/weight_change.json")
     ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run that do not change the "
                                                             "protocol (e.g. model.gguf_cache=<folder>)")
     args = ap.parse_args(argv)
@@ -60,6 +110,14 @@ def main(argv=None) -> int:
     if not args.prereg.is_file():
         sys.exit(f"no protocol at {args.prereg}: run with --write-prereg and commit it first")
     protocol = json.loads(args.prereg.read_text())
+    if args.weight_change:
+        from megatron_dppo.config import load_config
+        from megatron_dppo.run.build import resolve_model_dir
+
+        pretrained = resolve_model_dir(load_config(str(REPO / protocol["config"]), args.extra))
+        result = weight_change(args.work, protocol, pretrained)
+        (args.work / "weight_change.json").write_text(json.dumps(result, indent=1))
+        return 0
     if args.report:
         rep = R.analyse(args.work, protocol)
         for arm, runs in rep["runs"].items():  # learning per step: pass@1 at each evaluation with its RL step
@@ -69,7 +127,7 @@ def main(argv=None) -> int:
         for arm, a in rep["arms"].items():
             print(f"{arm}: (RL step, pass@1) per seed: {a['points_by_step']}")
         figure = R.plot(rep, args.work / "bf16_learning.png",
-                        title="SmolLM2-135M-Instruct on list_max, GRPO: fp32 vs bf16 at equal CPU budget")
+                        title="SmolLM2-135M list_max GRPO: fp32 vs bf16, equal CPU budget")
         print(f"figure: {figure}")
         return 0
     if protocol != PROTOCOL:
