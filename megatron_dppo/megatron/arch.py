@@ -53,9 +53,10 @@ _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origi
 
 @dataclass(frozen=True)
 class ModelArch:
-    """The numbers that define a Llama/Qwen2/Qwen3 (dense) or Qwen3-MoE/Mixtral decoder (HF names in brackets)."""
+    """The numbers that define a decoder of one of ``FAMILIES`` (dense, MoE, multi-latent attention; HF names in
+    brackets)."""
 
-    family: str  # llama | qwen2 | qwen3 | qwen3_moe | mixtral | mistral | ministral | phi3
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | mixtral | mistral | ministral | phi3 | deepseek_v3 | glm4_moe
     vocab_size: int  # [vocab_size] rows of the embedding (already padded by the model authors)
     hidden_size: int  # [hidden_size]
     ffn_hidden_size: int  # [intermediate_size] (the dense MLP; MoE experts: moe.expert_ffn_hidden_size)
@@ -73,12 +74,13 @@ class ModelArch:
     rope_scaling_factor: float = 1.0
     init_std: float = 0.02  # [initializer_range]
     moe: MoEArch | None = None  # the sparse blocks of qwen3_moe / mixtral; None for dense families
-    # deepseek_v3 / glm4_moe (``deepseek_moe``): multi-latent attention (then head_dim = qk_nope + qk_rope and
-    # num_kv_heads = num_attention_heads), the rotated fraction of each head (glm4_moe [partial_rotary_factor]),
-    # the multi-token-prediction layers of the checkpoint (ignored on import)
+    # deepseek_v3 (``deepseek_moe``): multi-latent attention (then head_dim = qk_nope + qk_rope and
+    # num_kv_heads = num_attention_heads); the checkpoint's multi-token-prediction layers (ignored on import)
     mla: MLAArch | None = None
-    rotary_percent: float = 1.0
     mtp_layers: int = 0
+    # [partial_rotary_factor] (phi3, glm4_moe): the fraction of each head's channels RoPE rotates (Megatron's
+    # rotary_percent)
+    rotary_percent: float = 1.0
     # [num_labels] of a *ForSequenceClassification (a reward model): its output layer is the score head [labels, H]
     # at every position (``score_head.ScoreHead``) instead of the vocabulary; None for a causal LM
     num_labels: int | None = None
@@ -86,8 +88,6 @@ class ModelArch:
     sliding_window: int | None = None
     # [layer_types] when only some layers use the window: one bool per layer (True = sliding); None = every layer
     window_layers: tuple[bool, ...] | None = None
-    # [partial_rotary_factor] (phi3): fraction of each head's channels RoPE rotates (Megatron's rotary_percent)
-    rotary_percent: float = 1.0
 
     def __post_init__(self):
         if self.window_layers is not None:  # (a list after a JSON round trip)
