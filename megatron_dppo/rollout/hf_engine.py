@@ -258,8 +258,9 @@ class HFRolloutEngine:
         input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
         prefill = self._shared_prefill(rows, input_ids, attention_mask) if self.share_prompt_prefill else {}
         stopper = _Interrupt(interrupt) if interrupt is not None else None
+        lengths = None  # each row's generated tokens when rows are padded to unequal lengths (speculation)
         if self.speculative is not None:
-            generated, sample_logprobs = self.speculative.decode(
+            generated, sample_logprobs, lengths = self.speculative.decode(
                 self.model, rows, input_ids, attention_mask, prefill.get("past_key_values"), sampling, stops,
                 self.pad_token_id, interrupt=stopper.check if stopper else None)
         else:
@@ -273,7 +274,7 @@ class HFRolloutEngine:
         stop_set = set(stops)
         completions = []
         for i in range(len(rows)):
-            tokens = generated[i].tolist()
+            tokens = generated[i].tolist() if lengths is None else generated[i, :lengths[i]].tolist()
             end = next((t + 1 for t, tok in enumerate(tokens) if tok in stop_set), None)
             finish = "stop" if end is not None else "length"
             if end is None and stopper is not None and stopper.fired and len(tokens) < sampling.max_new_tokens:

@@ -145,14 +145,15 @@ class PromptLookupDecoding:
     @torch.no_grad()
     def decode(self, model, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                cache, sampling, stops: list[int], pad_token_id: int,
-               interrupt: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               interrupt: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Sample every row of the left-padded ``input_ids`` to a stop token or ``sampling.max_new_tokens``, or
         until ``interrupt()`` (asked after every verification round) returns True: every row still running stops
         there with the tokens emitted so far (partial rollouts).
 
         ``cache``: a DynamicCache of every row's prompt but its last token (the engine's shared prefill), or None
         (computed here). Returns ([rows, L] generated ids padded with ``pad_token_id``, [rows, L] their behaviour
-        log-probs), as the HF engine's ``generate`` path produces them."""
+        log-probs, each row's number of generated tokens). The lengths matter: rows end after different numbers of
+        tokens (an interrupted row is padded too), and the pad id may itself be a stop token."""
         from transformers import DynamicCache
 
         device = input_ids.device
@@ -239,7 +240,7 @@ class PromptLookupDecoding:
         for r in range(rows):
             generated[r, :len(tokens[r])] = torch.tensor(tokens[r], dtype=torch.long)
             logprobs[r, :len(logps[r])] = torch.tensor(logps[r], dtype=torch.float32)
-        return generated, logprobs
+        return generated, logprobs, [len(t) for t in tokens]
 
     @staticmethod
     def _roll_back(cache, mask: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:

@@ -116,3 +116,23 @@ def test_the_engine_stops_running_rows_at_a_token_boundary():
 def test_offpolicy_mask_keeps_the_last_segment():
     assert offpolicy_mask([0, 0, 1, 1, 2]) == [0, 0, 0, 0, 1]
     assert offpolicy_mask([4, 4]) == [1, 1]
+
+
+def test_speculative_rows_stopped_by_an_interrupt_are_not_read_as_stopped_when_pad_is_eos():
+    """Speculation ends rows after different numbers of tokens, so an interrupted row is padded; with the pad id
+    equal to EOS (common), the padding must not read as a sampled EOS (finish "stop", a log-prob of 0)."""
+    engine = HFRolloutEngine(tiny_model(0), max_batch_size=16, pad_token_id=EOS,
+                             speculative=PromptLookupDecoding(num_draft_tokens=3, ngram_min=1, ngram_max=2))
+    asked = []
+
+    def interrupt():
+        asked.append(1)
+        return len(asked) >= 3
+
+    groups = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=16, seed=3), interrupt=interrupt)
+    completions = [c for g in groups for c in g.completions]
+    assert len({len(c.token_ids) for c in completions}) > 1  # unequal lengths: the case with padding
+    assert INTERRUPTED in {c.finish_reason for c in completions}
+    for c in completions:
+        assert all(lp < 0 for lp in c.logprobs)  # every token was sampled (a pad would carry log-prob 0)
+        assert (c.finish_reason == "stop") == (bool(c.token_ids) and c.token_ids[-1] == EOS)
