@@ -28,7 +28,6 @@ runs refuse to start if it differs from this script's, and the report reads it f
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -157,15 +156,9 @@ def main(argv=None) -> int:
                                                             "protocol (e.g. model.gguf_cache=<folder>)")
     args = ap.parse_args(argv)
     if args.write_prereg:
-        if args.prereg.is_file() and json.loads(args.prereg.read_text()) != PROTOCOL:
-            sys.exit(f"{args.prereg} exists with another protocol: a preregistration is not rewritten")
-        args.prereg.parent.mkdir(parents=True, exist_ok=True)
-        args.prereg.write_text(json.dumps(PROTOCOL, indent=1) + "\n")
-        print(f"wrote {args.prereg}: commit it before the runs")
+        SR.write_prereg(args.prereg, PROTOCOL)
         return 0
-    if not args.prereg.is_file():
-        sys.exit(f"no protocol at {args.prereg}: run with --write-prereg and commit it first")
-    protocol = json.loads(args.prereg.read_text())
+    protocol = SR.read_prereg(args.prereg)
     if args.report:
         rep = analyse(args.work, protocol)
         write_json(args.out or args.work / "report.json", rep)
@@ -173,14 +166,7 @@ def main(argv=None) -> int:
             print(f"{key}: {t['mean']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}] p {t['p']:.3f}"
                   + (f" Holm {t['p_holm']:.3f} {t['verdict']}" if "p_holm" in t else ""))
         return 0
-    if protocol != PROTOCOL:
-        sys.exit(f"{args.prereg} differs from this script's PROTOCOL: the protocol is fixed before the runs")
-    failed = SR.run_jobs(jobs(args.work, protocol, args.extra), parallel=protocol["parallel"],
-                         state=args.work / "study_state.json")
-    for name, why in failed:
-        print(f"FAILED {name}: {why}")
-    return 1 if failed else 0
-
+    return SR.run_preregistered(protocol, PROTOCOL, jobs(args.work, protocol, args.extra), args.work)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -104,12 +104,9 @@ def main(argv=None) -> int:
                                                             "protocol (e.g. model.gguf_cache=<folder>)")
     args = ap.parse_args(argv)
     if args.write_prereg:
-        args.prereg.write_text(json.dumps(PROTOCOL, indent=1) + "\n")
-        print(f"wrote {args.prereg}: commit it before the runs")
+        SR.write_prereg(args.prereg, PROTOCOL)
         return 0
-    if not args.prereg.is_file():
-        sys.exit(f"no protocol at {args.prereg}: run with --write-prereg and commit it first")
-    protocol = json.loads(args.prereg.read_text())
+    protocol = SR.read_prereg(args.prereg)
     if args.weight_change:
         from megatron_dppo.config import load_config
         from megatron_dppo.run.build import resolve_model_dir
@@ -130,14 +127,7 @@ def main(argv=None) -> int:
                         title="SmolLM2-135M list_max GRPO: fp32 vs bf16, equal CPU budget")
         print(f"figure: {figure}")
         return 0
-    if protocol != PROTOCOL:
-        sys.exit(f"{args.prereg} differs from this script's PROTOCOL: the protocol is fixed before the runs")
-    failed = SR.run_jobs(R.jobs(args.work, protocol, args.extra), parallel=protocol["parallel"],
-                         state=args.work / "study_state.json")
-    for name, why in failed:
-        print(f"FAILED {name}: {why}")
-    return 1 if failed else 0
-
+    return SR.run_preregistered(protocol, PROTOCOL, R.jobs(args.work, protocol, args.extra), args.work)
 
 if __name__ == "__main__":
     sys.exit(main())

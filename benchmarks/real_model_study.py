@@ -187,27 +187,16 @@ def main(argv=None) -> int:
                                                             "protocol (e.g. model.gguf_cache=<folder>)")
     args = ap.parse_args(argv)
     if args.write_prereg:
-        args.prereg.parent.mkdir(parents=True, exist_ok=True)
-        args.prereg.write_text(json.dumps(PROTOCOL, indent=1) + "\n")
-        print(f"wrote {args.prereg}: commit it before the runs")
+        SR.write_prereg(args.prereg, PROTOCOL)
         return 0
-    if not args.prereg.is_file():
-        sys.exit(f"no protocol at {args.prereg}: run with --write-prereg and commit it first")
-    protocol = json.loads(args.prereg.read_text())
+    protocol = SR.read_prereg(args.prereg)
     if args.report:
         rep = analyse(args.work, protocol)
         (args.work / "report.json").write_text(json.dumps(rep, indent=1))
         print(markdown(rep))
         print(f"figure: {plot(rep, args.work / 'real_model_study.png')}")
         return 0
-    if protocol != PROTOCOL:
-        sys.exit(f"{args.prereg} differs from this script's PROTOCOL: the protocol is fixed before the runs")
-    failed = SR.run_jobs(jobs(args.work, protocol, args.extra), parallel=protocol["parallel"],
-                         state=args.work / "study_state.json")
-    for name, why in failed:
-        print(f"FAILED {name}: {why}")
-    return 1 if failed else 0
-
+    return SR.run_preregistered(protocol, PROTOCOL, jobs(args.work, protocol, args.extra), args.work)
 
 if __name__ == "__main__":
     sys.exit(main())

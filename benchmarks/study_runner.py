@@ -234,3 +234,33 @@ def run_jobs(jobs: list[Job], parallel: int = 1, state: Optional[Path] = None, p
              timeout_s: Optional[float] = None) -> list[tuple[str, str]]:
     """Run the unfinished jobs (module docstring); returns the failed ones as (name, reason)."""
     return Runner(jobs, parallel, state, poll_s, timeout_s).run()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Preregistered studies: the protocol is written to a file and committed before any run
+# ----------------------------------------------------------------------------------------------------------
+def write_prereg(path: Path, protocol: dict) -> None:
+    """Write ``protocol`` to ``path`` (once: a preregistration with another protocol is never rewritten)."""
+    if path.is_file() and json.loads(path.read_text()) != protocol:
+        sys.exit(f"{path} exists with another protocol: a preregistration is not rewritten")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(protocol, indent=1) + "\n")
+    print(f"wrote {path}: commit it before the runs")
+
+
+def read_prereg(path: Path) -> dict:
+    """The committed protocol (exits with what to do when there is none)."""
+    if not path.is_file():
+        sys.exit(f"no protocol at {path}: run with --write-prereg and commit it first")
+    return json.loads(path.read_text())
+
+
+def run_preregistered(protocol: dict, script_protocol: dict, jobs: list[Job], work: Path) -> int:
+    """Run ``jobs`` (resumable, ``protocol["parallel"]`` at a time) if the committed ``protocol`` is the script's;
+    returns the exit status (1 if a job failed)."""
+    if protocol != script_protocol:
+        sys.exit("the committed protocol differs from this script's PROTOCOL: the protocol is fixed before the runs")
+    failed = run_jobs(jobs, parallel=protocol["parallel"], state=work / "study_state.json")
+    for name, why in failed:
+        print(f"FAILED {name}: {why}")
+    return 1 if failed else 0
