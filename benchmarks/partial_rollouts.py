@@ -35,6 +35,10 @@ ARMS = {
     "partial": ("partial rollouts (max_interruptions 2)", ["rollout.max_interruptions=2"]),
     "partial_mask": ("partial, off-policy segments masked", ["rollout.max_interruptions=2",
                                                              "rollout.mask_offpolicy=true"]),
+    # over-provisioning (APRIL) needs k >= 2; "partial_k2" is its comparison at the same bound
+    "partial_k2": ("partial rollouts, max_staleness 2", ["rollout.max_interruptions=2", "train.max_staleness=2"]),
+    "april": ("partial + over-provisioning 0.5 (APRIL), k 2", ["rollout.max_interruptions=2", "train.max_staleness=2",
+                                                               "rollout.overprovision=0.5"]),
 }
 
 
@@ -42,9 +46,10 @@ def run_arm(name: str, seed: int, args, root: Path) -> dict:
     label, overrides = ARMS[name]
     out = root / f"{name}-{seed}"
     common = [f"train.steps={args.steps}", f"train.sft_steps={args.sft_steps}", f"train.seed={seed}",
-              f"rollout.max_new_tokens={args.max_new_tokens}", f"eval.every={args.steps}", "eval.max_prompts=64",
-              "eval.samples=4", "eval.pass_k=1", "checkpoint.every=0", "logging.plot=false",
-              "logging.tensorboard=false", f"train.output_dir={out}", *SEPARATE, *overrides, *args.overrides]
+              f"rollout.max_new_tokens={args.max_new_tokens}", f"eval.every={args.steps}",
+              f"eval.max_prompts={args.eval_prompts}", f"eval.samples={args.eval_samples}", "eval.pass_k=1",
+              "checkpoint.every=0", "logging.plot=false", "logging.tensorboard=false", f"train.output_dir={out}",
+              *SEPARATE, *overrides, *args.overrides]
     cmd = cli("train", "--config", str(REPO / "examples" / "quickstart.yaml"), *common, nproc=2)
     wall = run(cmd, root / f"{name}-{seed}.log", env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     rl = read_metrics(out, "rl")[1:]  # the first RL step carries start-up costs
@@ -66,6 +71,7 @@ def run_arm(name: str, seed: int, args, root: Path) -> dict:
         else total("async/staleness") / len(rl),
         "interrupted_samples_mean": total("async/interrupted_samples") / len(rl),
         "versions_taken_mid_batch": total("async/versions_taken_mid_batch"),
+        "carried_prompts_per_step": total("async/carried_prompts") / len(rl),
         "eval_reward_first": evals[0][reward_key], "eval_reward_last": evals[-1][reward_key],
         "eval_gain_per_cpu_s": gain / cpu, "train_reward_last10": statistics.mean(r["reward/mean"] for r in rl[-10:]),
     }
@@ -80,6 +86,8 @@ def main() -> None:
     p.add_argument("--sft-steps", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--seeds", default="1,2")
+    p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts per evaluation")
+    p.add_argument("--eval-samples", type=int, default=4, help="fresh samples per evaluation prompt")
     p.add_argument("--arms", default="whole,partial")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for every arm")

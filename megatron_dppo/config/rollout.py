@@ -79,8 +79,19 @@ class RolloutConfig:
                                     "train.max_staleness >= 1 (with 0 no version arrives mid-batch) and "
                                     "train.staleness_mode=newest (fixed mode's versions must not depend on timing); "
                                     "not with an env section, algo.screen_k or dynamic_sampling.")
-    interrupt_chunk_tokens: int = opt(32, "rollout.max_interruptions >= 1 with rollout.engine=vllm: tokens per "
-                                          "generation chunk; a version that arrived is taken between chunks.")
+    interrupt_chunk_tokens: int = opt(32, "rollout.max_interruptions >= 1 with rollout.engine=vllm, or "
+                                          "rollout.overprovision > 0 (both engines): tokens per generation chunk; a "
+                                          "version that arrived is taken between chunks, and over-provisioning "
+                                          "checks between chunks whether enough groups are complete.")
+    overprovision: float = opt(0.0, "rollout.placement=separate, over-provisioning with abort (APRIL): the worker "
+                                    "generates for ceil(B (1 + this)) drawn prompts, ships the B that complete "
+                                    "first and keeps the others, partial completions included, for the next step, "
+                                    "where they continue under the newer weights. No drawn prompt is dropped (each "
+                                    "trains once, weighted by its own 1/pi_q), and a group whose oldest token would "
+                                    "leave the train.max_staleness bound finishes in this step (docs/async.md, "
+                                    "\"Over-provisioning\"). In [0, 1]; 0 = off. Needs train.max_staleness >= 2, "
+                                    "train.staleness_mode=newest and one rollout worker; not with an env section, "
+                                    "algo.screen_k, dynamic_sampling or algo.pruner=adaptive.")
     mask_offpolicy: bool = opt(False, "rollout.max_interruptions >= 1: train only the tokens of each sample's last "
                                       "version (the segment after its last interruption); the older segments get "
                                       "loss mask 0 and leave the sequence's trained-token count, as an episode's "
@@ -117,6 +128,10 @@ class RolloutConfig:
         _check(self.max_interruptions >= 0, "rollout.max_interruptions", self.max_interruptions, ">= 0")
         _check(self.interrupt_chunk_tokens >= 1, "rollout.interrupt_chunk_tokens", self.interrupt_chunk_tokens,
                ">= 1")
+        _check(0 <= self.overprovision <= 1, "rollout.overprovision", self.overprovision, "in [0, 1]")
+        _check(self.overprovision == 0 or self.placement == "separate", "rollout.overprovision",
+               self.overprovision, "0 with rollout.placement=colocated (the carried groups train at a later step, "
+               "with the staleness of separate placement)")
         _check(self.max_interruptions == 0 or self.placement == "separate", "rollout.max_interruptions",
                self.max_interruptions, "0 with rollout.placement=colocated (partial rollouts take weight versions "
                "that arrive at a rollout worker mid-batch)")

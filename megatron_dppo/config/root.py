@@ -170,6 +170,19 @@ class Config:
                        "generation only)")
             _check(r.tp == 1, "rollout.tp", r.tp, "1 with rollout.max_interruptions >= 1 (each worker takes a new "
                    "version mid-batch on its own; the ranks of one vLLM engine would have to agree on when)")
+        if r.overprovision:
+            _check(k >= 2, "train.max_staleness", k, ">= 2 with rollout.overprovision > 0 (batch t is generated "
+                   "from version t - 1 or older, so with k = 1 none of its tokens may wait for step t + 1)")
+            _check(self.train.staleness_mode == "newest", "train.staleness_mode", self.train.staleness_mode,
+                   "newest with rollout.overprovision > 0 (which groups finish first depends on timing once "
+                   "versions arrive mid-batch)")
+            _check(r.workers == 1, "rollout.workers", r.workers, "1 with rollout.overprovision > 0 (the pending "
+                   "groups live on the one worker that generates them)")
+            for key, on in (("env", self.env is not None), ("algo.screen_k", bool(self.algo.screens)),
+                            ("dynamic_sampling.enable", self.dynamic_sampling.enable),
+                            ("algo.pruner=adaptive", self.algo.pruner == "adaptive")):
+                _check(not on, "rollout.overprovision", r.overprovision,
+                       f"0 with {key} (over-provisioning carries whole single-turn groups of G completions)")
         if r.placement == "colocated":
             _check(k == 0, "train.max_staleness", k, "0 with rollout.placement=colocated (one process generates "
                    "and trains in turn: nothing to overlap); use rollout.placement=separate for k >= 1")
@@ -263,8 +276,10 @@ UNUSED_WHEN = [
       "rollout.offload_train_state"), "rollout.engine", lambda c: c.rollout.engine != "vllm",
      "only rollout.engine=vllm reads it"),
     (("rollout.batch_size",), "rollout.engine", lambda c: c.rollout.engine != "hf", "only rollout.engine=hf reads it"),
-    (("rollout.interrupt_chunk_tokens", "rollout.mask_offpolicy"), "rollout.max_interruptions",
-     lambda c: c.rollout.max_interruptions == 0, "only partial rollouts (rollout.max_interruptions >= 1) read it"),
+    (("rollout.interrupt_chunk_tokens", "rollout.mask_offpolicy"), ("rollout.max_interruptions",
+                                                                      "rollout.overprovision"),
+     lambda c: c.rollout.max_interruptions == 0 and c.rollout.overprovision == 0,
+     "only partial rollouts (rollout.max_interruptions >= 1) and over-provisioning read it"),
     (("rollout.workers", "rollout.tp", "rollout.worker_timeout_s", "train.staleness_mode"), "rollout.placement",
      lambda c: c.rollout.placement != "separate", "only rollout.placement=separate reads it"),
 ]

@@ -50,6 +50,10 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a position; the dataset size, seed and shuffle flag must match the saved ones."""
+        if state.get("pending"):
+            raise ValueError(f"the sampler state holds {len(state['pending'])} drawn prompts not trained yet "
+                             "(rollout.overprovision > 0 when it was saved); resume with rollout.overprovision > 0 "
+                             "so that they are trained, not lost")
         for key in ("seed", "num_prompts", "shuffle"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"sampler state was saved with {key}={state[key]!r} but this sampler has "

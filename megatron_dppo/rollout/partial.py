@@ -58,7 +58,9 @@ class WeightSource(Protocol):
 
 
 @dataclass
-class _Row:
+class PartialRow:
+    """One sample being generated: its prompt, the tokens so far with their log-probs and versions."""
+
     prompt: int  # index into the prompts
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
@@ -66,6 +68,18 @@ class _Row:
     versions: list[int] = field(default_factory=list)
     interruptions: int = 0
     finish: str | None = None  # None while unfinished
+
+    @property
+    def oldest(self) -> int | None:
+        """The version of its oldest token (None before the first)."""
+        return min(self.versions) if self.versions else None
+
+    def completion(self) -> PartialCompletion:
+        return PartialCompletion(self.tokens, self.logprobs, self.finish, versions=self.versions,
+                                 interruptions=self.interruptions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     def extend(self, completion: Completion, version: int, budget: int) -> None:
         self.tokens += completion.token_ids
@@ -98,7 +112,7 @@ def generate_partial(engine, prompt_token_ids: list[list[int]], n: int, sampling
             return engine.generate(prompts, count, params, interrupt=ask)
         return engine.generate(prompts, count, params)
 
-    rows = [_Row(p, list(ids)) for p, ids in enumerate(prompt_token_ids) for _ in range(n)]
+    rows = [PartialRow(p, list(ids)) for p, ids in enumerate(prompt_token_ids) for _ in range(n)]
     first = call([list(ids) for ids in prompt_token_ids], n, budget, 0)  # one call: the engine shares prefills
     for row, completion in zip(rows, (c for g in first for c in g.completions)):
         row.extend(completion, version, budget)
@@ -110,7 +124,7 @@ def generate_partial(engine, prompt_token_ids: list[list[int]], n: int, sampling
             for r in rows:
                 if r.finish is None:
                     r.interruptions += 1
-        by_length: dict[int, list[_Row]] = {}
+        by_length: dict[int, list[PartialRow]] = {}
         for r in rows:
             if r.finish is None:
                 by_length.setdefault(len(r.tokens), []).append(r)
@@ -121,9 +135,61 @@ def generate_partial(engine, prompt_token_ids: list[list[int]], n: int, sampling
             round_ += 1
     groups = [CompletionGroup(list(ids)) for ids in prompt_token_ids]
     for r in rows:
-        groups[r.prompt].completions.append(PartialCompletion(r.tokens, r.logprobs, r.finish, versions=r.versions,
-                                                              interruptions=r.interruptions))
+        groups[r.prompt].completions.append(r.completion())
     return groups, version
+
+
+def continue_rows(engine, groups: list[list[PartialRow]], sampling: SamplingParams, version: int, chunk_tokens: int,
+                  enough: Callable[[], bool], source: WeightSource | None = None, max_interruptions: int = 0,
+                  ) -> tuple[int, int]:
+    """Over-provisioned generation (``rollout.overprovision``, train/overprovision.py): continue the unfinished rows
+    of ``groups`` in chunks of ``chunk_tokens`` tokens until every row has finished or ``enough()`` holds after a
+    chunk; the rows still running then stay as they are, to be continued by a later call. A group none of whose
+    rows has a token yet starts with one call of n = its size (the engine shares the prompt's prefill); the others
+    continue from prompt + partial completion, rows of equal remaining budget together. Between chunks a newer
+    version from ``source`` is taken (at most ``max_interruptions``, partial rollouts); a row whose last token came
+    from an older version than ``version`` (carried from an earlier call) counts that as an interruption. Returns
+    (the engine's version at the end, versions taken)."""
+    budget, taken, round_ = sampling.max_new_tokens, 0, 0
+    for row in (r for g in groups for r in g):
+        if row.finish is None and row.versions and row.versions[-1] != version:
+            row.interruptions += 1
+
+    def call(prompts: list[list[int]], count: int, remaining: int) -> list[CompletionGroup]:
+        nonlocal round_
+        seed = None if sampling.seed is None else (sampling.seed + 1_000_003 * round_) % (1 << 31)
+        round_ += 1
+        return engine.generate(prompts, count, dataclasses.replace(sampling, max_new_tokens=min(chunk_tokens,
+                                                                                                remaining), seed=seed))
+
+    while any(r.finish is None for g in groups for r in g) and not enough():
+        if source is not None and taken < max_interruptions and source.newer():
+            version = source.load_newer()
+            taken += 1
+            for r in (r for g in groups for r in g):
+                if r.finish is None and r.tokens:
+                    r.interruptions += 1
+        fresh = [g for g in groups if g and all(not r.tokens and r.finish is None for r in g)]
+        sizes = {len(g) for g in fresh}
+        for size in sorted(sizes):
+            same = [g for g in fresh if len(g) == size]
+            out = call([list(g[0].prompt_ids) for g in same], size, budget)
+            for g, produced in zip(same, out):
+                for r, c in zip(g, produced.completions):
+                    r.extend(c, version, budget)
+        by_length: dict[int, list[PartialRow]] = {}
+        started = {id(g) for g in fresh}
+        for g in groups:
+            for r in g:
+                if r.finish is None and id(g) not in started:
+                    by_length.setdefault(len(r.tokens), []).append(r)
+        for done, rows in sorted(by_length.items()):
+            out = call([r.prompt_ids + r.tokens for r in rows], 1, budget - done)
+            for r, produced in zip(rows, out):
+                r.extend(produced.completions[0], version, budget)
+                if not produced.completions[0].token_ids and r.finish is None:  # no progress possible (context)
+                    r.finish = "length"
+    return version, taken
 
 
 class InterruptibleEngine:

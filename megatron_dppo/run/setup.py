@@ -43,7 +43,6 @@ from megatron_dppo.run.state import RolloutSide, Run, TrainSide
 
 def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     """Process groups, tokenizer, data, Megatron engine, rollout engine, rewards, pruner; restore a checkpoint."""
-    from megatron_dppo.data import PromptSampler
     from megatron_dppo.megatron.engine import PolicyEngine
     from megatron_dppo.megatron.model import ModelArch
     from megatron_dppo.megatron.parallel import initialize_parallel, validate_parallel
@@ -96,7 +95,7 @@ def setup(cfg: Config, *, resume: bool = True, need_eval: bool = False) -> Run:
     rollout_side = RolloutSide(
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, engine, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=train_prompts,
-        sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle), pruner=pruner,
+        sampler=prompt_sampler(cfg, len(train_prompts)), pruner=pruner,
         eval_sets=eval_sets, eval_scorers=eval_scorers,
         reward_model=reward_model, env_factory=env_factory, chat=chat)
     train_side = TrainSide(cfg=cfg, engine=engine, loss_cfg=loss_cfg, estimator=estimator, pruner=pruner,
@@ -140,7 +139,6 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
     """A rollout worker's half of a run (``rollout.placement=separate``): tokenizer, prompts, sampler, pruner,
     history, reward scorers, eval sets (the workers evaluate) and the rollout engine; no Megatron engine.
     ``roles``: this job's ``dist.placement.Roles``."""
-    from megatron_dppo.data import PromptSampler
     from megatron_dppo.megatron.arch import ModelArch
 
     quiet_logs()
@@ -161,9 +159,21 @@ def setup_worker(cfg: Config, roles) -> RolloutSide:
     return RolloutSide(
         cfg=cfg, tokenizer=tokenizer, engine=rollout, handover=build_handover(cfg, None, rollout, arch),
         eos_ids=eos_ids(tokenizer, hf_config), scorer=scorer, train_prompts=prompts,
-        sampler=PromptSampler(len(prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
+        sampler=prompt_sampler(cfg, len(prompts)),
         pruner=build_pruner(cfg, loss_cfg, estimator), eval_sets=eval_sets,
         eval_scorers=eval_scorers, reward_model=reward_model, env_factory=env_factory, chat=chat)
+
+
+def prompt_sampler(cfg: Config, num_prompts: int):
+    """The seeded, resumable prompt sampler (``data.PromptSampler``); with rollout.overprovision > 0 wrapped with
+    the pending prompts (``rollout.pending.PendingPrompts``), whose state it carries."""
+    from megatron_dppo.data import PromptSampler
+
+    sampler = PromptSampler(num_prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    if cfg.rollout.overprovision:
+        from megatron_dppo.rollout.pending import PendingPrompts
+        return PendingPrompts(sampler)
+    return sampler
 
 
 def open_audit(path: Path, resume_step: int | None):

@@ -137,7 +137,7 @@ def generate(side: RolloutSide, prompts: list[Prompt], n: int, step: int, temper
         for group in groups:
             comps = group.completions
             out.append(([c.token_ids for c in comps],
-                        [side.tokenizer.decode(_strip_stop(c.token_ids, side.eos_ids), skip_special_tokens=True)
+                        [side.tokenizer.decode(strip_stop(c.token_ids, side.eos_ids), skip_special_tokens=True)
                          for c in comps],
                         [c.logprobs for c in comps],
                         [c.finish_reason == "length" for c in comps], None,
@@ -388,5 +388,5 @@ def scoring_window(side: RolloutSide):
         side.handover.after_scoring(side.reward_model.engine, sleep=side.cfg.rollout.sleep_between_steps)
 
 
-def _strip_stop(ids: list[int], stops: list[int]) -> list[int]:
+def strip_stop(ids: list[int], stops: list[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stops else ids

@@ -11,7 +11,9 @@ the metrics sent the same way (``DueEvaluations``). The first version also carri
 position and history, so a resumed trainer repositions the workers (batches that were in flight are generated
 again). With partial rollouts (``rollout.max_interruptions``) a version that arrives while a batch generates is
 loaded mid-batch and the running samples continue under it (``partial_engine``); the batch stays stamped with the
-version it started from, its oldest tokens'."""
+version it started from, its oldest tokens'. With over-provisioning (``rollout.overprovision``) the worker draws with
+``overprovision.draw_overprovisioned``: the groups not finished when the batch is complete wait in the sampler's
+state for the next batch."""
 from __future__ import annotations
 
 import contextlib
@@ -28,6 +30,7 @@ from megatron_dppo.run.setup import setup_worker
 from megatron_dppo.run.state import RolloutSide
 from megatron_dppo.train.draw import draw_batch
 from megatron_dppo.train.evaluation import evaluate
+from megatron_dppo.train.overprovision import draw_overprovisioned
 
 
 def serve(cfg) -> dict[str, Any]:
@@ -68,11 +71,16 @@ def serve(cfg) -> dict[str, Any]:
             break
         eval_s = take(newest)  # (a due version is loaded at the latest for batch version + k: see DueEvaluations)
         timer = PhaseTimer()
-        with interruptible(partial):  # (versions arriving now are taken mid-batch: the oldest, ``loaded``, stamps it)
-            drawn = draw_batch(side, step, timer, version=loaded)
-        drawn.version, drawn.sampler_state = loaded, side.sampler.state_dict()
-        drawn.metrics = {"async/rollout_idle_s": idle, "async/rollout_busy_s": timer.as_metrics()["time/step"],
-                         "async/rollout_cpu_s": D.sum_over_ranks(timer.cpu_seconds), "async/rollout_eval_s": eval_s}
+        if cfg.rollout.overprovision:  # (stamped with its oldest token's version: carried groups may be older)
+            drawn = draw_overprovisioned(side, step, timer, loaded, partial)
+        else:
+            with interruptible(partial):  # (versions arriving now are taken mid-batch: the oldest, ``loaded``, stamps
+                drawn = draw_batch(side, step, timer, version=loaded)  # it)
+            drawn.version = loaded
+        drawn.sampler_state = side.sampler.state_dict()
+        drawn.metrics.update({"async/rollout_idle_s": idle, "async/rollout_busy_s": timer.as_metrics()["time/step"],
+                              "async/rollout_cpu_s": D.sum_over_ranks(timer.cpu_seconds),
+                              "async/rollout_eval_s": eval_s})
         if partial is not None:  # (each worker's own: the versions it took mid-batch)
             drawn.metrics["async/versions_taken_mid_batch"] = float(D.sum_over_ranks(partial.take_count()))
         if link.batches is not None:

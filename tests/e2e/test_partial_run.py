@@ -82,3 +82,25 @@ def test_a_worker_killed_after_interruptions_loses_nothing(tmp_path):
     after = _rl(read_metrics(out))[len(trained):]
     assert [r["step"] for r in after] == list(range(resume_at, len(trained) + 2))  # each step after it, once
     assert all(0.0 <= r["async/token_staleness"] <= 1.0 for r in after)
+
+
+OVERPROVISION = ("rollout.placement=separate", "train.max_staleness=2", "rollout.overprovision=0.5",
+                 "rollout.interrupt_chunk_tokens=4")
+
+
+def test_overprovisioned_runs_carry_groups_within_the_bound_and_resume_with_them(tmp_path):
+    """rollout.overprovision (APRIL) with partial rollouts: groups left unfinished wait in the worker's sampler
+    state; every token trains within k = 2 (the trainer's gate checks each one and would fail the run); the
+    checkpoint holds the pending prompts and a resumed run continues them (the sampler refuses to drop them)."""
+    out, cfg = _config(tmp_path, "april", steps=4)
+    run_cli(cfg, *OVERPROVISION, "rollout.max_interruptions=1", nproc=2)
+    records = _rl(read_metrics(out))
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(r["async/staleness"] <= 2.0 and 0.0 <= r["async/token_staleness"] <= 2.0 for r in records)
+    assert sum(r["async/carried_prompts"] for r in records) >= 1, records
+    assert all(r["async/pending_prompts"] <= 4 for r in records)  # ceil(B 0.5) at most (B = 8)
+    state = json.loads((out / "rollout_worker.json").read_text())
+    assert [b["step"] for b in state["batches"]] == [0, 1, 2, 3]
+
+    run_cli(cfg, *OVERPROVISION, "rollout.max_interruptions=1", "train.steps=6", nproc=2)  # resumed at step 4
+    assert [r["step"] for r in _rl(read_metrics(out))] == [0, 1, 2, 3, 4, 5]
