@@ -89,15 +89,18 @@ class RolloutConfig:
                                     "where they continue under the newer weights. No drawn prompt is dropped (each "
                                     "trains once, weighted by its own 1/pi_q), and a group whose oldest token would "
                                     "leave the train.max_staleness bound finishes in this step (docs/async.md, "
-                                    "\"Over-provisioning\"). In [0, 1]; 0 = off. Needs train.max_staleness >= 2, "
-                                    "train.staleness_mode=newest and one rollout worker; not with an env section, "
-                                    "algo.screen_k, dynamic_sampling or algo.pruner=adaptive.")
-    mask_offpolicy: bool = opt(False, "rollout.max_interruptions >= 1: train only the tokens of each sample's last "
-                                      "version (the segment after its last interruption); the older segments get "
-                                      "loss mask 0 and leave the sequence's trained-token count, as an episode's "
-                                      "observation tokens do (slime's --mask-offpolicy-in-partial-rollout). Off: "
-                                      "every token is trained, corrected by its own behaviour log-prob "
-                                      "(loss.rollout_correction).")
+                                    "\"Over-provisioning\"). In [0, 1]; 0 = off. On the HF engine use small "
+                                    "rollout.interrupt_chunk_tokens (8 made 1.8x the tokens per worker CPU second "
+                                    "of 32 on a long-tail task: docs/benchmarks.md section 21). Needs "
+                                    "train.max_staleness >= 2, train.staleness_mode=newest and one rollout worker; "
+                                    "not with an env section, algo.screen_k, dynamic_sampling or "
+                                    "algo.pruner=adaptive.")
+    mask_offpolicy: bool = opt(False, "rollout.max_interruptions >= 1 or rollout.overprovision > 0: train only the "
+                                      "tokens of each sample's last version (the segment after its last "
+                                      "interruption or carry); the older segments get loss mask 0 and leave the "
+                                      "sequence's trained-token count, as an episode's observation tokens do "
+                                      "(slime's --mask-offpolicy-in-partial-rollout). Off: every token is trained, "
+                                      "corrected by its own behaviour log-prob (loss.rollout_correction).")
     worker_timeout_s: float = opt(600.0, "rollout.placement=separate: every trainer rank fails, naming the worker, "
                                          "when no batch (or awaited evaluation) arrives for this long, or a worker "
                                          "takes no weight bucket within it (hung); a dead worker is reported at once.")

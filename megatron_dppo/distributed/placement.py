@@ -344,6 +344,11 @@ class WorkerWeights:
             newest = self._newest(max(versions), False)  # a newer one reached some ranks first: wait for it on all
         return newest
 
+    def local_newest(self, min_version: int) -> Any:
+        """The newest version >= ``min_version`` that reached THIS rank, without agreeing with the other worker
+        ranks (partial rollouts: each worker takes versions mid-batch on its own)."""
+        return self._newest(min_version, False)
+
     def _newest(self, min_version: int, exact: bool) -> Any:
         raise NotImplementedError
 

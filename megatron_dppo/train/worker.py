@@ -118,7 +118,7 @@ def partial_engine(cfg, side: RolloutSide, weights):
         return bool(arrived) and arrived[-1] > holder[0].version
 
     def load_newer() -> int:
-        version = weights._newest(holder[0].version + 1, False)  # (this worker's newest; no agreement needed)
+        version = weights.local_newest(holder[0].version + 1)
         weights.load(version)
         return version.version
 

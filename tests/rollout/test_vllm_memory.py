@@ -1,4 +1,4 @@
-"""How much GPU memory a colocated vLLM engine is given (``vllm_engine.vllm_memory_utilization``, no GPU needed):
+"""How much GPU memory a colocated vLLM engine is given (``vllm_memory.vllm_memory_utilization``, no GPU needed):
 vLLM's gpu_memory_utilization is a fraction of the TOTAL memory that must be free at its start-up, and the trainer
 is built first. The request is kept when it fits, sized down to the free memory when not, and refused by name when
 even that cannot hold the model. The last test checks the rule against vLLM's own start-up check
@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from megatron_dppo.rollout.vllm_engine import (
+from megatron_dppo.rollout.vllm_engine import expected_hf_weights
+from megatron_dppo.rollout.vllm_memory import (
     GIB,
     STARTUP_RESERVE_BYTES,
     model_memory_floor,
@@ -69,8 +70,9 @@ def test_the_floor_is_the_weights_share_and_one_full_sequence_of_kv_cache(tmp_pa
     (tmp_path / "config.json").write_text(json.dumps(config))
     embed, layer = 128 * 64, (64 * 64 + 64) + 2 * (32 * 64 + 32) + 64 * 64 + 3 * 64 * 96 + 2 * 64
     weights = embed + 2 * layer + 64  # tied output layer counted once; final norm
-    assert model_memory_floor(tmp_path, 1, "bfloat16") == 2 * weights + 2 * 2 * 2 * 16 * 2 * 256
-    assert model_memory_floor(tmp_path, 1, "float32", max_model_len=8) == 4 * weights + 2 * 2 * 2 * 16 * 4 * 8
+    expected = expected_hf_weights(tmp_path)
+    assert model_memory_floor(tmp_path, 1, "bfloat16", expected) == 2 * weights + 2 * 2 * 2 * 16 * 2 * 256
+    assert model_memory_floor(tmp_path, 1, "float32", expected, max_model_len=8) == 4 * weights + 2 * 2 * 2 * 16 * 4 * 8
 
 
 @pytest.mark.vllm
