@@ -303,7 +303,7 @@ class OptimConfig:
     """Adam optimizer (optionally Megatron's DistributedOptimizer, which shards its state over DP ranks).
 
     Weight decay is decoupled (AdamW) and not applied to biases and norm weights (Megatron's default parameter
-    groups); the schedule's formula is ``megatron.engine.lr_at_step``.
+    groups); the schedule's formula is ``algo.lr_schedule.lr_at_step``.
     """
 
     lr: float = opt(1e-6, "Peak learning rate of the RL phase.")

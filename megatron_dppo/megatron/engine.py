@@ -38,7 +38,7 @@ and the DP gradient reduction). The packer guarantees it; the engine still all-r
 appends zero-weight dummy micro-batches (``ThdBatch`` with ``loss_mask = 0``) to any rank that has fewer, and,
 with virtual pipeline stages, up to a multiple of ``pp`` (the interleaved schedule needs it). A dummy adds
 exactly 0 to the loss and to the gradient. A micro-batch with zero positions is replaced by a dummy. With
-virtual stages every micro-batch is also padded to the longest one (``pad_micro_batch``), and the interleaved
+virtual stages every micro-batch is also padded to the longest one (``pad_thd_batch``), and the interleaved
 schedule runs with a fixed activation shape and separate forward / backward exchanges
 (``variable_seq_lengths=False, overlap_p2p_comm=True, batch_p2p_comm=False``): on a 2-rank pipeline group
 (prev peer == next peer) Megatron-Core 0.16's combined ``send_forward_backward_recv_forward_backward`` pairs
@@ -100,7 +100,9 @@ import torch
 from torch import Tensor
 
 from megatron_dppo.algo.losses import LossConfig, loss_numerator
+from megatron_dppo.algo.lr_schedule import check_schedule, lr_at_step
 from megatron_dppo.config.sections import OptimConfig  # the optim section of the run configuration
+from megatron_dppo.packing.thd import dummy_thd_batch, pad_thd_batch
 
 from . import compat
 from .cpu import ensure_device_backend
@@ -125,81 +127,10 @@ _STAT_NAMES = ("numerator", "tokens", "clipped_tokens", "clip_high_tokens", "cli
 DIST_CKPT_OPTIM_FORMATS = ("dp_reshardable", "fully_reshardable")
 
 
-def lr_at_step(cfg: OptimConfig, step: int, max_lr: float, min_lr: float, total_steps: int | None = None) -> float:
-    """The learning rate of update number ``step`` (0-based) for a group with ``max_lr``/``min_lr`` under
-    ``cfg``'s schedule (the optim section, config/sections.py); ``total_steps``: the cosine's horizon.
-
-    With ``step`` = optimizer steps already taken (0 for the first update):
-        warmup (step < warmup_steps):  max_lr * (step + 1) / warmup_steps
-        constant:                      max_lr
-        cosine:                        min_lr + (max_lr - min_lr) * (1 + cos(pi * p)) / 2,
-                                       p = min(1, (step - warmup_steps) / (total_steps - warmup_steps))
-    The first update of a warmup therefore already uses a non-zero rate (Megatron's own scheduler starts at 0).
-    """
-    check_schedule(cfg, total_steps)
-    if step < 0:
-        raise ValueError(f"step={step} must be >= 0")
-    if step < cfg.warmup_steps:
-        return max_lr * (step + 1) / cfg.warmup_steps
-    if cfg.scheduler == "constant":
-        return max_lr
-    progress = min(1.0, (step - cfg.warmup_steps) / (total_steps - cfg.warmup_steps))
-    return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def check_schedule(cfg: OptimConfig, total_steps: int | None) -> None:
-    if cfg.scheduler == "cosine" and (total_steps is None or total_steps <= cfg.warmup_steps):
-        raise ValueError(f"optim.scheduler='cosine' needs total_steps > warmup_steps={cfg.warmup_steps}, "
-                         f"got total_steps={total_steps}")
-
-
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Micro-batch helpers
 # ----------------------------------------------------------------------------------------------------------
-def dummy_micro_batch(pad_multiple: int = 1):
-    """A zero-weight placeholder micro-batch (``pad_multiple`` padding positions, loss mask 0)."""
-    from megatron_dppo.packing import build_thd_batch
-
-    return build_thd_batch([], [], [], [], [], pad_multiple=pad_multiple)
-
-
-def pad_micro_batch(batch, length: int):
-    """``batch`` extended to ``length`` positions: the padding joins the last sequence's padded region
-    (``cu_seqlens_padded[-1]``; true lengths unchanged), with loss mask, weights and labels 0 and
-    ``seq_index = -1``. Used to give every micro-batch one shape under the interleaved pipeline schedule."""
-    import dataclasses
-
-    extra = int(length) - int(batch.tokens.numel())
-    if extra < 0:
-        raise ValueError(f"cannot pad a micro-batch of {batch.tokens.numel()} positions to {length}")
-    if extra == 0:
-        return batch
-
-    def cat(t, value, dtype=None):
-        if t is None:
-            return None
-        return torch.cat([t, torch.full((extra,), value, dtype=dtype or t.dtype, device=t.device)])
-
-    last_pos = int(batch.position_ids[-1]) + 1 if batch.position_ids.numel() else 0
-    cu_padded = batch.cu_seqlens_padded.clone()
-    cu_padded[-1] += extra
-    return dataclasses.replace(
-        batch,
-        tokens=cat(batch.tokens, 0),
-        position_ids=torch.cat([batch.position_ids, torch.arange(last_pos, last_pos + extra,
-                                                                 dtype=batch.position_ids.dtype,
-                                                                 device=batch.position_ids.device)]),
-        labels=cat(batch.labels, 0), loss_mask=cat(batch.loss_mask, 0.0), token_weight=cat(batch.token_weight, 0.0),
-        advantages=cat(batch.advantages, 0.0), seq_index=cat(batch.seq_index, -1),
-        cu_seqlens_padded=cu_padded,
-        max_seqlen=max(int(batch.max_seqlen), int(cu_padded[-1] - cu_padded[-2])),
-        old_logprobs=cat(batch.old_logprobs, 0.0), ref_logprobs=cat(batch.ref_logprobs, 0.0),
-        rollout_weight=cat(batch.rollout_weight, 0.0),
-    )
-
-
 def _pad_multiple(parallel: ParallelConfig) -> int:
     from megatron_dppo.packing import thd_pad_multiple
 
@@ -412,7 +343,7 @@ class PolicyEngine:
         batches = []
         for b in micro_batches:
             if int(b.tokens.numel()) == 0:
-                b = dummy_micro_batch(pad)
+                b = dummy_thd_batch(pad)
             batches.append(b.to(self.device))
         count = len(batches)
         if pad_dp and parallel_state.get_data_parallel_world_size() > 1:
@@ -425,12 +356,12 @@ class PolicyEngine:
             count = -(-count // self.parallel.pp) * self.parallel.pp
         count = max(count, 1)
         while len(batches) < count:
-            batches.append(dummy_micro_batch(pad).to(self.device))
+            batches.append(dummy_thd_batch(pad).to(self.device))
         if self.parallel.vpp is not None:
             # Megatron-Core's interleaved schedule mis-pairs the variable-shape exchange when the pipeline group
             # has 2 ranks (NVIDIA/Megatron-LM #5100): run it with one fixed shape instead.
             length = max(int(b.tokens.numel()) for b in batches)
-            batches = [pad_micro_batch(b, length) for b in batches]
+            batches = [pad_thd_batch(b, length) for b in batches]
         return batches
 
     @torch.no_grad()

@@ -382,3 +382,41 @@ def build_padded_batch(
         attention_mask=attention_mask,
         sample_ids=torch.tensor(sample_list, dtype=torch.long),
     )
+
+
+def dummy_thd_batch(pad_multiple: int = 1):
+    """A zero-weight placeholder micro-batch (``pad_multiple`` padding positions, loss mask 0)."""
+    return build_thd_batch([], [], [], [], [], pad_multiple=pad_multiple)
+
+
+def pad_thd_batch(batch, length: int):
+    """``batch`` extended to ``length`` positions: the padding joins the last sequence's padded region
+    (``cu_seqlens_padded[-1]``; true lengths unchanged), with loss mask, weights and labels 0 and
+    ``seq_index = -1``. Used to give every micro-batch one shape under the interleaved pipeline schedule."""
+    extra = int(length) - int(batch.tokens.numel())
+    if extra < 0:
+        raise ValueError(f"cannot pad a micro-batch of {batch.tokens.numel()} positions to {length}")
+    if extra == 0:
+        return batch
+
+    def cat(t, value, dtype=None):
+        if t is None:
+            return None
+        return torch.cat([t, torch.full((extra,), value, dtype=dtype or t.dtype, device=t.device)])
+
+    last_pos = int(batch.position_ids[-1]) + 1 if batch.position_ids.numel() else 0
+    cu_padded = batch.cu_seqlens_padded.clone()
+    cu_padded[-1] += extra
+    return dataclasses.replace(
+        batch,
+        tokens=cat(batch.tokens, 0),
+        position_ids=torch.cat([batch.position_ids, torch.arange(last_pos, last_pos + extra,
+                                                                 dtype=batch.position_ids.dtype,
+                                                                 device=batch.position_ids.device)]),
+        labels=cat(batch.labels, 0), loss_mask=cat(batch.loss_mask, 0.0), token_weight=cat(batch.token_weight, 0.0),
+        advantages=cat(batch.advantages, 0.0), seq_index=cat(batch.seq_index, -1),
+        cu_seqlens_padded=cu_padded,
+        max_seqlen=max(int(batch.max_seqlen), int(cu_padded[-1] - cu_padded[-2])),
+        old_logprobs=cat(batch.old_logprobs, 0.0), ref_logprobs=cat(batch.ref_logprobs, 0.0),
+        rollout_weight=cat(batch.rollout_weight, 0.0),
+    )

@@ -47,10 +47,10 @@ from typing import Any, Sequence
 import torch
 
 from megatron_dppo.algo.advantages import group_advantages
+from megatron_dppo.algo.lr_schedule import lr_at_step
 from megatron_dppo.config import Config
 from megatron_dppo.distributed import collectives as D
 from megatron_dppo.distributed.placement import roles
-from megatron_dppo.megatron.engine import lr_at_step
 from megatron_dppo.run import console
 from megatron_dppo.run.lifecycle import STOP_REQUESTED, StopSignals, save
 from megatron_dppo.run.metrics import PhaseTimer, plot_reward_curve, read_jsonl

@@ -140,7 +140,7 @@ def replay_case(replay: bool, family: str = "qwen3_moe", parallel=None, batches=
     for j, per_batch in enumerate(recorded):
         assert len(hooks.calls[j]) == len(batches)  # one forward per micro-batch, no recompute
         for used, (want, valid) in zip(hooks.calls[j], per_batch):
-            used = used[: want.shape[0]]  # the interleaved schedule pads micro-batches at the end (pad_micro_batch)
+            used = used[: want.shape[0]]  # the interleaved schedule pads micro-batches at the end (pad_thd_batch)
             missed += int((want & ~used)[valid].sum())
             choices += int(valid.sum()) * arch.moe.topk
     return {"missed": missed, "choices": choices, "flip_rate": metrics.get("moe/route_flip_rate"),
@@ -256,9 +256,9 @@ def test_replay_makes_the_old_logprob_pass_run():
 # (c) per-sequence routes <-> any packing
 # ----------------------------------------------------------------------------------------------------------
 def test_unpack_and_repack_are_inverse_across_packings():
-    from megatron_dppo.megatron.engine import pad_micro_batch
     from megatron_dppo.megatron.routing_replay import pack_routes, routes_by_sample, unpack_routes
     from megatron_dppo.packing import build_thd_batch
+    from megatron_dppo.packing.thd import pad_thd_batch
 
     L, k, E = 3, 2, 8
     g = torch.Generator().manual_seed(0)
@@ -274,7 +274,7 @@ def test_unpack_and_repack_are_inverse_across_packings():
     layout_a = pack([[0, 1, 2], [3, 4, 5]], pad_multiple=1)
     layout_b = pack([[5, 2], [4], [0, 3, 1]], pad_multiple=4)  # other bins, order and padding
     layout_b.append(build_thd_batch([], [], [], [], [], pad_multiple=4))  # a dummy
-    layout_b[0] = pad_micro_batch(layout_b[0], int(layout_b[0].tokens.numel()) + 6)  # interleaved-schedule padding
+    layout_b[0] = pad_thd_batch(layout_b[0], int(layout_b[0].tokens.numel()) + 6)  # interleaved-schedule padding
     # record in layout A: a packed tensor per micro-batch, unpacked per sequence
     for b in layout_a:
         routes, valid = pack_routes(truth, b, L, k)

@@ -288,7 +288,7 @@ def test_schedule_is_applied_to_the_optimizer(world):
 
 
 def test_lr_schedule_warmup_constant_cosine():
-    from megatron_dppo.megatron.engine import OptimConfig, lr_at_step
+    from megatron_dppo.algo.lr_schedule import OptimConfig, lr_at_step
 
     warm = OptimConfig(lr=1.0, warmup_steps=4)
     assert [lr_at_step(warm, s, 1.0, 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
@@ -306,18 +306,18 @@ def test_lr_schedule_warmup_constant_cosine():
         OptimConfig(lr=1e-6, min_lr=1e-5)
 
 
-def test_pad_micro_batch_keeps_the_loss_positions():
-    from megatron_dppo.megatron.engine import pad_micro_batch
+def test_pad_thd_batch_keeps_the_loss_positions():
     from megatron_dppo.packing import build_thd_batch
+    from megatron_dppo.packing.thd import pad_thd_batch
 
     b = build_thd_batch([[1, 2, 3, 4], [5, 6, 7]], [2, 1], [0, 1], [1.0, -1.0], [0.5, 0.25])
-    p = pad_micro_batch(b, 12)
+    p = pad_thd_batch(b, 12)
     assert p.tokens.numel() == 12 and int(p.cu_seqlens_padded[-1]) == 12
     assert torch.equal(p.cu_seqlens, b.cu_seqlens) and p.max_seqlen == 8
     assert torch.equal(p.loss_mask[:7], b.loss_mask) and float(p.loss_mask[7:].sum()) == 0.0
     assert (p.seq_index[7:] == -1).all() and p.num_tokens == b.num_tokens
     with pytest.raises(ValueError, match="pad"):
-        pad_micro_batch(b, 3)
+        pad_thd_batch(b, 3)
 
 
 # ----------------------------------------------------------------------------------------------------------

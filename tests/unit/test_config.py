@@ -335,7 +335,8 @@ def test_screening_is_refused_where_the_screens_cannot_be_joined(extra, named):
 
 def test_the_optim_section_is_the_engines_optimizer_configuration():
     """One class: the loaded section drives the engine's schedule (``lr_at_step``) under its own field names."""
-    from megatron_dppo.megatron.engine import OptimConfig, lr_at_step
+    from megatron_dppo.algo.lr_schedule import lr_at_step
+    from megatron_dppo.megatron.engine import OptimConfig  # (the engine's own import: one class)
 
     cfg = load_config(None, ["optim.scheduler=cosine", "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=2",
                              "optim.grad_clip=0.5", "optim.distributed_optimizer=true"], validate=False)
