@@ -157,14 +157,15 @@ class Config:
                            ("eval.every_cpu_s", self.eval.every_cpu_s), ("algo.cost_budget", planned)):
             _check(value is None or r.placement == "colocated", key, value, "null with rollout.placement=separate "
                    "(the rollout workers' seconds are not in the trainer's timers)")
+        joined = (("env", self.env is not None), ("algo.screen_k", bool(self.algo.screens)),
+                  ("dynamic_sampling.enable", self.dynamic_sampling.enable))  # rollouts joined from several calls
         if r.max_interruptions:
             _check(k >= 1, "train.max_staleness", k, ">= 1 with rollout.max_interruptions >= 1 (at 0 the batch of "
                    "step t needs version t, and no newer version arrives while it generates)")
             _check(self.train.staleness_mode == "newest", "train.staleness_mode", self.train.staleness_mode,
                    "newest with rollout.max_interruptions >= 1 (fixed mode's versions do not depend on timing; "
                    "when a version arrives mid-batch does)")
-            for key, on in (("env", self.env is not None), ("algo.screen_k", bool(self.algo.screens)),
-                            ("dynamic_sampling.enable", self.dynamic_sampling.enable)):
+            for key, on in joined:
                 _check(not on, "rollout.max_interruptions", r.max_interruptions,
                        f"0 with {key} (partial rollouts carry per-token versions through single-turn "
                        "generation only)")
@@ -174,13 +175,11 @@ class Config:
             _check(k >= 2, "train.max_staleness", k, ">= 2 with rollout.overprovision > 0 (batch t is generated "
                    "from version t - 1 or older, so with k = 1 none of its tokens may wait for step t + 1)")
             _check(self.train.staleness_mode == "newest", "train.staleness_mode", self.train.staleness_mode,
-                   "newest with rollout.overprovision > 0 (which groups finish first depends on timing once "
-                   "versions arrive mid-batch)")
+                   "newest with rollout.overprovision > 0 (fixed mode's exact resume does not cover the carried "
+                   "groups)")
             _check(r.workers == 1, "rollout.workers", r.workers, "1 with rollout.overprovision > 0 (the pending "
                    "groups live on the one worker that generates them)")
-            for key, on in (("env", self.env is not None), ("algo.screen_k", bool(self.algo.screens)),
-                            ("dynamic_sampling.enable", self.dynamic_sampling.enable),
-                            ("algo.pruner=adaptive", self.algo.pruner == "adaptive")):
+            for key, on in (*joined, ("algo.pruner=adaptive", self.algo.pruner == "adaptive")):
                 _check(not on, "rollout.overprovision", r.overprovision,
                        f"0 with {key} (over-provisioning carries whole single-turn groups of G completions)")
         if r.placement == "colocated":
