@@ -27,7 +27,6 @@ runs refuse to start if it differs from this script's, and the report reads it f
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -146,27 +145,18 @@ def analyse(work: Path, protocol: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, default=REPO / "runs" / "adaptive_study")
-    ap.add_argument("--prereg", type=Path, default=REPO / "docs" / "benchmarks" / "adaptive_prereg.json")
-    ap.add_argument("--write-prereg", action="store_true", help="write the protocol to --prereg (before the runs)")
-    ap.add_argument("--report", action="store_true", help="analyse the finished runs")
-    ap.add_argument("--out", type=Path, default=None, help="--report: the JSON (default <work>/report.json)")
-    ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run that do not change the "
-                                                            "protocol (e.g. model.gguf_cache=<folder>)")
-    args = ap.parse_args(argv)
-    if args.write_prereg:
-        SR.write_prereg(args.prereg, PROTOCOL)
-        return 0
-    protocol = SR.read_prereg(args.prereg)
-    if args.report:
+    args = SR.study_arguments(__doc__, REPO / "runs" / "adaptive_study",
+                              REPO / "docs" / "benchmarks" / "adaptive_prereg.json").parse_args(argv)
+
+    def report(protocol: dict, out: Path) -> None:
         rep = analyse(args.work, protocol)
-        write_json(args.out or args.work / "report.json", rep)
+        write_json(out, rep)
         for key, t in rep["tests"].items():
             print(f"{key}: {t['mean']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}] p {t['p']:.3f}"
                   + (f" Holm {t['p_holm']:.3f} {t['verdict']}" if "p_holm" in t else ""))
-        return 0
-    return SR.run_preregistered(protocol, PROTOCOL, jobs(args.work, protocol, args.extra), args.work)
+
+    return SR.run_study(args, PROTOCOL, jobs, report)
+
 
 if __name__ == "__main__":
     sys.exit(main())

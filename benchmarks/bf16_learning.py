@@ -25,7 +25,6 @@ weights in the run's precision: the fraction of the elements that changed and th
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -93,41 +92,35 @@ def weight_change(work: Path, protocol: dict, pretrained: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, default=REPO / "runs" / "bf16_learning")
-    ap.add_argument("--prereg", type=Path, default=REPO / "docs" / "benchmarks" / "bf16_learning_prereg.json")
-    ap.add_argument("--write-prereg", action="store_true", help="write the protocol to --prereg (before the runs)")
-    ap.add_argument("--report", action="store_true", help="analyse the finished runs; write <work>/report.json")
+    ap = SR.study_arguments(__doc__, REPO / "runs" / "bf16_learning",
+                            REPO / "docs" / "benchmarks" / "bf16_learning_prereg.json")
     ap.add_argument("--weight-change", action="store_true", help="how much of its weights each finished run "
                     "changed (module docstring); writes <work>/weight_change.json")
-    ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run that do not change the "
-                                                            "protocol (e.g. model.gguf_cache=<folder>)")
     args = ap.parse_args(argv)
-    if args.write_prereg:
-        SR.write_prereg(args.prereg, PROTOCOL)
-        return 0
-    protocol = SR.read_prereg(args.prereg)
     if args.weight_change:
         from megatron_dppo.config import load_config
         from megatron_dppo.run.build import resolve_model_dir
 
+        protocol = SR.read_prereg(args.prereg)
         pretrained = resolve_model_dir(load_config(str(REPO / protocol["config"]), args.extra))
         result = weight_change(args.work, protocol, pretrained)
         (args.work / "weight_change.json").write_text(json.dumps(result, indent=1))
         return 0
-    if args.report:
+
+    def report(protocol: dict, out: Path) -> None:
         rep = R.analyse(args.work, protocol)
         for arm, runs in rep["runs"].items():  # learning per step: pass@1 at each evaluation with its RL step
             rep["arms"][arm]["points_by_step"] = {s: [(p[2], p[1]) for p in r["points"]] for s, r in runs.items()}
-        (args.work / "report.json").write_text(json.dumps(rep, indent=1))
+        out.write_text(json.dumps(rep, indent=1))
         print(R.markdown(rep))
         for arm, a in rep["arms"].items():
             print(f"{arm}: (RL step, pass@1) per seed: {a['points_by_step']}")
         figure = R.plot(rep, args.work / "bf16_learning.png",
                         title="SmolLM2-135M list_max GRPO: fp32 vs bf16, equal CPU budget")
         print(f"figure: {figure}")
-        return 0
-    return SR.run_preregistered(protocol, PROTOCOL, R.jobs(args.work, protocol, args.extra), args.work)
+
+    return SR.run_study(args, PROTOCOL, R.jobs, report)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,7 +28,6 @@ The runs go through ``study_runner.run_jobs``: each is a ``megatron-dppo train``
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -178,25 +177,17 @@ def plot(rep: dict, path: Path, title: str = "SmolLM2-135M-Instruct on list_max,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, default=REPO / "runs" / "real_model_study")
-    ap.add_argument("--prereg", type=Path, default=REPO / "docs" / "benchmarks" / "real_model_prereg.json")
-    ap.add_argument("--write-prereg", action="store_true", help="write the protocol to --prereg (before the runs)")
-    ap.add_argument("--report", action="store_true", help="analyse the finished runs; write <work>/report.json")
-    ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run that do not change the "
-                                                            "protocol (e.g. model.gguf_cache=<folder>)")
-    args = ap.parse_args(argv)
-    if args.write_prereg:
-        SR.write_prereg(args.prereg, PROTOCOL)
-        return 0
-    protocol = SR.read_prereg(args.prereg)
-    if args.report:
+    args = SR.study_arguments(__doc__, REPO / "runs" / "real_model_study",
+                              REPO / "docs" / "benchmarks" / "real_model_prereg.json").parse_args(argv)
+
+    def report(protocol: dict, out: Path) -> None:
         rep = analyse(args.work, protocol)
-        (args.work / "report.json").write_text(json.dumps(rep, indent=1))
+        out.write_text(json.dumps(rep, indent=1))
         print(markdown(rep))
         print(f"figure: {plot(rep, args.work / 'real_model_study.png')}")
-        return 0
-    return SR.run_preregistered(protocol, PROTOCOL, jobs(args.work, protocol, args.extra), args.work)
+
+    return SR.run_study(args, PROTOCOL, jobs, report)
+
 
 if __name__ == "__main__":
     sys.exit(main())

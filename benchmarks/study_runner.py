@@ -27,6 +27,7 @@ several sittings adds up.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -264,3 +265,32 @@ def run_preregistered(protocol: dict, script_protocol: dict, jobs: list[Job], wo
     for name, why in failed:
         print(f"FAILED {name}: {why}")
     return 1 if failed else 0
+
+
+def study_arguments(doc: str, work: Path, prereg: Path) -> argparse.ArgumentParser:
+    """The options of every preregistered study script: ``--work`` (its runs), ``--prereg`` (the committed
+    protocol), ``--write-prereg``, ``--report`` (``--out``: where the report goes), ``--extra`` (overrides for every
+    run that leave the protocol unchanged). A script adds its own before parsing."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=work)
+    ap.add_argument("--prereg", type=Path, default=prereg)
+    ap.add_argument("--write-prereg", action="store_true", help="write the protocol to --prereg (before the runs)")
+    ap.add_argument("--report", action="store_true", help="analyse the finished runs")
+    ap.add_argument("--out", type=Path, default=None, help="--report: the JSON (default <work>/report.json)")
+    ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run that do not change the "
+                                                            "protocol (e.g. model.gguf_cache=<folder>)")
+    return ap
+
+
+def run_study(args: argparse.Namespace, script_protocol: dict, make_jobs: Callable[[Path, dict, list], list[Job]],
+              report: Callable[[dict, Path], None]) -> int:
+    """What ``study_arguments``' options ask: write the preregistration, or (from the committed protocol) write the
+    report to ``--out`` with ``report(protocol, out)``, or run the jobs ``make_jobs(work, protocol, extra)``."""
+    if args.write_prereg:
+        write_prereg(args.prereg, script_protocol)
+        return 0
+    protocol = read_prereg(args.prereg)
+    if args.report:
+        report(protocol, args.out or args.work / "report.json")
+        return 0
+    return run_preregistered(protocol, script_protocol, make_jobs(args.work, protocol, args.extra), args.work)
