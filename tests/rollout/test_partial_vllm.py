@@ -70,3 +70,35 @@ def test_every_token_has_the_version_and_logprob_of_the_policy_that_sampled_it(t
                                                 top_k)
                         assert (before[at] - reference[at]).abs().max() > 1e-2
         assert (0, 1, 2) in spans, spans
+
+
+def test_overprovisioned_rows_stopped_when_enough_continue_under_newer_weights(tmp_path):
+    """Over-provisioning's loop on vLLM (``continue_rows``, rollout.overprovision): rows stopped after a chunk
+    because enough groups were complete continue in a later call under version 1, from their partial ids; every
+    token keeps the version and behaviour log-prob of the policy that sampled it."""
+    from megatron_dppo.rollout import SamplingParams
+    from megatron_dppo.rollout.partial import PartialRow, continue_rows
+    from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
+
+    models = [_tiny_model(seed) for seed in range(2)]
+    with torch.no_grad():
+        for m in models:
+            m.lm_head.weight[3] = 0.0
+    models[0].save_pretrained(tmp_path)
+    engine = VLLMRolloutEngine(tmp_path, **ENGINE_KWARGS)
+    groups = [[PartialRow(q, list(p)) for _ in range(3)] for q, p in enumerate(PROMPTS)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
+    calls = []
+    continue_rows(engine, groups, sampling, 0, 4, enough=lambda: calls.append(1) or len(calls) > 1)
+    running = [r for g in groups for r in g if r.finish is None]
+    assert running and all(len(r.tokens) == 4 for r in running)
+    engine.load_weights(models[1].state_dict().items())
+    continue_rows(engine, groups, SamplingParams(temperature=1.0, max_new_tokens=12, seed=6), 1, 4,
+                  enough=lambda: False)
+    for r in (r for g in groups for r in g):
+        assert r.finish in ("stop", "length") and r.versions == sorted(r.versions)
+        for v in set(r.versions):
+            at = torch.tensor([u == v for u in r.versions])
+            reference = teacher_forced(models[v], PROMPTS[r.prompt], r.tokens, 1.0, 0)
+            assert torch.allclose(torch.tensor(r.logprobs)[at], reference[at], atol=1e-4), (v, r.versions)
+    assert any(set(r.versions) == {0, 1} for r in running)
