@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 vllm = pytest.importorskip("vllm", reason="vllm is not importable")
 
 import torch  # noqa: E402
-from _sampling_reference import teacher_forced  # noqa: E402
+from _sampling_reference import max_logprob_error, teacher_forced  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from megatron_dppo.rollout import Completion, CompletionGroup  # noqa: E402
@@ -51,18 +51,6 @@ def _tiny_model(seed, tied=False):
     return model
 
 
-def _max_logprob_error(model, groups):
-    worst = 0.0
-    for group in groups:
-        for c in group.completions:
-            ids = torch.tensor([group.prompt_token_ids + c.token_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(group.prompt_token_ids) - 1 : -1]
-            ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
-            worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
-    return worst
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     first, second = tmp_path_factory.mktemp("first"), tmp_path_factory.mktemp("second")
@@ -80,7 +68,7 @@ def test_generate_matches_hf_and_reload_switches_weights(model_dirs):
     sampling = SamplingParams(max_new_tokens=8, seed=0)
     groups = engine.generate(PROMPTS, 3, sampling)
     assert [len(g.completions) for g in groups] == [3, 3, 3]
-    assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(first), groups) < 1e-4
+    assert max_logprob_error(AutoModelForCausalLM.from_pretrained(first), groups) < 1e-4
     assert engine.generate(PROMPTS, 3, sampling)[0].completions[0].token_ids == groups[0].completions[0].token_ids
     # equal prompts in one seeded call get different samples: vLLM seeds child j of a request seed + j, so request
     # seeds seed + i made prompt 0's sample j + 1 prompt 1's sample j (7 seeds for these 12 completions)
@@ -92,12 +80,12 @@ def test_generate_matches_hf_and_reload_switches_weights(model_dirs):
     new_model = AutoModelForCausalLM.from_pretrained(second)
     assert engine.load_weights(new_model.state_dict().items()) == len(new_model.state_dict())
     after = engine.generate(PROMPTS, 3, sampling)
-    assert _max_logprob_error(new_model, after) < 1e-4
+    assert max_logprob_error(new_model, after) < 1e-4
 
     # a bad first tensor is refused before vLLM is touched: the engine keeps serving the current weights
     with pytest.raises(ValueError, match="unknown weight 'model.bogus.weight'"):
         engine.load_weights([("model.bogus.weight", torch.zeros(2))])
-    assert _max_logprob_error(new_model, engine.generate(PROMPTS, 1, sampling)) < 1e-4
+    assert max_logprob_error(new_model, engine.generate(PROMPTS, 1, sampling)) < 1e-4
     # a bad tensor mid-stream leaves vLLM half reloaded: generation is refused until a complete push succeeds
     items = list(_tiny_model(2).state_dict().items())
     with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\)"):
@@ -105,7 +93,7 @@ def test_generate_matches_hf_and_reload_switches_weights(model_dirs):
     with pytest.raises(RuntimeError, match="failed midway"):
         engine.generate(PROMPTS, 1, sampling)
     engine.load_weights(new_model.state_dict().items())
-    assert _max_logprob_error(new_model, engine.generate(PROMPTS, 1, sampling)) < 1e-4
+    assert max_logprob_error(new_model, engine.generate(PROMPTS, 1, sampling)) < 1e-4
 
     engine.sleep()  # a no-op on CPU, but the state is tracked
     with pytest.raises(RuntimeError, match="asleep"):
@@ -173,7 +161,7 @@ def test_external_launcher_two_processes(model_dirs, tmp_path):
     for key, path in (("before", first), ("after", second)):
         samples = iter(ranks[0][key])
         groups = [CompletionGroup(p, [Completion(*next(samples), "stop") for _ in range(2)]) for p in PROMPTS]
-        assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(path), groups) < 1e-4
+        assert max_logprob_error(AutoModelForCausalLM.from_pretrained(path), groups) < 1e-4
 
 
 SENDER_SCRIPT = textwrap.dedent("""
@@ -211,7 +199,7 @@ def test_weight_sync_extension_receives_versions_inside_vllm(model_dirs, tmp_pat
     first, second = model_dirs
     engine = VLLMRolloutEngine(first, weight_sync=True, **ENGINE_KWARGS)
     sampling = SamplingParams(max_new_tokens=8, seed=0)
-    assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(first), engine.generate(PROMPTS, 2, sampling)) \
+    assert max_logprob_error(AutoModelForCausalLM.from_pretrained(first), engine.generate(PROMPTS, 2, sampling)) \
         < 1e-4
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=120))
@@ -227,7 +215,7 @@ def test_weight_sync_extension_receives_versions_inside_vllm(model_dirs, tmp_pat
             engine.load_received(2)
         model_b = AutoModelForCausalLM.from_pretrained(second)
         assert engine.load_received(1) == len(model_b.state_dict())
-        assert _max_logprob_error(model_b, engine.generate(PROMPTS, 3, sampling)) < 1e-4
+        assert max_logprob_error(model_b, engine.generate(PROMPTS, 3, sampling)) < 1e-4
         assert engine.weights_arrived() == [1]
 
         store.set("send-again", "1")
@@ -252,7 +240,7 @@ def test_tied_embeddings_without_lm_head_in_the_stream(tmp_path):
     engine = VLLMRolloutEngine(first, **ENGINE_KWARGS)
     exported = [(name, t) for name, t in new_model.state_dict().items() if name != "lm_head.weight"]
     assert engine.load_weights(exported) == len(exported)
-    assert _max_logprob_error(new_model, engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=8, seed=0))) \
+    assert max_logprob_error(new_model, engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=8, seed=0))) \
         < 1e-4
 
 
@@ -306,13 +294,13 @@ def test_lora_adapters_are_served_and_swapped_by_version(model_dirs):
     assert not engine.needs_base
     first_request = engine._lora_request
     got = engine.generate(PROMPTS, 3, sampling)
-    assert _max_logprob_error(_with_adapters(second, v1), got) < 1e-4
-    assert _max_logprob_error(base, got) > 1e-2  # the adapter is served (negative case)
+    assert max_logprob_error(_with_adapters(second, v1), got) < 1e-4
+    assert max_logprob_error(base, got) > 1e-2  # the adapter is served (negative case)
 
     assert engine.load_weights(v2.items()) == len(v2)  # adapters only: the base stays
     assert engine.llm.llm_engine.list_loras() == {engine._lora_request.lora_int_id} != {first_request.lora_int_id}
     assert not Path(first_request.lora_path).exists()
-    assert _max_logprob_error(_with_adapters(second, v2), engine.generate(PROMPTS, 3, sampling)) < 1e-4
+    assert max_logprob_error(_with_adapters(second, v2), engine.generate(PROMPTS, 3, sampling)) < 1e-4
 
     plain = VLLMRolloutEngine(first, **ENGINE_KWARGS)
     with pytest.raises(ValueError, match="engine built without lora"):

@@ -23,6 +23,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 vllm = pytest.importorskip("vllm", reason="vllm is not importable")
 
 import torch  # noqa: E402
+from _sampling_reference import max_logprob_error  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
@@ -62,18 +63,6 @@ def _model(name: str, seed: int):
     return model
 
 
-def _max_logprob_error(model, groups) -> float:
-    worst = 0.0
-    for group in groups:
-        for c in group.completions:
-            ids = torch.tensor([group.prompt_token_ids + c.token_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(group.prompt_token_ids) - 1:-1]
-            ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
-            worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
-    return worst
-
-
 def _engine(name, tmp_path):
     from megatron_dppo.rollout.vllm_engine import VLLMRolloutEngine
 
@@ -110,7 +99,7 @@ def test_vllm_serves_the_checkpoint(name, tmp_path):
 
     engine, first, _ = _engine(name, tmp_path)
     groups = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=8, seed=0))
-    assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(first), groups) < 1e-4
+    assert max_logprob_error(AutoModelForCausalLM.from_pretrained(first), groups) < 1e-4
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -122,4 +111,4 @@ def test_vllm_takes_the_pushed_weights(name, tmp_path):
     assert name == "qwen3_moe" or any(n.endswith("mlp.gate.e_score_correction_bias") for n, _ in stream)
     assert engine.load_weights(iter(stream)) == len(stream)
     groups = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=8, seed=0))
-    assert _max_logprob_error(AutoModelForCausalLM.from_pretrained(second), groups) < 1e-4
+    assert max_logprob_error(AutoModelForCausalLM.from_pretrained(second), groups) < 1e-4

@@ -20,10 +20,11 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 vllm = pytest.importorskip("vllm", reason="vllm is not importable")
 
 import torch  # noqa: E402
+from _sampling_reference import max_logprob_error  # noqa: E402
+from test_vllm_cpu import ENGINE_KWARGS  # noqa: E402
 from transformers import AutoModelForCausalLM, MistralConfig, Phi3Config  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [12, 13, 14, 15, 16, 17]]
-ENGINE_KWARGS = dict(dtype="float32", load_format="auto", enforce_eager=True, max_model_len=64, max_num_seqs=16)
 WINDOW = 4
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,18 +42,6 @@ def _tiny_model(seed, window=WINDOW, family="mistral"):
     return model
 
 
-def _max_logprob_error(model, groups):
-    worst = 0.0
-    for group in groups:
-        for c in group.completions:
-            ids = torch.tensor([group.prompt_token_ids + c.token_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(group.prompt_token_ids) - 1: -1]
-            ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
-            worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
-    return worst
-
-
 @pytest.mark.parametrize("family", ["mistral", "phi3"])
 def test_window_family_served_and_megatron_push_accepted(tmp_path, family):
     from megatron_dppo.rollout import SamplingParams
@@ -63,16 +52,16 @@ def test_window_family_served_and_megatron_push_accepted(tmp_path, family):
     engine = VLLMRolloutEngine(tmp_path / "first", **ENGINE_KWARGS)
     sampling = SamplingParams(max_new_tokens=8, seed=0)
     groups = engine.generate(PROMPTS, 2, sampling)
-    assert _max_logprob_error(first, groups) < 1e-4
+    assert max_logprob_error(first, groups) < 1e-4
     no_window = _tiny_model(0, window=None, family=family)
     no_window.load_state_dict(first.state_dict())
-    assert _max_logprob_error(no_window, groups) > 1e-3  # control: the window matters on these lengths
+    assert max_logprob_error(no_window, groups) > 1e-3  # control: the window matters on these lengths
 
     second = _tiny_model(1, family=family)
     second.save_pretrained(tmp_path / "second")
     stream = _megatron_export_stream(tmp_path / "second", tmp_path / "stream.safetensors")
     assert engine.load_weights(stream) == len(stream)
-    assert _max_logprob_error(second, engine.generate(PROMPTS, 2, sampling)) < 1e-4
+    assert max_logprob_error(second, engine.generate(PROMPTS, 2, sampling)) < 1e-4
 
 
 EXPORT = textwrap.dedent("""
