@@ -32,6 +32,15 @@ OPTIONS = ["rollout.placement=separate", f"train.max_staleness={K}", "rollout.ov
            f"train.prompts_per_step={N}", "algo.pruner=dppo", "algo.r_q=0.5", "algo.r_o=0"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models and many small generate calls: one intra-op thread is faster (and robust on shared cores)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     task = ArithmeticTask(min_terms=2, max_terms=2, max_operand=9, operators="+-", seed=1234)
@@ -182,7 +191,7 @@ def test_a_plain_sampler_refuses_a_state_with_pending_prompts(tokenizer):
     from megatron_dppo.data import PromptSampler
 
     side = worker_side(tokenizer)
-    draw_steps(side, [policy(0, tokenizer.eos_token_id)] * 2, 2)
+    draw_steps(side, [policy(0, tokenizer.eos_token_id)], 1)
     state = side.sampler.state_dict()
     assert state["pending"]
     with pytest.raises(ValueError, match="resume with rollout.overprovision > 0"):
