@@ -162,6 +162,11 @@ def continue_rows(engine, groups: list[list[PartialRow]], sampling: SamplingPara
         return engine.generate(prompts, count, dataclasses.replace(sampling, max_new_tokens=min(chunk_tokens,
                                                                                                 remaining), seed=seed))
 
+    def extend(row: PartialRow, completion: Completion) -> None:
+        row.extend(completion, version, budget)
+        if not completion.token_ids and row.finish is None:  # no progress possible (the engine's context is full)
+            row.finish = "length"
+
     while any(r.finish is None for g in groups for r in g) and not enough():
         if source is not None and taken < max_interruptions and source.newer():
             version = source.load_newer()
@@ -176,7 +181,7 @@ def continue_rows(engine, groups: list[list[PartialRow]], sampling: SamplingPara
             out = call([list(g[0].prompt_ids) for g in same], size, budget)
             for g, produced in zip(same, out):
                 for r, c in zip(g, produced.completions):
-                    r.extend(c, version, budget)
+                    extend(r, c)
         by_length: dict[int, list[PartialRow]] = {}
         started = {id(g) for g in fresh}
         for g in groups:
@@ -186,9 +191,7 @@ def continue_rows(engine, groups: list[list[PartialRow]], sampling: SamplingPara
         for done, rows in sorted(by_length.items()):
             out = call([r.prompt_ids + r.tokens for r in rows], 1, budget - done)
             for r, produced in zip(rows, out):
-                r.extend(produced.completions[0], version, budget)
-                if not produced.completions[0].token_ids and r.finish is None:  # no progress possible (context)
-                    r.finish = "length"
+                extend(r, produced.completions[0])
     return version, taken
 
 
