@@ -1,14 +1,14 @@
-"""The learning-rate schedule of the policy's optimizer (the optim section, ``config/sections.py``): warmup, then
-constant or cosine. Pure math: the engine applies it every update, and the RL loop reads it to restart the schedule
-at the first RL step."""
+"""The learning-rate schedule of the policy's optimizer (the optim section, ``config/sections.OptimConfig``):
+warmup, then constant or cosine. Pure math: the engine applies it every update, and the RL loop reads it to restart
+the schedule at the first RL step. ``cfg`` is the optim section, read for ``scheduler`` and ``warmup_steps`` only
+(the algo layer imports no other package)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from megatron_dppo.config.sections import OptimConfig
 
-
-def lr_at_step(cfg: OptimConfig, step: int, max_lr: float, min_lr: float, total_steps: int | None = None) -> float:
+def lr_at_step(cfg: Any, step: int, max_lr: float, min_lr: float, total_steps: int | None = None) -> float:
     """The learning rate of update number ``step`` (0-based) for a group with ``max_lr``/``min_lr`` under
     ``cfg``'s schedule (the optim section, config/sections.py); ``total_steps``: the cosine's horizon.
 
@@ -30,7 +30,7 @@ def lr_at_step(cfg: OptimConfig, step: int, max_lr: float, min_lr: float, total_
     return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def check_schedule(cfg: OptimConfig, total_steps: int | None) -> None:
+def check_schedule(cfg: Any, total_steps: int | None) -> None:
     if cfg.scheduler == "cosine" and (total_steps is None or total_steps <= cfg.warmup_steps):
         raise ValueError(f"optim.scheduler='cosine' needs total_steps > warmup_steps={cfg.warmup_steps}, "
                          f"got total_steps={total_steps}")

@@ -288,7 +288,8 @@ def test_schedule_is_applied_to_the_optimizer(world):
 
 
 def test_lr_schedule_warmup_constant_cosine():
-    from megatron_dppo.algo.lr_schedule import OptimConfig, lr_at_step
+    from megatron_dppo.algo.lr_schedule import lr_at_step
+    from megatron_dppo.config.sections import OptimConfig
 
     warm = OptimConfig(lr=1.0, warmup_steps=4)
     assert [lr_at_step(warm, s, 1.0, 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
