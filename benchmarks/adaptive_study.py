@@ -5,6 +5,11 @@ preregistered study of issue 45 (docs/benchmarks.md, "Adaptive group sizes").
     python benchmarks/adaptive_study.py --extra model.gguf_cache=<folder>   # the runs (resumable)
     python benchmarks/adaptive_study.py --report --out docs/benchmarks/adaptive_study.json
 
+The study takes longer than one sitting of the machine it was run on, whose disk did not outlast a sitting: its
+finished runs are kept in ``docs/benchmarks/adaptive_study_runs/`` (each run's metrics, gzipped; committed) and
+restored from there by the next start and by ``--report`` (``study_runner.archive_finished``); a run stopped
+before its budget starts again from step 0 in the next sitting (same seed, same protocol).
+
 Model and task as section 14 (``examples/smollm2_list_max_cpu.yaml``: SmolLM2-135M-Instruct, list_max with a
 held-out test split), in the dtype the protocol's ``model_dtype`` names. Arms, nothing tuned per arm after the
 preregistration (the allocation's options were fixed from the offline measurement, ``adaptive_fidelity.py``):
@@ -146,7 +151,8 @@ def analyse(work: Path, protocol: dict) -> dict:
 
 def main(argv=None) -> int:
     args = SR.study_arguments(__doc__, REPO / "runs" / "adaptive_study",
-                              REPO / "docs" / "benchmarks" / "adaptive_prereg.json").parse_args(argv)
+                              REPO / "docs" / "benchmarks" / "adaptive_prereg.json",
+                              REPO / "docs" / "benchmarks" / "adaptive_study_runs").parse_args(argv)
 
     def report(protocol: dict, out: Path) -> None:
         rep = analyse(args.work, protocol)

@@ -24,10 +24,17 @@ most the steps since each job's last checkpoint (``checkpoint.every``).
 The state file (``state``) records per job its status and each process segment: start, end, exit code, wall and
 CPU seconds (``wait4`` user + system of the trainer process and its children), so the cost of a study split over
 several sittings adds up.
+
+A study longer than one sitting on a machine whose disk does not last (a fresh checkout each time) keeps its
+finished runs in the repository: ``archive_finished`` writes each finished run's metrics (gzipped JSON lines, the
+whole record, nothing dropped) and its state entry into an archive folder, and ``restore_archived`` writes them
+back into an empty output folder, where the job then counts as finished by the same rule and a report reads it as
+if it had run there. Unfinished runs are not archived (their checkpoints are far too large): they start again.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -238,6 +245,54 @@ def run_jobs(jobs: list[Job], parallel: int = 1, state: Optional[Path] = None, p
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Finished runs kept in the repository (module docstring)
+# ----------------------------------------------------------------------------------------------------------
+def _archived_metrics(archive: Path, job: Job) -> Path:
+    return archive / f"{job.name}.metrics.jsonl.gz"
+
+
+def archive_finished(jobs: list[Job], archive: Path, state: Optional[Path] = None) -> list[str]:
+    """Write every finished job's ``metrics.jsonl`` to ``<archive>/<name>.metrics.jsonl.gz`` (byte-identical once
+    unzipped; the gzip carries no time stamp, so an unchanged run leaves an unchanged file) and its entry of the
+    ``state`` file to ``<archive>/study_state.json``; returns the names of the jobs archived."""
+    done = [job for job in jobs if job.finished()]
+    if not done:
+        return []
+    archive.mkdir(parents=True, exist_ok=True)
+    for job in done:
+        data = gzip.compress((job.output_dir / "metrics.jsonl").read_bytes(), mtime=0)
+        target = _archived_metrics(archive, job)
+        if not target.is_file() or target.read_bytes() != data:
+            target.write_bytes(data)
+    if state is not None and state.is_file():
+        kept = StudyState(archive / "study_state.json")
+        entries = json.loads(state.read_text())["jobs"]
+        for job in done:
+            if job.name in entries:
+                kept.data["jobs"][job.name] = entries[job.name]
+        kept._write()
+    return [job.name for job in done]
+
+
+def restore_archived(jobs: list[Job], archive: Path) -> list[str]:
+    """Write the archived metrics back into each job's output folder that has none; returns the names restored.
+    An archived run is a finished one: a restored job that does not count as finished (the study's rule changed
+    since it was archived) is an error, not a run to continue from a checkpoint it does not have."""
+    restored = []
+    for job in jobs:
+        source = _archived_metrics(archive, job)
+        if not source.is_file() or (job.output_dir / "metrics.jsonl").is_file():
+            continue
+        job.output_dir.mkdir(parents=True, exist_ok=True)
+        (job.output_dir / "metrics.jsonl").write_bytes(gzip.decompress(source.read_bytes()))
+        if not job.finished():
+            raise SystemExit(f"{source} does not hold a finished run of {job.name} under this study's rule; "
+                             f"remove it (and {job.output_dir}) to run the job again")
+        restored.append(job.name)
+    return restored
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Preregistered studies: the protocol is written to a file and committed before any run
 # ----------------------------------------------------------------------------------------------------------
 def write_prereg(path: Path, protocol: dict) -> None:
@@ -256,21 +311,34 @@ def read_prereg(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def run_preregistered(protocol: dict, script_protocol: dict, jobs: list[Job], work: Path) -> int:
+def run_preregistered(protocol: dict, script_protocol: dict, jobs: list[Job], work: Path,
+                      archive: Optional[Path] = None) -> int:
     """Run ``jobs`` (resumable, ``protocol["parallel"]`` at a time) if the committed ``protocol`` is the script's;
-    returns the exit status (1 if a job failed)."""
+    returns the exit status (1 if a job failed). With an ``archive``, the runs archived there are restored first
+    and every finished run is archived when the runner ends, stopped or not."""
     if protocol != script_protocol:
         sys.exit("the committed protocol differs from this script's PROTOCOL: the protocol is fixed before the runs")
-    failed = run_jobs(jobs, parallel=protocol["parallel"], state=work / "study_state.json")
+    state = work / "study_state.json"
+    if archive is not None:
+        restored = restore_archived(jobs, archive)
+        if restored:
+            print(f"restored from {archive}: {', '.join(restored)}")
+    try:
+        failed = run_jobs(jobs, parallel=protocol["parallel"], state=state)
+    finally:
+        if archive is not None:
+            kept = archive_finished(jobs, archive, state)
+            print(f"archived in {archive}: {len(kept)} finished runs (commit them)")
     for name, why in failed:
         print(f"FAILED {name}: {why}")
     return 1 if failed else 0
 
 
-def study_arguments(doc: str, work: Path, prereg: Path) -> argparse.ArgumentParser:
+def study_arguments(doc: str, work: Path, prereg: Path, archive: Optional[Path] = None) -> argparse.ArgumentParser:
     """The options of every preregistered study script: ``--work`` (its runs), ``--prereg`` (the committed
     protocol), ``--write-prereg``, ``--report`` (``--out``: where the report goes), ``--extra`` (overrides for every
-    run that leave the protocol unchanged). A script adds its own before parsing."""
+    run that leave the protocol unchanged), ``--archive`` (default ``archive``) and ``--archive-only``. A script adds
+    its own before parsing."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=work)
     ap.add_argument("--prereg", type=Path, default=prereg)
@@ -279,6 +347,11 @@ def study_arguments(doc: str, work: Path, prereg: Path) -> argparse.ArgumentPars
     ap.add_argument("--out", type=Path, default=None, help="--report: the JSON (default <work>/report.json)")
     ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run that do not change the "
                                                             "protocol (e.g. model.gguf_cache=<folder>)")
+    ap.add_argument("--archive", type=Path, default=archive,
+                    help="folder in the repository that keeps the finished runs across sittings (restored into "
+                         "--work before the runs and before --report, written when the runner ends)")
+    ap.add_argument("--archive-only", action="store_true",
+                    help="archive the finished runs of --work into --archive and exit (nothing runs)")
     return ap
 
 
@@ -290,7 +363,16 @@ def run_study(args: argparse.Namespace, script_protocol: dict, make_jobs: Callab
         write_prereg(args.prereg, script_protocol)
         return 0
     protocol = read_prereg(args.prereg)
+    jobs = make_jobs(args.work, protocol, args.extra)
+    if args.archive_only:
+        if args.archive is None:
+            sys.exit("--archive-only needs --archive <folder>")
+        print(f"archived in {args.archive}: "
+              f"{', '.join(archive_finished(jobs, args.archive, args.work / 'study_state.json')) or 'nothing'}")
+        return 0
     if args.report:
+        if args.archive is not None:
+            restore_archived(jobs, args.archive)
         report(protocol, args.out or args.work / "report.json")
         return 0
-    return run_preregistered(protocol, script_protocol, make_jobs(args.work, protocol, args.extra), args.work)
+    return run_preregistered(protocol, script_protocol, jobs, args.work, args.archive)

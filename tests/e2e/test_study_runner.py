@@ -106,3 +106,39 @@ def test_a_stopped_study_resumes_each_run_from_its_checkpoint(tmp_path):
     # 3. a third start has nothing to do
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "starting" not in proc.stdout and "resuming" not in proc.stdout
+
+
+def test_finished_runs_survive_a_fresh_checkout_through_the_archive(tmp_path):
+    """A finished run's metrics go into the archive byte for byte; restored into an empty folder the job counts as
+    finished again (so a new sitting skips it and the report reads it); unfinished runs are not archived; an
+    archive that no longer holds a finished run under the study's rule is refused."""
+    work, archive = tmp_path / "work", tmp_path / "archive"
+
+    def job(name):
+        return SR.Job(name, tmp_path / "unused.yaml", [], work / name, done=SR.cpu_budget_reached(5.0))
+
+    for name, recs in {"done_s1": _records([2, 2, 2], [0, 2]), "half_s1": _records([2], [0])}.items():
+        (work / name).mkdir(parents=True)
+        (work / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (work / "state.json").write_text(json.dumps({"jobs": {"done_s1": {"status": "finished", "segments": [],
+                                                                      "cpu_s_total": 7.5}}}))
+    jobs = [job("done_s1"), job("half_s1")]
+    assert SR.archive_finished(jobs, archive, work / "state.json") == ["done_s1"]
+    first = (archive / "done_s1.metrics.jsonl.gz").read_bytes()
+    assert not (archive / "half_s1.metrics.jsonl.gz").exists()
+    assert json.loads((archive / "study_state.json").read_text())["jobs"]["done_s1"]["cpu_s_total"] == 7.5
+    SR.archive_finished(jobs, archive)
+    assert (archive / "done_s1.metrics.jsonl.gz").read_bytes() == first  # no time stamp: unchanged file
+
+    fresh = tmp_path / "fresh"
+    jobs = [SR.Job(j.name, j.config, [], fresh / j.name, done=j.done) for j in jobs]
+    assert [j.finished() for j in jobs] == [False, False]
+    assert SR.restore_archived(jobs, archive) == ["done_s1"]
+    assert [j.finished() for j in jobs] == [True, False]
+    assert (fresh / "done_s1" / "metrics.jsonl").read_bytes() == (work / "done_s1" / "metrics.jsonl").read_bytes()
+    assert SR.restore_archived(jobs, archive) == []  # a folder with metrics is never overwritten
+
+    stricter = [SR.Job("done_s1", tmp_path / "unused.yaml", [], tmp_path / "other" / "done_s1",
+                       done=SR.cpu_budget_reached(50.0))]
+    with pytest.raises(SystemExit, match="does not hold a finished run"):
+        SR.restore_archived(stricter, archive)
