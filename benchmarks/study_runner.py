@@ -373,6 +373,10 @@ def run_study(args: argparse.Namespace, script_protocol: dict, make_jobs: Callab
     if args.report:
         if args.archive is not None:
             restore_archived(jobs, args.archive)
+        unfinished = [job.name for job in jobs if not job.finished()]
+        if unfinished:
+            sys.exit(f"{len(unfinished)} of {len(jobs)} runs are not finished ({', '.join(unfinished)}): the "
+                     "preregistered analysis reads every run; run the study to its end first")
         report(protocol, args.out or args.work / "report.json")
         return 0
     return run_preregistered(protocol, script_protocol, jobs, args.work, args.archive)

@@ -30,3 +30,46 @@ def test_the_dtype_field_adds_an_override_only_off_its_default():
     bf16 = {**A.PROTOCOL, "model_dtype": "bfloat16"}
     assert "model.dtype=bfloat16" in A.arm_overrides(bf16, "filter", 1)
     assert len(A.jobs(A.REPO / "runs" / "x", A.PROTOCOL, [])) == len(A.PROTOCOL["seeds"]) * len(A.PROTOCOL["arms"])
+
+
+def _write_run(path, step_cpu, evals, generated=64.0):
+    path.mkdir(parents=True)
+    recs = [{"step": s, "phase": "rl", "time/step_cpu": c, "tokens/generated": generated,
+             "tokens/trained_completion": generated / 2, "tokens/trained_sequences": 8.0}
+            for s, c in enumerate(step_cpu)]
+    recs += [{"step": s, "phase": "eval", A.EVAL_KEY: v} for s, v in evals.items()]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_the_report_reads_the_budget_endpoint_and_holm_names_a_planted_winner(tmp_path):
+    """Synthetic runs: 4 steps of 3 CPU s against a budget of 10 s, evaluations before RL, after step 1 and after
+    step 3 (the step that crosses the budget). The allocation arm is planted 0.1 above the filter on every seed
+    (with seed noise), completion-level DPPO equal to it, GRPO 0.05 below with noise: Holm must call the first a
+    win and leave the second undecided; time to the level is read off the linear curve."""
+    protocol = dict(A.PROTOCOL, budget_s=10.0, eval_every_cpu_s=5.0, level=0.3)
+    noise = {1: 0.0, 2: 0.01, 3: -0.01, 4: 0.02, 5: -0.02}
+    shift = {"filter": 0.0, "filter_rloo": 0.0, "completion_dppo_filter": 0.0, "allocation_filter": 0.1,
+             "grpo": -0.05}
+    for arm in protocol["arms"]:
+        for seed in protocol["seeds"]:
+            jitter = noise[seed] if arm in ("allocation_filter", "grpo") else 0.0
+            final = 0.35 + shift[arm] + jitter
+            _write_run(tmp_path / f"{arm}_s{seed}", [3, 3, 3, 3], {-1: 0.1, 1: 0.2, 3: final})
+    run = A.summarize_run(tmp_path / "filter_s1", protocol)
+    assert (run["base"], run["final"], run["final_cpu_s"], run["steps"]) == (0.1, 0.35, 12.0, 4)
+    assert run["time_to_level"] == pytest.approx(6.0 + 6.0 * (0.3 - 0.2) / (0.35 - 0.2)) and not run["censored"]
+    assert run["generated_tokens_per_step"] == 64.0
+    rep = A.analyse(tmp_path, protocol)
+    assert rep["tests"]["allocation_filter-filter"]["mean"] == pytest.approx(0.1)
+    assert rep["tests"]["allocation_filter-filter"]["verdict"] == "wins"
+    assert rep["tests"]["completion_dppo_filter-filter"]["verdict"] == "no difference shown"
+    assert rep["tests"]["grpo-filter"]["p_holm"] >= rep["tests"]["grpo-filter"]["p"]
+    assert rep["tests"]["allocation_filter-filter"]["time_to_level_ratio"]["geo_mean"] < 1.0  # reaches 0.3 sooner
+    assert "p_holm" not in rep["tests"]["filter_rloo-filter"]  # secondary: unadjusted
+
+
+def test_the_report_refuses_while_runs_are_unfinished(tmp_path, capsys):
+    args = A.SR.study_arguments(A.__doc__, tmp_path / "work", A.REPO / "docs" / "benchmarks" / "adaptive_prereg.json",
+                                tmp_path / "archive").parse_args(["--report"])
+    with pytest.raises(SystemExit, match="25 of 25 runs are not finished"):
+        A.SR.run_study(args, A.PROTOCOL, A.jobs, lambda protocol, out: None)
