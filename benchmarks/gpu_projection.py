@@ -112,15 +112,18 @@ def from_study(path: Path) -> dict:
 
 def markdown(rep: dict) -> str:
     ref = rep["reference"]
-    lines = [f"MODEL (not measured on a GPU): {rep['label']}", "",
+    lines = [f"MODEL (not measured on a GPU): {rep['label']}" + (
+                 "; a censored run never reached the level and counts at its budget (a lower bound)"
+                 if any(a.get("censored_runs") for a in rep["arms"].values()) else ""), "",
              f"| arm | CPU: steps to {rep['level']} | CPU s / step | CPU s to level (x {ref}) | generated / trained "
              f"(x GRPO) | " + " | ".join(f"GPU s={s}: h to level (x {ref})" for s in SHARES) + " |",
              "|---|---:|---:|---|---|" + "---|" * len(SHARES)]
     for name in rep["arms"]:
         rs = [r for r in rep["rows"] if r["arm"] == name]
         a = rs[0]
-        lines.append(f"| {name} | {a['steps_to_level']:.1f} | {a['cpu_per_step']:.1f} | {a['cpu_s_to_level']:.0f} "
-                     f"({a['cpu_ratio_to_' + ref]:.2f}) | {a['g']:.2f} / {a['t']:.2f} | "
+        censored = f" ({a['censored_runs']} censored)" if a.get("censored_runs") else ""
+        lines.append(f"| {name} | {a['steps_to_level']:.1f}{censored} | {a['cpu_per_step']:.1f} | "
+                     f"{a['cpu_s_to_level']:.0f} ({a['cpu_ratio_to_' + ref]:.2f}) | {a['g']:.2f} / {a['t']:.2f} | "
                      + " | ".join(f"{r['gpu_h_to_level']:.2f} ({r['gpu_ratio_to_' + ref]:.2f})" for r in rs) + " |")
     return "\n".join(lines)
 

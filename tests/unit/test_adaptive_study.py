@@ -32,10 +32,10 @@ def test_the_dtype_field_adds_an_override_only_off_its_default():
     assert len(A.jobs(A.REPO / "runs" / "x", A.PROTOCOL, [])) == len(A.PROTOCOL["seeds"]) * len(A.PROTOCOL["arms"])
 
 
-def _write_run(path, step_cpu, evals, generated=64.0):
+def _write_run(path, step_cpu, evals, generated=64.0, trained=32.0):
     path.mkdir(parents=True)
     recs = [{"step": s, "phase": "rl", "time/step_cpu": c, "tokens/generated": generated,
-             "tokens/trained_completion": generated / 2, "tokens/trained_sequences": 8.0}
+             "tokens/trained_completion": trained, "tokens/trained_sequences": 8.0}
             for s, c in enumerate(step_cpu)]
     recs += [{"step": s, "phase": "eval", A.EVAL_KEY: v} for s, v in evals.items()]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -73,3 +73,29 @@ def test_the_report_refuses_while_runs_are_unfinished(tmp_path, capsys):
                                 tmp_path / "archive").parse_args(["--report"])
     with pytest.raises(SystemExit, match="25 of 25 runs are not finished"):
         A.SR.run_study(args, A.PROTOCOL, A.jobs, lambda protocol, out: None)
+
+
+def test_the_gpu_projection_reads_the_report(tmp_path):
+    """gpu_projection.py --study on a report of synthetic runs: an arm that generates half of GRPO's tokens and
+    trains as many, at the same steps to the level, is projected at (s/2 + 1 - s) of the filter's time for a
+    generation share s, while on the CPU it was at par; a censored arm is flagged in the table."""
+    from benchmarks import gpu_projection as G
+
+    protocol = dict(A.PROTOCOL, budget_s=10.0, eval_every_cpu_s=5.0, level=0.3)
+    for arm in protocol["arms"]:
+        for seed in protocol["seeds"]:
+            final = 0.25 if arm == "grpo" else 0.35  # GRPO never reaches 0.3: censored at its 12 CPU s
+            _write_run(tmp_path / "work" / f"{arm}_s{seed}", [3, 3, 3, 3], {-1: 0.1, 1: 0.2, 3: final},
+                       generated=32.0 if arm == "allocation_filter" else 64.0)
+    report = tmp_path / "report.json"
+    A.write_json(report, A.analyse(tmp_path / "work", protocol))
+    out = tmp_path / "projection.json"
+    assert G.main(["--study", str(report), "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    rows = {(r["arm"], r["generation_share"]): r for r in rep["rows"]}
+    for s in G.SHARES:
+        alloc = rows[("allocation_filter", s)]
+        assert alloc["g"] == pytest.approx(0.5) and alloc["cpu_ratio_to_filter"] == pytest.approx(1.0)
+        assert alloc["gpu_ratio_to_filter"] == pytest.approx(s / 2 + 1 - s)
+    assert rep["arms"]["grpo"]["censored_runs"] == 5
+    assert "(5 censored)" in G.markdown(rep)
