@@ -266,7 +266,7 @@ def archive_finished(jobs: list[Job], archive: Path, state: Optional[Path] = Non
             target.write_bytes(data)
     if state is not None and state.is_file():
         kept = StudyState(archive / "study_state.json")
-        entries = json.loads(state.read_text())["jobs"]
+        entries = StudyState(state).data["jobs"]
         for job in done:
             if job.name in entries:
                 kept.data["jobs"][job.name] = entries[job.name]

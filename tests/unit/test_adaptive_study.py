@@ -68,7 +68,7 @@ def test_the_report_reads_the_budget_endpoint_and_holm_names_a_planted_winner(tm
     assert "p_holm" not in rep["tests"]["filter_rloo-filter"]  # secondary: unadjusted
 
 
-def test_the_report_refuses_while_runs_are_unfinished(tmp_path, capsys):
+def test_the_report_refuses_while_runs_are_unfinished(tmp_path):
     args = A.SR.study_arguments(A.__doc__, tmp_path / "work", A.REPO / "docs" / "benchmarks" / "adaptive_prereg.json",
                                 tmp_path / "archive").parse_args(["--report"])
     with pytest.raises(SystemExit, match="25 of 25 runs are not finished"):
